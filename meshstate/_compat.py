@@ -1,0 +1,96 @@
+"""The private torch APIs meshstate touches, kept in one place.
+
+A torch upgrade that moves any of these is this file's work alone. Each
+function says which private name it relies on.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.distributed._mesh_layout import _MeshLayout
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def new_member_group(
+    ranks: list[int],
+    name: str,
+    *,
+    backend: str | None,
+    timeout: timedelta | None,
+    description: str,
+) -> dist.ProcessGroup:
+    """Create a process group that only its members call into.
+
+    ``new_group(use_local_synchronization=True)`` names a group after its ranks
+    and the number of groups the caller already has, so members that created
+    different numbers of groups before would never meet. Here the caller picks
+    the name (the same on every member), so only membership matters.
+    Relies on ``c10d._new_process_group_helper`` and ``c10d._world``.
+
+    ``ranks`` must be sorted and contain the caller.
+    """
+    world = c10d._world
+    world_group = default_group()
+    default_backend, default_store = world.pg_map[world_group]
+    resolved_backend = dist.Backend(backend or default_backend)
+    resolved_timeout = timeout or c10d._get_default_timeout(resolved_backend)
+    group, _ = c10d._new_process_group_helper(
+        len(ranks),
+        ranks.index(world_group.rank()),
+        ranks,
+        resolved_backend,
+        default_store,
+        c10d.GroupName(name),
+        timeout=resolved_timeout,
+        group_desc=description,
+    )
+    world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
+    return group
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default (world) process group. Uses ``c10d._get_default_group``."""
+    return c10d._get_default_group()
+
+
+def bound_device(group: dist.ProcessGroup) -> torch.device | None:
+    """The device a group was bound to at init (``device_id=``), if any."""
+    device: torch.device | None = getattr(group, "bound_device_id", None)
+    return device
+
+
+def is_registered(group: dist.ProcessGroup) -> bool:
+    """Whether torch still knows ``group`` (it was not destroyed). Uses ``c10d._world``."""
+    return group in c10d._world.pg_map
+
+
+def flatten_with_group(
+    root: DeviceMesh, axes: tuple[str, ...], name: str, group: dist.ProcessGroup
+) -> DeviceMesh:
+    """Flatten ``root[axes]`` into a 1-D mesh named ``name`` that uses ``group``.
+
+    Torch's ``DeviceMesh._flatten`` would create the flattened dimension's
+    groups for every rank of the world; this registers the one group the caller
+    already has instead, so ``root[name]`` and FSDP's same-root checks work as
+    after ``_flatten``. Relies on ``DeviceMesh._get_slice_mesh_layout``,
+    ``_layout``, ``_rank_map``, ``_flatten_rank_map``, ``_flatten_mapping``,
+    ``_pg_registry`` and ``_dim_group_names``.
+    """
+    flat_layout = _MeshLayout([root._get_slice_mesh_layout(axes).collapse()])
+    flattened = DeviceMesh(
+        root.device_type,
+        _layout=flat_layout,
+        _rank_map=root._rank_map,
+        mesh_dim_names=(name,),
+        _root_mesh=root,
+        _init_backend=False,
+    )
+    flattened._dim_group_names = [group.group_name]
+    root._pg_registry[group.group_name] = group
+    root._flatten_mapping[name] = flattened
+    return flattened
+

@@ -1,0 +1,208 @@
+"""Parse and validate a parallel configuration: world size, order string, sizes.
+
+Pure Python: nothing here touches ``torch.distributed``. Every check runs when a
+:class:`MeshConfig` is constructed, so a bad config fails before any process
+group exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshstate.errors import ConfigError
+
+ORDER_AXES = ("tp", "cp", "ep", "dp", "pp")
+"""Axis names an order string may contain (Megatron's tokens)."""
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+
+# Megatron's RankGenerator appends axes missing from the order in this order.
+_MISSING_AXIS_APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp")
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _order_tokens(order: object) -> tuple[str, ...]:
+    if not isinstance(order, str):
+        raise ConfigError(f"order must be a string such as {DEFAULT_ORDER!r}, got {order!r}")
+    tokens = [token.strip().lower() for token in order.split("-")]
+    for token in tokens:
+        if not token:
+            raise ConfigError(f"order {order!r} has an empty axis name")
+        if token not in ORDER_AXES:
+            raise ConfigError(
+                f"order {order!r} has unknown axis {token!r}; valid axes are {', '.join(ORDER_AXES)}"
+            )
+        if tokens.count(token) > 1:
+            raise ConfigError(f"order {order!r} names axis {token!r} twice")
+    return tuple(tokens)
+
+
+def parse_order(order: object) -> tuple[str, ...]:
+    """Split an order string into axis names, first (fastest-varying) first.
+
+    Axes the string leaves out are appended the way megatron-core does, so the
+    result always names all five axes.
+
+    Example: ``parse_order("tp-dp-pp") == ("tp", "dp", "pp", "ep", "cp")``.
+    """
+    tokens = _order_tokens(order)
+    return tokens + tuple(a for a in _MISSING_AXIS_APPEND_ORDER if a not in tokens)
+
+
+@dataclass(frozen=True, init=False)
+class MeshConfig:
+    """A validated parallel layout: world size, order and the size of every axis.
+
+    ``dp`` is inferred as ``world_size // (tp*cp*pp)`` and the expert data-parallel
+    size ``edp`` as ``world_size // (etp*ep*pp)``; ``etp`` defaults to ``tp``.
+    Compares and hashes by value.
+
+    Example::
+
+        >>> cfg = MeshConfig(16, tp=2, pp=2, ep=2, etp=1)
+        >>> cfg.dp, cfg.edp
+        (4, 4)
+        >>> MeshConfig(12, tp=2, pp=8)
+        Traceback (most recent call last):
+        ...
+        meshstate.errors.ConfigError: world size 12 is not divisible by tp*cp*pp = 2*1*8 = 16
+    """
+
+    world_size: int
+    order: str
+    tp: int
+    cp: int
+    ep: int
+    etp: int
+    pp: int
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        order: str = DEFAULT_ORDER,
+        tp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+        etp: int | None = None,
+        pp: int = 1,
+    ) -> None:
+        _check_positive_int("world size", world_size)
+        for name, value in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp)):
+            _check_positive_int(name, value)
+        etp = tp if etp is None else _check_positive_int("etp", etp)
+        object.__setattr__(self, "world_size", world_size)
+        object.__setattr__(self, "order", "-".join(_order_tokens(order)))
+        object.__setattr__(self, "tp", tp)
+        object.__setattr__(self, "cp", cp)
+        object.__setattr__(self, "ep", ep)
+        object.__setattr__(self, "etp", etp)
+        object.__setattr__(self, "pp", pp)
+        self._check_divisible()
+        self._check_axes_in_order()
+        self._check_pipeline_groups_agree()
+
+    @property
+    def order_axes(self) -> tuple[str, ...]:
+        """All five order axes, fastest first, missing ones appended Megatron-style."""
+        return parse_order(self.order)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size of the dense layers."""
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel size of the expert layers."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    def sizes(self) -> dict[str, int]:
+        """Every axis size by name: ``tp cp ep etp pp dp edp``."""
+        return {
+            "tp": self.tp,
+            "cp": self.cp,
+            "ep": self.ep,
+            "etp": self.etp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "edp": self.edp,
+        }
+
+    def dense_sizes(self) -> dict[str, int]:
+        """Size of each order axis in the dense view (``ep`` is 1 there)."""
+        return {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
+
+    def expert_sizes(self) -> dict[str, int]:
+        """Size of each order axis in the expert view (``tp`` is etp, ``dp`` is edp, ``cp`` is 1)."""
+        return {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp}
+
+    def _check_divisible(self) -> None:
+        for names, values in (
+            ("tp*cp*pp", (self.tp, self.cp, self.pp)),
+            ("etp*ep*pp", (self.etp, self.ep, self.pp)),
+        ):
+            product = math.prod(values)
+            if self.world_size % product:
+                factors = "*".join(map(str, values))
+                raise ConfigError(
+                    f"world size {self.world_size} is not divisible by "
+                    f"{names} = {factors} = {product}"
+                )
+
+    def _check_axes_in_order(self) -> None:
+        named = self.order.split("-")
+        needs = (
+            ("tp", "tp", self.tp, ""),
+            ("cp", "cp", self.cp, ""),
+            ("ep", "ep", self.ep, ""),
+            ("pp", "pp", self.pp, ""),
+            ("tp", "etp", self.etp, " (expert layers use the 'tp' slot)"),
+            (
+                "dp",
+                "dp",
+                self.dp,
+                f" (world size {self.world_size} / tp*cp*pp = {self.tp * self.cp * self.pp})",
+            ),
+            (
+                "dp",
+                "edp",
+                self.edp,
+                f" (world size {self.world_size} / etp*ep*pp = {self.etp * self.ep * self.pp}; "
+                "expert layers use the 'dp' slot)",
+            ),
+        )
+        for token, name, size, why in needs:
+            if size > 1 and token not in named:
+                raise ConfigError(
+                    f"{name}={size}{why} needs axis {token!r} in order {self.order!r}"
+                )
+
+    def _check_pipeline_groups_agree(self) -> None:
+        if self.pp == 1:
+            return
+        axes = self.order_axes
+        before_pp = axes[: axes.index("pp")]
+        if not self.order.endswith("pp") and self.dp != self.edp:
+            raise ConfigError(
+                f"order {self.order!r} does not end with 'pp', which needs equal dense and "
+                f"expert data-parallel sizes, but dp = {self.dp} and edp = {self.edp}"
+            )
+        dense_names = [{"tp": "tp", "cp": "cp", "dp": "dp"}[a] for a in before_pp if a != "ep"]
+        expert_names = [{"tp": "etp", "ep": "ep", "dp": "edp"}[a] for a in before_pp if a != "cp"]
+        sizes = self.sizes()
+        dense_span = math.prod(sizes[name] for name in dense_names)
+        expert_span = math.prod(sizes[name] for name in expert_names)
+        if dense_span != expert_span:
+            raise ConfigError(
+                f"order {self.order!r} gives different pipeline groups to dense and expert "
+                f"layers: ranks one stage apart differ by {'*'.join(dense_names) or '1'} = "
+                f"{dense_span} in dense layers but {'*'.join(expert_names) or '1'} = "
+                f"{expert_span} in expert layers; put 'pp' last"
+            )

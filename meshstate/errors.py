@@ -1,0 +1,33 @@
+"""The exceptions meshstate raises.
+
+Every error is a :class:`MeshStateError`. Each one also subclasses the builtin
+exception that code written for torch or megatron-core already catches, so
+``except ValueError`` around a bad config or ``except KeyError`` around an
+unknown mesh axis keeps working.
+"""
+
+from __future__ import annotations
+
+
+class MeshStateError(Exception):
+    """Base class of every meshstate error."""
+
+
+class ConfigError(MeshStateError, ValueError):
+    """A parallel configuration that cannot be built.
+
+    Raised before any process group exists; the message names the parameter
+    and the numbers, e.g. ``world size 12 is not divisible by tp*cp*pp =
+    2*1*8 = 16``.
+    """
+
+
+class AxisError(MeshStateError, KeyError):
+    """An axis or joint-group name that the mesh or layout does not have.
+
+    The message lists the valid names.
+    """
+
+    def __str__(self) -> str:
+        # KeyError would print the message repr-quoted; show it as written.
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,278 @@
+"""Pure rank arithmetic: which global ranks form the groups of an axis set.
+
+Nothing here touches ``torch.distributed``. A :class:`Grid` lays ranks out on
+named axes with the first axis fastest-varying, the convention of Megatron's
+order string; a :class:`ParallelLayout` holds the dense view (tp, cp, dp, pp)
+and the expert view (etp, ep, edp, pp) of one :class:`~meshstate.config.MeshConfig`.
+
+Groups, the order of ranks inside a group and the order of the groups equal
+megatron-core's ``RankGenerator``: inside a group the axis that comes first in
+the order string varies fastest, and groups are enumerated with the remaining
+axes, again first-in-order fastest.
+
+Example (8 ranks, tp=2, pp=2, so dp=2)::
+
+    >>> layout = ParallelLayout(MeshConfig(8, tp=2, pp=2))
+    >>> layout.groups("dp").tolist()
+    [[0, 2], [1, 3], [4, 6], [5, 7]]
+    >>> layout.group_of(5, "tp-dp")
+    (4, 5, 6, 7)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import einops
+import torch
+
+from meshstate.config import MeshConfig
+from meshstate.errors import AxisError, ConfigError
+
+DENSE_AXES = ("tp", "cp", "dp", "pp")
+EXPERT_AXES = ("etp", "ep", "edp", "pp")
+
+DENSE_KINDS = ("tp", "cp", "dp", "pp", "tp-cp", "dp-cp", "tp-dp", "tp-dp-cp", "tp-pp")
+"""Megatron's dense group kinds, in the order ``meshstate plan`` lists them."""
+EXPERT_KINDS = ("ep", "etp", "etp-ep", "etp-ep-pp", "edp")
+"""Megatron's expert group kinds, in the order ``meshstate plan`` lists them."""
+GROUP_KINDS = DENSE_KINDS + EXPERT_KINDS
+
+# How a joint key is spelled: "dp-cp" not "cp-dp", "etp-ep-pp" not "pp-ep-etp".
+_KEY_SPELLING_ORDER = ("tp", "etp", "dp", "cp", "ep", "edp", "pp")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Ranks ``rank_offset .. rank_offset + prod(sizes) - 1`` on named axes.
+
+    ``axes`` and ``sizes`` run fastest-varying first, as in an order string;
+    ``mesh_axes``/``mesh_shape`` give the same axes outer to inner, the order of
+    a ``DeviceMesh``'s dimensions.
+
+    Example::
+
+        >>> grid = Grid(("tp", "dp"), (2, 3))
+        >>> grid.coordinate(5)
+        {'tp': 1, 'dp': 2}
+        >>> grid.groups(["tp"]).tolist()
+        [[0, 1], [2, 3], [4, 5]]
+    """
+
+    axes: tuple[str, ...]
+    sizes: tuple[int, ...]
+    rank_offset: int = 0
+    _strides: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.axes) != len(self.sizes):
+            raise ConfigError(
+                f"grid has {len(self.axes)} axis names {self.axes} but "
+                f"{len(self.sizes)} sizes {self.sizes}"
+            )
+        if len(set(self.axes)) != len(self.axes):
+            raise ConfigError(f"grid axis names {self.axes} repeat a name")
+        for axis, size in zip(self.axes, self.sizes):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ConfigError(f"size of axis {axis!r} must be a positive integer, got {size!r}")
+        if isinstance(self.rank_offset, bool) or not isinstance(self.rank_offset, int):
+            raise ConfigError(f"rank_offset must be an integer, got {self.rank_offset!r}")
+        if self.rank_offset < 0:
+            raise ConfigError(f"rank_offset must be >= 0, got {self.rank_offset}")
+        strides = dict(zip(self.axes, _prefix_products(self.sizes)))
+        object.__setattr__(self, "_strides", strides)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks on the grid."""
+        return math.prod(self.sizes)
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """Axis names outer to inner (the order string reversed)."""
+        return self.axes[::-1]
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Axis sizes outer to inner."""
+        return self.sizes[::-1]
+
+    def size(self, axis: str) -> int:
+        """Size of one axis."""
+        return self.sizes[self.axes.index(self._known(axis))]
+
+    def stride(self, axis: str) -> int:
+        """How far apart two ranks one step along ``axis`` are."""
+        return self._strides[self._known(axis)]
+
+    def mesh_order(self, axes: Iterable[str]) -> tuple[str, ...]:
+        """The given axis set sorted outer to inner, e.g. ``("dp", "cp")``."""
+        wanted = {self._known(axis) for axis in axes}
+        if not wanted:
+            raise AxisError(f"an axis set needs at least one axis; valid axes are {self.axes}")
+        return tuple(axis for axis in self.mesh_axes if axis in wanted)
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """The position of ``rank`` on every axis."""
+        local = self._local(rank)
+        coordinate = {}
+        for axis, size in zip(self.axes, self.sizes):
+            local, coordinate[axis] = divmod(local, size)
+        return coordinate
+
+    def rank_grid(self) -> torch.Tensor:
+        """All ranks as an int tensor of ``mesh_shape``."""
+        return torch.arange(self.rank_offset, self.rank_offset + self.world_size).view(
+            self.mesh_shape
+        )
+
+    def groups(self, axes: Sequence[str]) -> torch.Tensor:
+        """Every group of ``axes``, one row each.
+
+        ``axes`` runs major to minor: the last one varies fastest inside a row.
+        Rows are enumerated over the other axes, outer to inner.
+
+        Example: ``Grid(("tp", "dp"), (2, 2)).groups(["dp", "tp"])`` is
+        ``[[0, 1, 2, 3]]``; ``.groups(["tp", "dp"])`` is ``[[0, 2, 1, 3]]``.
+        """
+        major_to_minor = self._distinct(axes)
+        letters = {axis: f"a{i}" for i, axis in enumerate(self.mesh_axes)}
+        others = [letters[a] for a in self.mesh_axes if a not in major_to_minor]
+        members = [letters[a] for a in major_to_minor]
+        pattern = (
+            f"{' '.join(letters.values())} -> ({' '.join(others)}) ({' '.join(members)})"
+        )
+        return einops.rearrange(self.rank_grid(), pattern).contiguous()
+
+    def group_of(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
+        """The group of ``axes`` (major to minor) that contains ``rank``."""
+        major_to_minor = self._distinct(axes)
+        coordinate = self.coordinate(rank)
+        base = rank - sum(coordinate[a] * self._strides[a] for a in major_to_minor)
+        members = [base]
+        for axis in major_to_minor:
+            stride = self._strides[axis]
+            steps = [step * stride for step in range(self.size(axis))]
+            members = [member + step for member in members for step in steps]
+        return tuple(members)
+
+    def index_in_group(self, rank: int, axes: Sequence[str]) -> int:
+        """Position of ``rank`` inside its group of ``axes`` (major to minor)."""
+        major_to_minor = self._distinct(axes)
+        coordinate = self.coordinate(rank)
+        index = 0
+        for axis in major_to_minor:
+            index = index * self.size(axis) + coordinate[axis]
+        return index
+
+    def _known(self, axis: str) -> str:
+        if axis not in self._strides:
+            raise AxisError(f"unknown axis {axis!r}; valid axes are {', '.join(self.axes)}")
+        return axis
+
+    def _distinct(self, axes: Sequence[str]) -> tuple[str, ...]:
+        if isinstance(axes, str):
+            axes = (axes,)
+        checked = tuple(self._known(axis) for axis in axes)
+        if not checked:
+            raise AxisError(f"an axis list needs at least one axis; valid axes are {self.axes}")
+        if len(set(checked)) != len(checked):
+            raise AxisError(f"axis list {checked} names an axis twice")
+        return checked
+
+    def _local(self, rank: int) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ConfigError(f"rank must be an integer, got {rank!r}")
+        local = rank - self.rank_offset
+        if not 0 <= local < self.world_size:
+            raise ConfigError(
+                f"rank {rank} is outside the grid's ranks "
+                f"{self.rank_offset}..{self.rank_offset + self.world_size - 1}"
+            )
+        return local
+
+
+def _prefix_products(sizes: Sequence[int]) -> list[int]:
+    products = [1]
+    for size in sizes[:-1]:
+        products.append(products[-1] * size)
+    return products
+
+
+def _dense_grid(config: MeshConfig) -> Grid:
+    sizes = config.dense_sizes()
+    axes = tuple(a for a in config.order_axes if a != "ep")
+    return Grid(axes, tuple(sizes[a] for a in axes))
+
+
+def _expert_grid(config: MeshConfig) -> Grid:
+    sizes = config.expert_sizes()
+    order_axes = tuple(a for a in config.order_axes if a != "cp")
+    names = {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp"}
+    return Grid(tuple(names[a] for a in order_axes), tuple(sizes[a] for a in order_axes))
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The dense and expert views of one config, and their groups by key.
+
+    A key names one axis (``"tp"``) or a joint group of several axes of one view
+    (``"dp-cp"``). A joint key is a set: ``"cp-dp"`` is the same group as
+    ``"dp-cp"``. Ranks inside a joint group run in mesh order, the axis first in
+    the order string fastest, exactly as megatron-core builds them.
+    """
+
+    config: MeshConfig
+    dense: Grid = field(init=False, repr=False)
+    expert: Grid = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dense", _dense_grid(self.config))
+        object.__setattr__(self, "expert", _expert_grid(self.config))
+
+    def resolve(self, key: str) -> tuple[str, Grid, tuple[str, ...]]:
+        """Canonical key, view and mesh-ordered axes of ``key``.
+
+        Example: ``resolve("cp-dp")`` gives ``("dp-cp", layout.dense, ("dp", "cp"))``
+        for the default order.
+        """
+        if not isinstance(key, str):
+            raise AxisError(f"a group key is a string such as 'tp' or 'dp-cp', got {key!r}")
+        names = key.split("-")
+        valid = ", ".join(DENSE_AXES + EXPERT_AXES[:-1])
+        unknown = [n for n in names if n not in DENSE_AXES and n not in EXPERT_AXES]
+        if unknown:
+            raise AxisError(f"unknown axis {unknown[0]!r} in key {key!r}; valid axes are {valid}")
+        if len(set(names)) != len(names):
+            raise AxisError(f"key {key!r} names an axis twice")
+        if all(n in DENSE_AXES for n in names):
+            grid = self.dense
+        elif all(n in EXPERT_AXES for n in names):
+            grid = self.expert
+        else:
+            raise AxisError(
+                f"key {key!r} mixes dense and expert axes; a joint group uses the dense axes "
+                f"{', '.join(DENSE_AXES)} or the expert axes {', '.join(EXPERT_AXES)}"
+            )
+        canonical = "-".join(n for n in _KEY_SPELLING_ORDER if n in names)
+        return canonical, grid, grid.mesh_order(names)
+
+    def canonical(self, key: str) -> str:
+        """``key`` spelled the one way meshstate uses, e.g. ``"cp-dp"`` -> ``"dp-cp"``."""
+        return self.resolve(key)[0]
+
+    def groups(self, key: str) -> torch.Tensor:
+        """Every group of ``key`` in megatron-core's order, one row each."""
+        _, grid, axes = self.resolve(key)
+        return grid.groups(axes)
+
+    def group_of(self, rank: int, key: str) -> tuple[int, ...]:
+        """The group of ``key`` that contains ``rank``."""
+        _, grid, axes = self.resolve(key)
+        return grid.group_of(rank, axes)
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """``rank``'s position on every dense and expert axis."""
+        return {**self.dense.coordinate(rank), **self.expert.coordinate(rank)}

@@ -1,0 +1,293 @@
+"""The mesh: one object holding a rank's process groups and named DeviceMeshes.
+
+``init_mesh`` validates the config, creates the groups this rank belongs to
+(see :mod:`meshstate.groups`) and assembles from them the dense ``DeviceMesh``
+(dims outer to inner: the order string reversed), the expert ``DeviceMesh`` and
+the flattened 1-D meshes of Megatron's joint groups. Creating groups takes every
+rank, so it all happens inside ``init_mesh``; slicing and flattening a mesh
+whose groups exist is local work, so those views are made on first request and
+cached.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshstate import _compat
+from meshstate.config import DEFAULT_ORDER, MeshConfig
+from meshstate.errors import AxisError, MeshStateError
+from meshstate.groups import GroupSpec, ProcessGroupSet, create_process_groups
+from meshstate.layout import DENSE_AXES, EXPERT_AXES, GROUP_KINDS, Grid, ParallelLayout
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """The calling rank's group of one kind: its global ranks, the caller's
+    position in it, and the process group.
+    """
+
+    key: str
+    ranks: tuple[int, ...]
+    rank: int
+    group: dist.ProcessGroup
+
+
+class ParallelMesh:
+    """A rank's view of a parallel layout: groups, ranks and DeviceMeshes by axis.
+
+    Build one with :func:`init_mesh`. Keys name one axis (``"tp"``) or a
+    Megatron joint group (``"dp-cp"``; a set, so ``"cp-dp"`` is the same).
+
+    Example, on rank 5 of 8 with ``init_mesh(tp=2, pp=2)`` (so dp=2)::
+
+        mesh.ranks("dp")        # (5, 7)
+        mesh.rank("tp-dp")      # 1
+        mesh["tp"]              # DeviceMesh([4, 5], mesh_dim_names=("tp",))
+        mesh["dp", "tp"]        # 2-D DeviceMesh [[4, 5], [6, 7]]
+        mesh.next_rank("pp")    # 1 (the ring wraps around)
+    """
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        process_groups: ProcessGroupSet,
+        *,
+        device_type: str,
+        owns_default_group: bool = False,
+    ) -> None:
+        self.config = layout.config
+        self.layout = layout
+        self.device_type = device_type
+        self.global_rank = dist.get_rank()
+        self.process_groups = process_groups
+        self._owns_default_group = owns_default_group
+        self._axis_groups = {
+            key: AxisGroup(
+                key=key,
+                ranks=(ranks := layout.group_of(self.global_rank, key)),
+                rank=ranks.index(self.global_rank),
+                group=process_groups.by_name[key],
+            )
+            for key in GROUP_KINDS
+        }
+        self.dense = self._root_mesh(layout.dense)
+        self.expert = self._root_mesh(layout.expert)
+        self._device_meshes: dict[tuple[str, ...], DeviceMesh] = {}
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every group key this mesh has, as ``meshstate plan`` lists them."""
+        return GROUP_KINDS
+
+    @property
+    def coordinate(self) -> dict[str, int]:
+        """The calling rank's position on every dense and expert axis."""
+        return self.layout.coordinate(self.global_rank)
+
+    def axis_group(self, key: str) -> AxisGroup:
+        """Everything the calling rank knows about its group of ``key``."""
+        found = self._axis_groups.get(key)
+        if found is not None:
+            return found
+        canonical = self.layout.canonical(key)
+        if canonical not in self._axis_groups:
+            raise AxisError(
+                f"mesh has no group {key!r}; valid keys are {', '.join(GROUP_KINDS)}"
+            )
+        return self._axis_groups[canonical]
+
+    def group(self, key: str) -> dist.ProcessGroup:
+        """The process group of ``key`` that the calling rank is in."""
+        return self.axis_group(key).group
+
+    def rank(self, key: str) -> int:
+        """The calling rank's position in its group of ``key``."""
+        return self.axis_group(key).rank
+
+    def size(self, key: str) -> int:
+        """Number of ranks in a group of ``key``."""
+        return len(self.axis_group(key).ranks)
+
+    def ranks(self, key: str) -> tuple[int, ...]:
+        """Global ranks of the calling rank's group of ``key``, in group order."""
+        return self.axis_group(key).ranks
+
+    def next_rank(self, key: str) -> int:
+        """Global rank after the caller in its group, wrapping around.
+
+        ``next_rank("pp")`` is the next pipeline stage; ``next_rank("cp")`` is
+        where a context-parallel ring sends.
+        """
+        found = self.axis_group(key)
+        return found.ranks[(found.rank + 1) % len(found.ranks)]
+
+    def prev_rank(self, key: str) -> int:
+        """Global rank before the caller in its group, wrapping around.
+
+        ``prev_rank("cp")`` is where a context-parallel ring receives from.
+        """
+        found = self.axis_group(key)
+        return found.ranks[(found.rank - 1) % len(found.ranks)]
+
+    def first_rank(self, key: str) -> int:
+        """Global rank of the first member of the caller's group."""
+        return self.axis_group(key).ranks[0]
+
+    def last_rank(self, key: str) -> int:
+        """Global rank of the last member of the caller's group."""
+        return self.axis_group(key).ranks[-1]
+
+    def is_first(self, key: str) -> bool:
+        """Whether the caller is first in its group (``is_first("pp")``: first stage)."""
+        return self.axis_group(key).rank == 0
+
+    def is_last(self, key: str) -> bool:
+        """Whether the caller is last in its group (``is_last("pp")``: last stage)."""
+        found = self.axis_group(key)
+        return found.rank == len(found.ranks) - 1
+
+    def __getitem__(self, key: str | tuple[str, ...]) -> DeviceMesh:
+        """A DeviceMesh by axis name, tuple of axis names, or joint key.
+
+        ``mesh["tp"]`` is 1-D, ``mesh["dp", "cp"]`` is 2-D in mesh order (for
+        FSDP2's HSDP), ``mesh["dp-cp"]`` is the flattened 1-D mesh of the joint
+        group. The same request returns the same object.
+        """
+        names = (key,) if isinstance(key, str) else tuple(key)
+        cached = self._device_meshes.get(names)
+        if cached is not None:
+            return cached
+        if len(names) == 1 and isinstance(names[0], str) and "-" in names[0]:
+            mesh = self._flattened(names[0])
+        else:
+            mesh = self._slice(names)
+        self._device_meshes[names] = mesh
+        return mesh
+
+    def destroy(self) -> None:
+        """Destroy the process groups this mesh created; safe to call twice."""
+        self.process_groups.destroy()
+        self._device_meshes.clear()
+        if self._owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_default_group = False
+
+    def __repr__(self) -> str:
+        sizes = " ".join(f"{name}={size}" for name, size in self.config.sizes().items())
+        return (
+            f"ParallelMesh(rank {self.global_rank} of {self.config.world_size}, "
+            f"order={self.config.order!r}, {sizes})"
+        )
+
+    def _root_mesh(self, grid: Grid) -> DeviceMesh:
+        return DeviceMesh.from_group(
+            [self._axis_groups[axis].group for axis in grid.mesh_axes],
+            self.device_type,
+            mesh=grid.rank_grid(),
+            mesh_dim_names=grid.mesh_axes,
+        )
+
+    def _flattened(self, key: str) -> DeviceMesh:
+        joints = [k for k in GROUP_KINDS if "-" in k]
+        canonical, grid, axes = self.layout.resolve(key)
+        if canonical not in joints:
+            raise AxisError(f"mesh has no joint group {key!r}; valid joint keys are {', '.join(joints)}")
+        if (canonical,) in self._device_meshes:
+            return self._device_meshes[(canonical,)]
+        root = self.dense if grid is self.layout.dense else self.expert
+        flattened = _compat.flatten_with_group(root, axes, canonical, self.group(canonical))
+        self._device_meshes[(canonical,)] = flattened
+        return flattened
+
+    def _slice(self, names: tuple[str, ...]) -> DeviceMesh:
+        valid = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
+        for name in names:
+            if not isinstance(name, str) or name not in DENSE_AXES + EXPERT_AXES:
+                raise AxisError(f"mesh has no axis {name!r}; valid are {valid}")
+        if all(name in DENSE_AXES for name in names):
+            root = self.dense
+        elif all(name in EXPERT_AXES for name in names):
+            root = self.expert
+        else:
+            raise AxisError(f"axes {names} mix dense and expert axes; valid are {valid}")
+        root_axes = root.mesh_dim_names or ()
+        in_mesh_order = tuple(axis for axis in root_axes if axis in names)
+        if len(set(names)) != len(names) or in_mesh_order != names:
+            raise AxisError(
+                f"axes {names} must be distinct and in mesh order (outer to inner) "
+                f"{root_axes}; use {in_mesh_order}"
+            )
+        return root[names]
+
+
+def init_mesh(
+    order: str = DEFAULT_ORDER,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    pp: int = 1,
+    device_type: str | None = None,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+) -> ParallelMesh:
+    """Build the calling rank's :class:`ParallelMesh`; every rank must call it.
+
+    Uses the initialised default process group, or initialises one from the
+    torchrun environment (NCCL when CUDA is available, else gloo). ``dp`` is
+    inferred from the world size and ``etp`` defaults to ``tp``. ``backend``
+    and ``timeout`` reach every group created; ``device_type`` defaults to
+    ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise.
+
+    Example (``torchrun --nproc-per-node 8``)::
+
+        mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, ep=2, etp=1)
+        mesh["dp-cp"]   # what FSDP2 shards over
+    """
+    owns_default_group = _init_default_group_from_env(backend, timeout)
+    config = MeshConfig(
+        dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp
+    )
+    layout = ParallelLayout(config)
+    rank = dist.get_rank()
+    specs = [
+        GroupSpec(
+            key,
+            layout.group_of(rank, key),
+            lambda key=key: layout.groups(key).tolist(),
+        )
+        for key in GROUP_KINDS
+    ]
+    process_groups = create_process_groups(specs, backend=backend, timeout=timeout)
+    if device_type is None:
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    return ParallelMesh(
+        layout,
+        process_groups,
+        device_type=device_type,
+        owns_default_group=owns_default_group,
+    )
+
+
+def _init_default_group_from_env(backend: str | None, timeout: timedelta | None) -> bool:
+    if dist.is_initialized():
+        return False
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise MeshStateError(
+            "torch.distributed is not initialized and the torchrun environment is missing "
+            f"{', '.join(missing)}; call torch.distributed.init_process_group first or "
+            "launch with torchrun"
+        )
+    use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), timeout=timeout)
+    return True
