@@ -7,6 +7,7 @@ function says which private name it relies on.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ def new_member_group(
         group_desc=description,
     )
     world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
-    return group
+    return cast(dist.ProcessGroup, group)
 
 
 def default_group() -> dist.ProcessGroup:

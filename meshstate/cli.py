@@ -175,7 +175,7 @@ def _check(args: argparse.Namespace) -> int:
         checks = verify_mesh(mesh)
         checks_by_rank: list[Any] = [None] * world_size
         dist.all_gather_object(checks_by_rank, checks)
-        backend = dist.get_backend()
+        backend = str(dist.get_backend())
         is_reporter = mesh.global_rank == 0
         mesh.destroy()
     else:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from meshstate.errors import MeshStateError
 
@@ -108,13 +109,13 @@ def _worker_main(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     while (task := tasks.get()) is not None:
         task_id, function, args, kwargs, timeout = task
         try:
             dist.init_process_group(
                 backend,
-                store=dist.PrefixStore(f"task{task_id}", store),
+                store=PrefixStore(f"task{task_id}", store),
                 rank=rank,
                 world_size=world_size,
                 timeout=timeout,
@@ -152,7 +153,7 @@ class LocalWorld:
         self.timeout = timeout
         self._context = multiprocessing.get_context("spawn")
         self._port = _free_port()
-        self._store = dist.TCPStore(
+        self._store = TCPStore(
             "127.0.0.1", self._port, is_master=True, wait_for_workers=False
         )
         self._results: multiprocessing.Queue[Any] = self._context.Queue()

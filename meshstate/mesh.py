@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from datetime import timedelta
 
 import torch
@@ -261,7 +262,7 @@ def init_mesh(
         GroupSpec(
             key,
             layout.group_of(rank, key),
-            lambda key=key: layout.groups(key).tolist(),
+            partial(_all_groups, layout, key),
         )
         for key in GROUP_KINDS
     ]
@@ -274,6 +275,11 @@ def init_mesh(
         device_type=device_type,
         owns_default_group=owns_default_group,
     )
+
+
+def _all_groups(layout: ParallelLayout, key: str) -> list[list[int]]:
+    groups: list[list[int]] = layout.groups(key).tolist()
+    return groups
 
 
 def _init_default_group_from_env(backend: str | None, timeout: timedelta | None) -> bool:

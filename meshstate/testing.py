@@ -1,0 +1,104 @@
+"""Helpers for multi-rank tests of code that uses meshstate (or any torch.distributed code).
+
+``@distributed(world_size=8)`` runs a pytest test body on 8 local ranks: gloo on
+CPU, NCCL when there is a GPU per rank. The worker processes are started once
+per world size and reused by later tests, so a suite stays fast; a failing rank
+is reported with its traceback, and a hung run ends in a timeout naming the
+ranks that did not finish. ``fake_world`` simulates one rank of a large world
+in the calling process with torch's fake backend (collectives do nothing).
+
+Example::
+
+    from meshstate.testing import distributed
+
+    @distributed(world_size=4)
+    def test_tp_groups():
+        mesh = meshstate.init_mesh(tp=2)
+        assert mesh.size("tp") == 2
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+
+from meshstate.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_pooled: dict[tuple[int, str], LocalWorld] = {}
+
+
+def local_world(world_size: int, backend: str | None = None) -> LocalWorld:
+    """A running :class:`LocalWorld` of ``world_size`` ranks, reused between calls.
+
+    Only one pooled world is kept: asking for another size stops the previous one.
+    """
+    key = (world_size, backend or default_backend(world_size))
+    world = _pooled.get(key)
+    if world is not None and world.alive:
+        return world
+    close_pooled_worlds()
+    world = _pooled[key] = LocalWorld(world_size, backend=key[1])
+    return world
+
+
+def close_pooled_worlds() -> None:
+    """Stop every pooled world (also done at interpreter exit)."""
+    while _pooled:
+        _, world = _pooled.popitem()
+        world.close()
+
+
+atexit.register(close_pooled_worlds)
+
+
+def distributed(
+    world_size: int,
+    *,
+    backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> Callable[[_F], _F]:
+    """Decorate a module-level test so its body runs on every rank of a local world.
+
+    The body sees an initialised default process group (``dist.get_rank()``);
+    pytest parameters reach it as keyword arguments. With ``backend="nccl"``
+    the test is skipped unless there is a GPU per rank.
+    """
+
+    def decorate(body: _F) -> _F:
+        @functools.wraps(body)
+        def run_on_ranks(*args: Any, **kwargs: Any) -> None:
+            __tracebackhide__ = True
+            if backend == "nccl" and torch.cuda.device_count() < world_size:
+                import pytest
+
+                pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+            local_world(world_size, backend).run(body, *args, timeout=timeout, **kwargs)
+
+        return cast(_F, run_on_ranks)
+
+    return decorate
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """Be rank ``rank`` of a ``world_size``-rank world on torch's fake backend.
+
+    For layout, group-count and timing work in one process; collectives do not
+    move data. The default group is destroyed on exit.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,169 @@
+"""The pure layout against megatron-core's RankGenerator, and its own invariants."""
+
+import itertools
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from meshstate import AxisError, ConfigError, Grid, MeshConfig, ParallelLayout
+from meshstate.layout import GROUP_KINDS
+
+from conftest import megatron_groups
+
+ORDERS = [
+    "tp-cp-ep-dp-pp",
+    "tp-dp-pp",
+    "tp-pp-dp",
+    "pp-tp-dp",
+    "dp-tp-cp-pp-ep",
+    "ep-dp-cp-tp-pp",
+    "tp-ep-cp-dp-pp",
+    "cp-tp-ep-pp-dp",
+]
+
+
+def _valid_configs():
+    for order, world_size, tp, cp, ep, etp, pp in itertools.product(
+        ORDERS, [8, 16, 48], [1, 2], [1, 2], [1, 2, 4], [None, 1, 2], [1, 2, 3]
+    ):
+        try:
+            yield MeshConfig(world_size, order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp)
+        except ConfigError:
+            continue
+
+
+TABLE = list(_valid_configs())
+
+
+def assert_layout_matches_megatron(config, sample_ranks=None):
+    layout = ParallelLayout(config)
+    expected = megatron_groups(config)
+    ranks = range(config.world_size) if sample_ranks is None else sample_ranks
+    for kind in GROUP_KINDS:
+        groups = layout.groups(kind).tolist()
+        assert groups == expected[kind], (config, kind)
+        group_by_rank = {rank: group for group in groups for rank in group}
+        for rank in ranks:
+            assert list(layout.group_of(rank, kind)) == group_by_rank[rank], (config, kind, rank)
+
+
+def test_table_has_many_configs():
+    assert len(TABLE) > 300
+
+
+@pytest.mark.parametrize("config", TABLE, ids=str)
+def test_every_group_equals_megatron_for_every_rank(config):
+    assert_layout_matches_megatron(config)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MeshConfig(131072, tp=8, cp=2, pp=8, ep=8, etp=1),
+        MeshConfig(98304, order="tp-cp-ep-pp-dp", tp=4, cp=2, pp=4, ep=8, etp=1),
+    ],
+    ids=str,
+)
+def test_large_worlds_equal_megatron(config):
+    assert_layout_matches_megatron(config, sample_ranks=[0, 1, 4097, config.world_size - 1])
+
+
+@st.composite
+def configs(draw):
+    """Random sizes and orders; axes of size 1 may be left out of the order."""
+    sizes = {axis: draw(st.sampled_from([1, 1, 2, 3, 4])) for axis in ("tp", "cp", "ep", "pp")}
+    etp = draw(st.sampled_from([None, 1, 2]))
+    dp = draw(st.sampled_from([1, 2, 3, 4]))
+    world_size = sizes["tp"] * sizes["cp"] * sizes["pp"] * dp
+    order = draw(st.permutations(["tp", "cp", "ep", "dp", "pp"]))
+    droppable = [a for a in order if a in ("cp", "ep") and sizes[a] == 1]
+    dropped = draw(st.sets(st.sampled_from(droppable))) if droppable else set()
+    order_text = "-".join(a for a in order if a not in dropped)
+    try:
+        return MeshConfig(world_size, order=order_text, etp=etp, **sizes)
+    except ConfigError:
+        assume(False)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(configs())
+def test_hypothesis_configs_equal_megatron(config):
+    assert_layout_matches_megatron(config)
+
+
+def test_joint_key_is_a_set():
+    layout = ParallelLayout(MeshConfig(16, tp=2, cp=2, pp=2))
+    assert layout.canonical("cp-dp") == "dp-cp"
+    assert layout.canonical("pp-ep-etp") == "etp-ep-pp"
+    assert layout.groups("cp-dp").tolist() == layout.groups("dp-cp").tolist()
+    assert layout.group_of(5, "cp-tp-dp") == layout.group_of(5, "tp-dp-cp")
+
+
+def test_rank_order_inside_joint_group_is_mesh_order():
+    # tp=2 cp=2 dp=2: in a dp-cp group cp (first in the order) varies fastest.
+    layout = ParallelLayout(MeshConfig(8, tp=2, cp=2))
+    assert layout.groups("dp-cp").tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.dense.mesh_axes == ("pp", "dp", "cp", "tp")
+    assert layout.expert.mesh_axes == ("pp", "edp", "ep", "etp")
+
+
+def test_coordinate_round_trips():
+    layout = ParallelLayout(MeshConfig(48, tp=2, cp=2, pp=3, ep=2, etp=1))
+    for rank in range(48):
+        coordinate = layout.coordinate(rank)
+        dense = layout.dense
+        assert sum(coordinate[a] * dense.stride(a) for a in dense.axes) == rank
+        expert = layout.expert
+        assert sum(coordinate[a] * expert.stride(a) for a in expert.axes) == rank
+
+
+def test_grid_ordered_groups_follow_the_callers_axis_order():
+    grid = Grid(("tp", "dp"), (2, 3))
+    assert grid.groups(["dp", "tp"]).tolist() == [[0, 1, 2, 3, 4, 5]]
+    assert grid.groups(["tp", "dp"]).tolist() == [[0, 2, 4, 1, 3, 5]]
+    assert grid.group_of(3, ["tp", "dp"]) == (0, 2, 4, 1, 3, 5)
+    assert grid.index_in_group(3, ["tp", "dp"]) == 4
+    assert grid.index_in_group(3, ["dp", "tp"]) == 3
+
+
+def test_grid_with_offset():
+    grid = Grid(("a", "b"), (2, 2), rank_offset=8)
+    assert grid.groups(["b"]).tolist() == [[8, 10], [9, 11]]
+    assert grid.coordinate(11) == {"a": 1, "b": 1}
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda l: l.groups("xp"), AxisError,
+         "unknown axis 'xp' in key 'xp'; valid axes are tp, cp, dp, pp, etp, ep, edp"),
+        (lambda l: l.groups("tp-ep"), AxisError,
+         "key 'tp-ep' mixes dense and expert axes; a joint group uses the dense axes "
+         "tp, cp, dp, pp or the expert axes etp, ep, edp, pp"),
+        (lambda l: l.groups("tp-tp"), AxisError, "key 'tp-tp' names an axis twice"),
+        (lambda l: l.group_of(8, "tp"), ConfigError, "rank 8 is outside the grid's ranks 0..7"),
+        (lambda l: l.group_of(-1, "tp"), ConfigError, "rank -1 is outside the grid's ranks 0..7"),
+        (lambda l: l.dense.groups(["tp", "ep"]), AxisError,
+         "unknown axis 'ep'; valid axes are tp, cp, dp, pp"),
+    ],
+)
+def test_layout_errors_name_the_valid_set(call, error, message):
+    layout = ParallelLayout(MeshConfig(8, tp=2))
+    with pytest.raises(error) as raised:
+        call(layout)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize(
+    "axes, sizes, message",
+    [
+        (("a", "b"), (2,), "grid has 2 axis names ('a', 'b') but 1 sizes (2,)"),
+        (("a", "a"), (2, 2), "grid axis names ('a', 'a') repeat a name"),
+        (("a",), (0,), "size of axis 'a' must be a positive integer, got 0"),
+    ],
+)
+def test_grid_errors(axes, sizes, message):
+    with pytest.raises(ConfigError) as raised:
+        Grid(axes, sizes)
+    assert str(raised.value) == message

@@ -1,0 +1,199 @@
+"""The mesh in simulated worlds of 16,384 ranks (torch's fake backend, one process)."""
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+import meshstate
+from meshstate import AxisError, ConfigError, MeshConfig, MeshStateError
+from meshstate.layout import GROUP_KINDS
+from meshstate.testing import fake_world
+
+from conftest import megatron_groups
+
+BIG = dict(tp=4, cp=2, pp=4, ep=8, etp=1)
+BIG_WORLD = 16384
+BIG_CONFIG = MeshConfig(BIG_WORLD, **BIG)
+
+
+@pytest.fixture(scope="module")
+def big_groups():
+    groups = megatron_groups(BIG_CONFIG)
+    return {kind: {rank: group for group in groups[kind] for rank in group} for kind in groups}
+
+
+def live_group_count():
+    return len(c10d._world.pg_map)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2049, 8191, 16383])
+def test_big_world_groups_equal_megatron(rank, big_groups):
+    with fake_world(rank, BIG_WORLD):
+        mesh = meshstate.init_mesh(**BIG)
+        for kind in GROUP_KINDS:
+            expected = big_groups[kind][rank]
+            assert list(mesh.ranks(kind)) == expected, kind
+            assert mesh.rank(kind) == expected.index(rank)
+            assert mesh.size(kind) == len(expected)
+            assert dist.get_process_group_ranks(mesh.group(kind)) == expected
+            assert dist.get_rank(mesh.group(kind)) == expected.index(rank)
+        mesh.destroy()
+
+
+@pytest.mark.parametrize("rank", [0, 2049, 16383])
+def test_big_world_creates_one_group_per_distinct_rank_set(rank):
+    with fake_world(rank, BIG_WORLD):
+        before = live_group_count()
+        mesh = meshstate.init_mesh(**BIG)
+        distinct = {mesh.ranks(kind) for kind in GROUP_KINDS}
+        assert mesh.process_groups.creation_calls == len(distinct)
+        assert live_group_count() - before == len(distinct)
+        # etp=1: the expert tensor+expert group is the expert group itself.
+        assert mesh.group("etp-ep") is mesh.group("ep")
+        mesh.destroy()
+        assert live_group_count() == before
+
+
+@pytest.mark.parametrize("rank", [0, 2049, 16383])
+def test_big_world_device_mesh_slices(rank, big_groups):
+    with fake_world(rank, BIG_WORLD):
+        mesh = meshstate.init_mesh(**BIG)
+        assert mesh.dense.mesh_dim_names == ("pp", "dp", "cp", "tp")
+        assert mesh.dense.shape == (4, 512, 2, 4)
+        assert mesh.expert.mesh_dim_names == ("pp", "edp", "ep", "etp")
+        assert mesh.expert.shape == (4, 512, 8, 1)
+        for axis in ("tp", "cp", "dp", "pp", "ep", "etp", "edp"):
+            sliced = mesh[axis]
+            assert sliced.mesh_dim_names == (axis,)
+            assert sliced.mesh.tolist() == big_groups[axis][rank]
+            assert sliced.get_local_rank() == mesh.rank(axis)
+            assert sliced.get_group() is mesh.group(axis)
+            assert mesh[axis] is sliced
+        for joint in ("tp-cp", "dp-cp", "tp-dp", "tp-dp-cp", "tp-pp", "etp-ep", "etp-ep-pp"):
+            flat = mesh[joint]
+            assert flat.ndim == 1 and flat.mesh_dim_names == (joint,)
+            assert flat.mesh.tolist() == big_groups[joint][rank]
+            assert flat.get_local_rank() == mesh.rank(joint)
+            assert flat.get_group() is mesh.group(joint)
+        assert mesh["cp-dp"] is mesh["dp-cp"]
+        hsdp = mesh["dp", "cp"]
+        assert hsdp.mesh_dim_names == ("dp", "cp") and hsdp.shape == (512, 2)
+        assert hsdp.mesh.flatten().tolist() == big_groups["dp-cp"][rank]
+        assert hsdp.get_coordinate() == (mesh.coordinate["dp"], mesh.coordinate["cp"])
+        assert mesh["dp", "cp"] is hsdp
+        # Slices share the root, so torch can combine them (FSDP2 + TP does).
+        assert hsdp._get_root_mesh() is mesh.dense
+        assert mesh["dp-cp"]._get_root_mesh() is mesh.dense
+        assert mesh["tp"]._get_root_mesh() is mesh.dense
+        mesh.destroy()
+
+
+def test_size_one_axes_share_one_single_rank_group():
+    with fake_world(3, 8):
+        before = live_group_count()
+        mesh = meshstate.init_mesh(tp=2, ep=2, etp=1)
+        single = mesh.group("cp")
+        assert mesh.group("etp") is single and mesh.group("pp") is single
+        assert dist.get_process_group_ranks(single) == [3]
+        assert dist.get_rank(single) == 0 and dist.get_world_size(single) == 1
+        distinct = {mesh.ranks(kind) for kind in GROUP_KINDS} - {tuple(range(8))}
+        assert live_group_count() - before == len(distinct)
+        mesh.destroy()
+
+
+def test_pipeline_and_ring_neighbours():
+    # 16 ranks, tp=2 pp=4, dp=2: rank 5's pipeline is (1, 5, 9, 13).
+    with fake_world(5, 16):
+        mesh = meshstate.init_mesh(tp=2, pp=4)
+        assert mesh.ranks("pp") == (1, 5, 9, 13)
+        assert (mesh.prev_rank("pp"), mesh.next_rank("pp")) == (1, 9)
+        assert (mesh.first_rank("pp"), mesh.last_rank("pp")) == (1, 13)
+        assert not mesh.is_first("pp") and not mesh.is_last("pp")
+        mesh.destroy()
+    with fake_world(13, 16):
+        mesh = meshstate.init_mesh(tp=2, pp=4)
+        assert mesh.is_last("pp") and mesh.next_rank("pp") == 1
+        mesh.destroy()
+    # Context-parallel ring: tp=2 cp=4 -> rank 3's cp group is (1, 3, 5, 7).
+    with fake_world(3, 8):
+        mesh = meshstate.init_mesh(tp=2, cp=4)
+        assert (mesh.next_rank("cp"), mesh.prev_rank("cp")) == (5, 1)
+        mesh.destroy()
+
+
+def test_whole_world_group_is_the_default_group_unless_options_are_given():
+    with fake_world(1, 8):
+        mesh = meshstate.init_mesh(tp=2)
+        assert mesh.group("tp-dp") is dist.group.WORLD
+        mesh.destroy()
+        mesh = meshstate.init_mesh(tp=2, timeout=timedelta(seconds=30))
+        assert mesh.group("tp-dp") is not dist.group.WORLD
+        assert dist.get_process_group_ranks(mesh.group("tp-dp")) == list(range(8))
+        mesh.destroy()
+
+
+def test_init_and_destroy_repeat_with_different_configs():
+    with fake_world(6, 16):
+        before = live_group_count()
+        for sizes in [dict(tp=2), dict(tp=4, pp=2), dict(cp=2, ep=4, etp=1), dict(tp=2)]:
+            mesh = meshstate.init_mesh(**sizes)
+            assert mesh.config == MeshConfig(16, **sizes)
+            mesh.destroy()
+            mesh.destroy()
+            assert live_group_count() == before
+
+
+@pytest.mark.parametrize(
+    "request_key, error, message",
+    [
+        ("xp", AxisError,
+         "mesh has no axis 'xp'; valid are dense axes ('tp', 'cp', 'dp', 'pp'), "
+         "expert axes ('etp', 'ep', 'edp', 'pp')"),
+        (("cp", "dp"), AxisError,
+         "axes ('cp', 'dp') must be distinct and in mesh order (outer to inner) "
+         "('pp', 'dp', 'cp', 'tp'); use ('dp', 'cp')"),
+        (("tp", "ep"), AxisError,
+         "axes ('tp', 'ep') mix dense and expert axes; valid are dense axes "
+         "('tp', 'cp', 'dp', 'pp'), expert axes ('etp', 'ep', 'edp', 'pp')"),
+        ("cp-pp", AxisError,
+         "mesh has no joint group 'cp-pp'; valid joint keys are tp-cp, dp-cp, tp-dp, "
+         "tp-dp-cp, tp-pp, etp-ep, etp-ep-pp"),
+    ],
+)
+def test_slicing_errors_list_the_valid_names(request_key, error, message):
+    with fake_world(0, 8):
+        mesh = meshstate.init_mesh(tp=2, cp=2)
+        with pytest.raises(error) as raised:
+            mesh[request_key]
+        assert str(raised.value) == message
+        mesh.destroy()
+
+
+def test_group_query_errors_list_the_valid_keys():
+    with fake_world(0, 8):
+        mesh = meshstate.init_mesh(tp=2, cp=2)
+        with pytest.raises(AxisError) as raised:
+            mesh.group("cp-pp")
+        assert str(raised.value) == (
+            "mesh has no group 'cp-pp'; valid keys are tp, cp, dp, pp, tp-cp, dp-cp, tp-dp, "
+            "tp-dp-cp, tp-pp, ep, etp, etp-ep, etp-ep-pp, edp"
+        )
+        assert mesh.group("cp-tp") is mesh.group("tp-cp")
+        mesh.destroy()
+
+
+def test_bad_config_fails_before_any_group_exists():
+    with fake_world(0, 12):
+        before = live_group_count()
+        with pytest.raises(ConfigError, match="world size 12 is not divisible by tp\\*cp\\*pp"):
+            meshstate.init_mesh(tp=2, pp=8)
+        assert live_group_count() == before
+
+
+def test_init_mesh_without_a_world_or_torchrun_says_what_to_do(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(MeshStateError, match="torch.distributed is not initialized"):
+        meshstate.init_mesh(tp=2)
