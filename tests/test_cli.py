@@ -111,3 +111,14 @@ def test_check_summary_reports_failed_ranks():
         "tp              2       1  FAILED on ranks [1]: "
         "all_gather of ranks gave [1, 0], expected [0, 1]"
     )
+
+
+def test_check_under_torchrun_uses_the_launched_ranks():
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+         "-m", "meshstate", "check", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "meshstate check: 4 ranks (gloo), order tp-cp-ep-dp-pp, " in result.stdout
+    assert result.stdout.count("all 14 group kinds verified on 4 ranks") == 1
