@@ -7,7 +7,7 @@ function says which private name it relies on.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ def new_member_group(
     *,
     backend: str | None,
     timeout: timedelta | None,
+    pg_options: Any,
     description: str,
 ) -> dist.ProcessGroup:
     """Create a process group that only its members call into.
@@ -46,6 +47,7 @@ def new_member_group(
         resolved_backend,
         default_store,
         c10d.GroupName(name),
+        backend_options=pg_options,
         timeout=resolved_timeout,
         group_desc=description,
     )

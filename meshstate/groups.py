@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -63,11 +64,13 @@ def create_process_groups(
     *,
     backend: str | None = None,
     timeout: timedelta | None = None,
+    pg_options: Any = None,
 ) -> ProcessGroupSet:
     """Create the groups of ``specs`` that the calling rank belongs to.
 
     Every rank must call this with specs naming the same families in the same
-    order. ``backend`` and ``timeout`` reach every group created.
+    order. ``backend``, ``timeout`` and ``pg_options`` (backend options such as
+    ``ProcessGroupNCCL.Options``) reach every group created.
 
     Example (4 ranks; rank 1 passes its tp group ``(0, 1)``)::
 
@@ -79,13 +82,13 @@ def create_process_groups(
             "torch.distributed is not initialized; call init_process_group first"
         )
     default_group = _compat.default_group()
-    reuse_world = backend is None and timeout is None
+    reuse_world = backend is None and timeout is None and pg_options is None
     split = _compat.bound_device(default_group) is not None and backend in (
         None,
         dist.get_backend(default_group),
     )
     create = _split_groups if split else _member_groups
-    return create(specs, default_group, reuse_world, backend, timeout)
+    return create(specs, default_group, reuse_world, backend, timeout, pg_options)
 
 
 def _member_groups(
@@ -94,6 +97,7 @@ def _member_groups(
     reuse_world: bool,
     backend: str | None,
     timeout: timedelta | None,
+    pg_options: Any,
 ) -> ProcessGroupSet:
     build = next(_build_counter)
     result = ProcessGroupSet(by_name={})
@@ -111,6 +115,7 @@ def _member_groups(
                     _group_name(build, members),
                     backend=backend,
                     timeout=timeout,
+                    pg_options=pg_options,
                     description=f"meshstate:{spec.name}",
                 )
                 result.creation_calls += 1
@@ -126,6 +131,7 @@ def _split_groups(
     reuse_world: bool,
     backend: str | None,
     timeout: timedelta | None,
+    pg_options: Any,
 ) -> ProcessGroupSet:
     result = ProcessGroupSet(by_name={})
     whole_world = (tuple(range(default_group.size())),)
@@ -139,6 +145,7 @@ def _split_groups(
                 group = dist.split_group(
                     split_ranks=[list(ranks) for ranks in family],
                     timeout=timeout,
+                    pg_options=pg_options,
                     group_desc=f"meshstate:{spec.name}",
                     backend=backend,
                 )
