@@ -31,3 +31,18 @@ class AxisError(MeshStateError, KeyError):
     def __str__(self) -> str:
         # KeyError would print the message repr-quoted; show it as written.
         return str(self.args[0]) if self.args else ""
+
+
+class NotInitializedError(MeshStateError, RuntimeError, AssertionError):
+    """State asked for before it was built, or after it was destroyed.
+
+    megatron-core answers a getter called before ``initialize_model_parallel``
+    with an ``AssertionError``; code that catches that (or ``RuntimeError``)
+    still catches this.
+    """
+
+
+class ParallelStateError(ConfigError, RuntimeError, AssertionError):
+    """A Megatron-style call that megatron-core rejects with ``RuntimeError`` or
+    ``AssertionError``: catchable as either of those, and as ``ValueError``.
+    """

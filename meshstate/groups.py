@@ -2,13 +2,16 @@
 
 Every rank walks the same list of :class:`GroupSpec` in the same order. A rank
 creates only the groups it belongs to; a rank set it already has a group for
-is not created again (``etp == tp`` gives one communicator, not two); every
-size-1 group is the same single-rank group; a group of the whole world is the
-default group itself unless a backend or timeout is asked for.
+(with the same backend and options) is not created again (``etp == tp`` gives
+one communicator, not two); every size-1 group is the same single-rank group;
+a group of the whole world is the default group itself unless other options
+are asked for. On torch's fake backend every group is fake, whatever backend
+a spec names: the world is simulated.
 
 On an NCCL world bound to a device (``init_process_group(device_id=...)``)
 communicators are split from the default one, which every rank of the world
-must join, so there each family is created with one ``split_group`` call.
+must join, so there each family of the default backend is created with one
+``split_group`` call.
 """
 
 from __future__ import annotations
@@ -29,6 +32,20 @@ _build_counter = itertools.count()
 
 
 @dataclass(frozen=True)
+class GroupOptions:
+    """How the groups of one family are created.
+
+    ``backend`` and ``pg_options`` override the build's; ``separate`` gives the
+    family communicators of its own even where another family has the same
+    ranks (e.g. a second data-parallel group used only for all-gathers).
+    """
+
+    backend: str | None = None
+    pg_options: Any = None
+    separate: bool = False
+
+
+@dataclass(frozen=True)
 class GroupSpec:
     """One family of disjoint rank groups, e.g. every data-parallel group.
 
@@ -40,6 +57,7 @@ class GroupSpec:
     name: str
     members: tuple[int, ...] | None
     all_groups: Callable[[], list[list[int]]]
+    options: GroupOptions = GroupOptions()
 
 
 @dataclass
@@ -70,7 +88,8 @@ def create_process_groups(
 
     Every rank must call this with specs naming the same families in the same
     order. ``backend``, ``timeout`` and ``pg_options`` (backend options such as
-    ``ProcessGroupNCCL.Options``) reach every group created.
+    ``ProcessGroupNCCL.Options``) reach every group created, unless a spec's
+    own options say otherwise.
 
     Example (4 ranks; rank 1 passes its tp group ``(0, 1)``)::
 
@@ -81,84 +100,98 @@ def create_process_groups(
         raise MeshStateError(
             "torch.distributed is not initialized; call init_process_group first"
         )
-    default_group = _compat.default_group()
-    reuse_world = backend is None and timeout is None and pg_options is None
-    split = _compat.bound_device(default_group) is not None and backend in (
-        None,
-        dist.get_backend(default_group),
-    )
-    create = _split_groups if split else _member_groups
-    return create(specs, default_group, reuse_world, backend, timeout, pg_options)
+    return _Builder(backend, timeout, pg_options).build(specs)
 
 
-def _member_groups(
-    specs: Sequence[GroupSpec],
-    default_group: dist.ProcessGroup,
-    reuse_world: bool,
-    backend: str | None,
-    timeout: timedelta | None,
-    pg_options: Any,
-) -> ProcessGroupSet:
-    build = next(_build_counter)
-    result = ProcessGroupSet(by_name={})
-    by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for spec in specs:
-        members = spec.members
-        if members is None:
-            continue
-        if members not in by_ranks:
-            if reuse_world and len(members) == default_group.size():
-                by_ranks[members] = default_group
+class _Builder:
+    def __init__(self, backend: str | None, timeout: timedelta | None, pg_options: Any) -> None:
+        self.default_group = _compat.default_group()
+        self.default_backend = str(dist.get_backend(self.default_group))
+        self.world = tuple(range(self.default_group.size()))
+        self.backend = backend
+        self.timeout = timeout
+        self.pg_options = pg_options
+        self.bound = _compat.bound_device(self.default_group) is not None
+        self.build_id = next(_build_counter)
+        self.result = ProcessGroupSet(by_name={})
+        self.by_key: dict[tuple[Any, ...], dist.ProcessGroup | None] = {}
+
+    def build(self, specs: Sequence[GroupSpec]) -> ProcessGroupSet:
+        for spec in specs:
+            backend = self._backend(spec)
+            pg_options = (
+                self.pg_options if spec.options.pg_options is None else spec.options.pg_options
+            )
+            split = self.bound and backend == self.default_backend
+            if split:
+                ranks_key: Any = tuple(tuple(group) for group in spec.all_groups())
+                whole_world = ranks_key == (self.world,)
+            elif spec.members is None:
+                continue
             else:
-                group = _compat.new_member_group(
-                    list(members),
-                    _group_name(build, members),
-                    backend=backend,
-                    timeout=timeout,
-                    pg_options=pg_options,
-                    description=f"meshstate:{spec.name}",
+                ranks_key = spec.members
+                whole_world = spec.members == self.world
+            key = (
+                split,
+                ranks_key,
+                backend,
+                id(pg_options) if pg_options is not None else None,
+                spec.name if spec.options.separate else None,
+            )
+            if key not in self.by_key:
+                reuse_world = (
+                    whole_world
+                    and backend == self.default_backend
+                    and pg_options is None
+                    and self.timeout is None
+                    and not spec.options.separate
                 )
-                result.creation_calls += 1
-                result.owned.append(group)
-                by_ranks[members] = group
-        result.by_name[spec.name] = by_ranks[members]
-    return result
+                if reuse_world:
+                    self.by_key[key] = self.default_group
+                elif split:
+                    self.by_key[key] = self._split(ranks_key, spec.name, pg_options)
+                else:
+                    self.by_key[key] = self._member_group(
+                        spec.members or (), spec.name, backend, pg_options
+                    )
+            group = self.by_key[key]
+            if spec.members is not None and group is not None:
+                self.result.by_name[spec.name] = group
+        return self.result
 
+    def _backend(self, spec: GroupSpec) -> str:
+        if self.default_backend == "fake":
+            return "fake"
+        return spec.options.backend or self.backend or self.default_backend
 
-def _split_groups(
-    specs: Sequence[GroupSpec],
-    default_group: dist.ProcessGroup,
-    reuse_world: bool,
-    backend: str | None,
-    timeout: timedelta | None,
-    pg_options: Any,
-) -> ProcessGroupSet:
-    result = ProcessGroupSet(by_name={})
-    whole_world = (tuple(range(default_group.size())),)
-    by_family: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup | None] = {}
-    for spec in specs:
-        family = tuple(tuple(group) for group in spec.all_groups())
-        if family not in by_family:
-            if reuse_world and family == whole_world:
-                by_family[family] = default_group
-            else:
-                group = dist.split_group(
-                    split_ranks=[list(ranks) for ranks in family],
-                    timeout=timeout,
-                    pg_options=pg_options,
-                    group_desc=f"meshstate:{spec.name}",
-                    backend=backend,
-                )
-                result.creation_calls += 1
-                if group is not None:
-                    result.owned.append(group)
-                by_family[family] = group
-        group = by_family[family]
-        if spec.members is not None and group is not None:
-            result.by_name[spec.name] = group
-    return result
+    def _member_group(
+        self, members: tuple[int, ...], name: str, backend: str, pg_options: Any
+    ) -> dist.ProcessGroup:
+        digest = hashlib.sha1(
+            f"{backend}:{name}:{members}".encode(), usedforsecurity=False
+        ).hexdigest()[:20]
+        group = _compat.new_member_group(
+            list(members),
+            f"meshstate-{self.build_id}-{digest}",
+            backend=backend,
+            timeout=self.timeout,
+            pg_options=pg_options,
+            description=f"meshstate:{name}",
+        )
+        self.result.creation_calls += 1
+        self.result.owned.append(group)
+        return group
 
-
-def _group_name(build: int, members: tuple[int, ...]) -> str:
-    digest = hashlib.sha1(",".join(map(str, members)).encode(), usedforsecurity=False)
-    return f"meshstate-{build}-{digest.hexdigest()[:20]}"
+    def _split(
+        self, family: tuple[tuple[int, ...], ...], name: str, pg_options: Any
+    ) -> dist.ProcessGroup | None:
+        group = dist.split_group(
+            split_ranks=[list(ranks) for ranks in family],
+            timeout=self.timeout,
+            pg_options=pg_options,
+            group_desc=f"meshstate:{name}",
+        )
+        self.result.creation_calls += 1
+        if group is not None:
+            self.result.owned.append(group)
+        return group

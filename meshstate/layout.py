@@ -22,7 +22,7 @@ Example (8 ranks, tp=2, pp=2, so dp=2)::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import einops
@@ -215,6 +215,45 @@ def _expert_grid(config: MeshConfig) -> Grid:
 
 
 @dataclass(frozen=True)
+class GroupFamily:
+    """Named groups carved out of the groups of a base axis list.
+
+    ``base`` is a key (``"pp"``, ``"dp-cp"``) or axes major to minor
+    (``("edp", "pp", "ep", "etp")``). ``split`` divides one base group, given
+    as its ranks in base order, into disjoint parts; without ``split`` the
+    family is the base groups themselves. A rank in no part has no group of
+    the family. Groups are sorted, as a process group's ranks are.
+
+    Example, the first and last stage of every pipeline::
+
+        >>> family = GroupFamily("embedding", "pp", lambda ranks: [[ranks[0], ranks[-1]]])
+        >>> ParallelLayout(MeshConfig(8, pp=4)).family_groups(family)
+        [[0, 6], [1, 7]]
+    """
+
+    name: str
+    base: str | tuple[str, ...]
+    split: Callable[[list[int]], Sequence[Sequence[int]]] | None = None
+
+    def parts(self, base_group: list[int]) -> list[list[int]]:
+        """The sorted parts of one base group, checked to be disjoint members of it."""
+        if self.split is None:
+            return [sorted(base_group)]
+        parts = [sorted(int(rank) for rank in part) for part in self.split(list(base_group))]
+        members = set(base_group)
+        seen: set[int] = set()
+        for part in parts:
+            stray = [rank for rank in part if rank not in members or rank in seen]
+            if not part or stray or len(set(part)) != len(part):
+                raise ConfigError(
+                    f"group family {self.name!r} split base group {base_group} into {parts}; "
+                    "parts must be non-empty, disjoint and drawn from the base group"
+                )
+            seen.update(part)
+        return parts
+
+
+@dataclass(frozen=True)
 class ParallelLayout:
     """The dense and expert views of one config, and their groups by key.
 
@@ -276,3 +315,24 @@ class ParallelLayout:
     def coordinate(self, rank: int) -> dict[str, int]:
         """``rank``'s position on every dense and expert axis."""
         return {**self.dense.coordinate(rank), **self.expert.coordinate(rank)}
+
+    def resolve_base(self, base: str | tuple[str, ...]) -> tuple[Grid, tuple[str, ...]]:
+        """The view and the major-to-minor axes of a key or an axis tuple."""
+        if isinstance(base, str):
+            _, grid, axes = self.resolve(base)
+            return grid, axes
+        grid = self.resolve("-".join(base))[1]
+        return grid, tuple(base)
+
+    def family_groups(self, family: GroupFamily) -> list[list[int]]:
+        """Every group of ``family``, base group by base group."""
+        grid, axes = self.resolve_base(family.base)
+        return [part for base in grid.groups(axes).tolist() for part in family.parts(base)]
+
+    def family_group_of(self, rank: int, family: GroupFamily) -> tuple[int, ...] | None:
+        """The group of ``family`` that contains ``rank``, or ``None``."""
+        grid, axes = self.resolve_base(family.base)
+        for part in family.parts(list(grid.group_of(rank, axes))):
+            if rank in part:
+                return tuple(part)
+        return None

@@ -12,6 +12,7 @@ cached.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from datetime import timedelta
@@ -22,9 +23,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate import _compat
 from meshstate.config import DEFAULT_ORDER, MeshConfig
-from meshstate.errors import AxisError, MeshStateError
-from meshstate.groups import GroupSpec, ProcessGroupSet, create_process_groups
-from meshstate.layout import DENSE_AXES, EXPERT_AXES, GROUP_KINDS, Grid, ParallelLayout
+from meshstate.errors import AxisError, ConfigError, MeshStateError
+from meshstate.groups import GroupOptions, GroupSpec, ProcessGroupSet, create_process_groups
+from meshstate.layout import (
+    DENSE_AXES,
+    EXPERT_AXES,
+    GROUP_KINDS,
+    Grid,
+    GroupFamily,
+    ParallelLayout,
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class ParallelMesh:
         process_groups: ProcessGroupSet,
         *,
         device_type: str,
+        families: Sequence[GroupFamily] = (),
         owns_default_group: bool = False,
     ) -> None:
         self.config = layout.config
@@ -67,24 +76,29 @@ class ParallelMesh:
         self.device_type = device_type
         self.global_rank = dist.get_rank()
         self.process_groups = process_groups
+        self.families = {family.name: family for family in families}
         self._owns_default_group = owns_default_group
-        self._axis_groups = {
-            key: AxisGroup(
-                key=key,
-                ranks=(ranks := layout.group_of(self.global_rank, key)),
-                rank=ranks.index(self.global_rank),
-                group=process_groups.by_name[key],
-            )
-            for key in GROUP_KINDS
-        }
+        self._axis_groups: dict[str, AxisGroup] = {}
+        for key in GROUP_KINDS:
+            self._add_axis_group(key, layout.group_of(self.global_rank, key))
+        for family in families:
+            members = layout.family_group_of(self.global_rank, family)
+            if members is not None:
+                self._add_axis_group(family.name, members)
         self.dense = self._root_mesh(layout.dense)
         self.expert = self._root_mesh(layout.expert)
         self._device_meshes: dict[tuple[str, ...], DeviceMesh] = {}
 
     @property
     def keys(self) -> tuple[str, ...]:
-        """Every group key this mesh has, as ``meshstate plan`` lists them."""
-        return GROUP_KINDS
+        """Every group key: the kinds ``meshstate plan`` lists, then extra families."""
+        return GROUP_KINDS + tuple(self.families)
+
+    def has_group(self, key: str) -> bool:
+        """Whether the calling rank is in a group of ``key`` (always, for axis keys)."""
+        if key in self._axis_groups or key in self.families:
+            return key in self._axis_groups
+        return self.layout.canonical(key) in self._axis_groups
 
     @property
     def coordinate(self) -> dict[str, int]:
@@ -96,11 +110,14 @@ class ParallelMesh:
         found = self._axis_groups.get(key)
         if found is not None:
             return found
-        canonical = self.layout.canonical(key)
+        if key in self.families:
+            raise MeshStateError(f"rank {self.global_rank} is in no {key!r} group")
+        try:
+            canonical = self.layout.canonical(key)
+        except AxisError:
+            canonical = key
         if canonical not in self._axis_groups:
-            raise AxisError(
-                f"mesh has no group {key!r}; valid keys are {', '.join(GROUP_KINDS)}"
-            )
+            raise AxisError(f"mesh has no group {key!r}; valid keys are {', '.join(self.keys)}")
         return self._axis_groups[canonical]
 
     def group(self, key: str) -> dist.ProcessGroup:
@@ -186,6 +203,14 @@ class ParallelMesh:
             f"order={self.config.order!r}, {sizes})"
         )
 
+    def _add_axis_group(self, key: str, ranks: tuple[int, ...]) -> None:
+        self._axis_groups[key] = AxisGroup(
+            key=key,
+            ranks=ranks,
+            rank=ranks.index(self.global_rank),
+            group=self.process_groups.by_name[key],
+        )
+
     def _root_mesh(self, grid: Grid) -> DeviceMesh:
         return DeviceMesh.from_group(
             [self._axis_groups[axis].group for axis in grid.mesh_axes],
@@ -238,6 +263,8 @@ def init_mesh(
     device_type: str | None = None,
     backend: str | None = None,
     timeout: timedelta | None = None,
+    families: Sequence[GroupFamily] = (),
+    group_options: Mapping[str, GroupOptions] | None = None,
 ) -> ParallelMesh:
     """Build the calling rank's :class:`ParallelMesh`; every rank must call it.
 
@@ -245,7 +272,9 @@ def init_mesh(
     torchrun environment (NCCL when CUDA is available, else gloo). ``dp`` is
     inferred from the world size and ``etp`` defaults to ``tp``. ``backend``
     and ``timeout`` reach every group created; ``device_type`` defaults to
-    ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise.
+    ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise. ``families`` adds
+    named groups carved out of the axis groups (e.g. Megatron's embedding
+    groups); ``group_options`` sets backend and options per key or family.
 
     Example (``torchrun --nproc-per-node 8``)::
 
@@ -257,14 +286,26 @@ def init_mesh(
         dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp
     )
     layout = ParallelLayout(config)
+    options = dict(group_options or {})
+    _check_family_names(families, options)
     rank = dist.get_rank()
     specs = [
         GroupSpec(
             key,
             layout.group_of(rank, key),
             partial(_all_groups, layout, key),
+            options.get(key, GroupOptions()),
         )
         for key in GROUP_KINDS
+    ]
+    specs += [
+        GroupSpec(
+            family.name,
+            layout.family_group_of(rank, family),
+            partial(layout.family_groups, family),
+            options.get(family.name, GroupOptions()),
+        )
+        for family in families
     ]
     process_groups = create_process_groups(specs, backend=backend, timeout=timeout)
     if device_type is None:
@@ -273,6 +314,7 @@ def init_mesh(
         layout,
         process_groups,
         device_type=device_type,
+        families=families,
         owns_default_group=owns_default_group,
     )
 
@@ -280,6 +322,19 @@ def init_mesh(
 def _all_groups(layout: ParallelLayout, key: str) -> list[list[int]]:
     groups: list[list[int]] = layout.groups(key).tolist()
     return groups
+
+
+def _check_family_names(families: Sequence[GroupFamily], options: Mapping[str, object]) -> None:
+    names = [family.name for family in families]
+    for name in names:
+        if name in GROUP_KINDS or names.count(name) > 1:
+            raise ConfigError(f"group family name {name!r} repeats a kind or another family")
+    unknown = [key for key in options if key not in GROUP_KINDS and key not in names]
+    if unknown:
+        raise ConfigError(
+            f"group_options names {unknown}, which are neither kinds {GROUP_KINDS} "
+            f"nor families {names}"
+        )
 
 
 def _init_default_group_from_env(backend: str | None, timeout: timedelta | None) -> bool:
