@@ -60,6 +60,31 @@ def default_group() -> dist.ProcessGroup:
     return c10d._get_default_group()
 
 
+def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup | None) -> None:
+    """Change the timeout of ``group`` (``None``: the default group). Uses ``c10d._set_pg_timeout``."""
+    c10d._set_pg_timeout(timeout, group)
+
+
+def symmetric_memory(
+    size_in_bytes: int, group: dist.ProcessGroup
+) -> tuple[torch.Tensor | None, Any]:
+    """A symmetric-memory byte buffer over ``group`` and its handle, or ``(None, None)``.
+
+    Needs CUDA; a group outside one NVLink domain also gives ``(None, None)``.
+    Uses ``torch.distributed._symmetric_memory``.
+    """
+    if not torch.cuda.is_available():
+        return None, None
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    try:
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+        buffer = symm_mem.empty(size_in_bytes, dtype=torch.uint8, device=torch.device("cuda"))
+        return buffer, symm_mem.rendezvous(buffer, group)
+    except RuntimeError:
+        return None, None
+
+
 def bound_device(group: dist.ProcessGroup) -> torch.device | None:
     """The device a group was bound to at init (``device_id=``), if any."""
     device: torch.device | None = getattr(group, "bound_device_id", None)
@@ -97,3 +122,27 @@ def flatten_with_group(
     root._flatten_mapping[name] = flattened
     return flattened
 
+
+def strided_shard(dim: int, split_factor: int) -> torch.distributed.tensor.Placement:
+    """Torch's strided shard of tensor dim ``dim``. Uses the private ``_StridedShard``.
+
+    On a mesh dim of size ``n`` it views the rank's current run of ``dim`` as
+    ``(split_factor, n, rest)`` and keeps ``[:, coordinate, :]``, leaving the
+    ``split_factor`` major chunks to later mesh dims; with ``split_factor=1``
+    it is ``Shard(dim)``.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def mesh_copies(device_mesh: DeviceMesh) -> torch.Tensor:
+    """Global ranks of every copy of ``device_mesh`` in its root mesh.
+
+    ``device_mesh.mesh`` of a slice such as ``root["dp", "cp"]`` is only the
+    caller's copy; this returns them all, shape ``(copies, *device_mesh.shape)``.
+    Relies on ``DeviceMesh._layout``, ``DeviceMesh._rank_map`` and
+    ``_MeshLayout.remap_to_tensor``.
+    """
+    every_copy = device_mesh._layout.remap_to_tensor(device_mesh._rank_map)
+    return every_copy.reshape(-1, *device_mesh.shape)

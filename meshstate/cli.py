@@ -1,7 +1,8 @@
 """The ``meshstate`` command: ``plan`` a layout without processes, ``check`` it on real ones.
 
 ``meshstate plan --world-size 16 --tp 2 --pp 2`` prints every group kind;
-``--json`` prints them as one object; ``--rank R`` adds that rank's view.
+``--json`` prints them as one object; ``--rank R`` adds that rank's view;
+``--gpus-per-node N`` adds how many nodes each group spans and order advice.
 ``meshstate check`` builds the mesh on local processes (or the ranks torchrun
 launched) and verifies every group with real collectives.
 Bad input exits with status 2 and one line on stderr.
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -24,6 +26,7 @@ from meshstate.errors import MeshStateError
 from meshstate.launch import RankFailure, RankTimeout, default_backend, run_local
 from meshstate.layout import GROUP_KINDS, ParallelLayout
 from meshstate.mesh import init_mesh
+from meshstate.topology import LocalityReport, NodeCrossingWarning, locality_report
 from meshstate.verify import KindCheck, format_summary, summarize, verify_mesh
 
 EXIT_MISMATCH = 1
@@ -68,6 +71,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_layout_flags(plan, {"tp": 1, "cp": 1, "ep": 1, "etp": None, "pp": 1})
     plan.add_argument("--rank", type=int, help="also show this rank's groups")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument(
+        "--gpus-per-node", type=_positive_int, help="also show which groups cross nodes"
+    )
 
     check = commands.add_parser("check", help="build the mesh and verify it with collectives")
     check.add_argument(
@@ -90,7 +96,9 @@ def _describe(config: MeshConfig) -> str:
     return f"order {config.order}, {sizes}"
 
 
-def _plan_json(layout: ParallelLayout, rank: int | None) -> dict[str, Any]:
+def _plan_json(
+    layout: ParallelLayout, rank: int | None, locality: LocalityReport | None
+) -> dict[str, Any]:
     config = layout.config
     plan: dict[str, Any] = {
         "world_size": config.world_size,
@@ -108,6 +116,13 @@ def _plan_json(layout: ParallelLayout, rank: int | None) -> dict[str, Any]:
                 for ranks in [layout.group_of(rank, kind)]
             },
         }
+    if locality is not None:
+        plan["ranks_per_node"] = locality.ranks_per_node
+        plan["locality"] = {
+            kind: {"nodes_spanned": nodes, "intra_node": nodes == 1}
+            for kind, nodes in locality.nodes_spanned.items()
+        }
+        plan["advice"] = [] if locality.advice is None else [locality.advice]
     return plan
 
 
@@ -116,15 +131,31 @@ def _short(ranks: Sequence[int], limit: int = 8) -> str:
     return f"[{shown}{', …' if len(ranks) > limit else ''}]"
 
 
-def _plan_text(layout: ParallelLayout, rank: int | None) -> str:
+def _nodes(count: int) -> str:
+    return "node" if count == 1 else f"{count} nodes"
+
+
+def _plan_text(
+    layout: ParallelLayout, rank: int | None, locality: LocalityReport | None
+) -> str:
     config = layout.config
-    lines = [f"world size {config.world_size}, {_describe(config)}", ""]
-    lines.append(f"{'kind':<10} {'size':>6} {'groups':>7}  first groups")
+    lines = [f"world size {config.world_size}, {_describe(config)}"]
+    if locality is not None:
+        node_count = config.world_size // locality.ranks_per_node
+        lines.append(f"nodes: {node_count} of {locality.ranks_per_node} ranks each")
+    lines.append("")
+    locality_header = "" if locality is None else f" {'locality':>9}"
+    lines.append(f"{'kind':<10} {'size':>6} {'groups':>7}{locality_header}  first groups")
     for kind in GROUP_KINDS:
         groups = layout.groups(kind)
         first = " ".join(_short(g) for g in groups[:3].tolist())
         more = " …" if len(groups) > 3 else ""
-        lines.append(f"{kind:<10} {groups.shape[1]:>6} {groups.shape[0]:>7}  {first}{more}")
+        spans = "" if locality is None else f" {_nodes(locality.nodes_spanned[kind]):>9}"
+        lines.append(
+            f"{kind:<10} {groups.shape[1]:>6} {groups.shape[0]:>7}{spans}  {first}{more}"
+        )
+    if locality is not None and locality.advice is not None:
+        lines += ["", f"advice: {locality.advice}"]
     if rank is not None:
         coordinate = " ".join(f"{a}={i}" for a, i in layout.coordinate(rank).items())
         lines += ["", f"rank {rank}: {coordinate}", f"{'kind':<10} {'index':>6}  group"]
@@ -138,10 +169,15 @@ def _plan(args: argparse.Namespace) -> int:
     layout = ParallelLayout(_config(args, args.world_size))
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         raise MeshStateError(f"--rank {args.rank} is outside 0..{args.world_size - 1}")
+    locality = None
+    if args.gpus_per_node is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NodeCrossingWarning)
+            locality = locality_report(layout, args.gpus_per_node)
     if args.json:
-        print(json.dumps(_plan_json(layout, args.rank)))
+        print(json.dumps(_plan_json(layout, args.rank, locality)))
     else:
-        print(_plan_text(layout, args.rank))
+        print(_plan_text(layout, args.rank, locality))
     return 0
 
 
