@@ -1,7 +1,7 @@
 """meshstate: the parallel layout of a training job as one named, typed object.
 
 Build it once from a Megatron order string; slice it like a ``DeviceMesh``;
-ask it for Megatron's groups.
+ask it for Megatron's groups; shard tensors over it with JAX-style specs.
 
 Example (``torchrun --nproc-per-node 8``)::
 
@@ -9,12 +9,24 @@ Example (``torchrun --nproc-per-node 8``)::
     mesh = meshstate.init_mesh("tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
     mesh["dp", "cp"]        # 2-D DeviceMesh for FSDP2's HSDP
     mesh.group("tp-cp")     # the joint tensor+context group
+
+Legacy Megatron code: ``from meshstate import parallel_state as mpu``.
 """
 
 from meshstate.config import DEFAULT_ORDER, MeshConfig
-from meshstate.errors import AxisError, ConfigError, MeshStateError
-from meshstate.layout import GROUP_KINDS, Grid, ParallelLayout
-from meshstate.mesh import AxisGroup, ParallelMesh, init_mesh
+from meshstate.errors import (
+    AxisError,
+    ConfigError,
+    MeshStateError,
+    NotInitializedError,
+    ParallelStateError,
+)
+from meshstate.groups import GroupOptions
+from meshstate.hyper_comm_grid import HyperCommGrid
+from meshstate.layout import GROUP_KINDS, Grid, GroupFamily, ParallelLayout
+from meshstate.mesh import AxisGroup, ParallelMesh, current_mesh, init_mesh, set_mesh
+from meshstate.process_groups import ProcessGroupCollection
+from meshstate.sharding import NamedSharding, P, distribute, to_placements
 
 __all__ = [
     "DEFAULT_ORDER",
@@ -23,9 +35,21 @@ __all__ = [
     "AxisGroup",
     "ConfigError",
     "Grid",
+    "GroupFamily",
+    "GroupOptions",
+    "HyperCommGrid",
     "MeshConfig",
     "MeshStateError",
+    "NamedSharding",
+    "NotInitializedError",
+    "P",
     "ParallelLayout",
     "ParallelMesh",
+    "ParallelStateError",
+    "ProcessGroupCollection",
+    "current_mesh",
+    "distribute",
     "init_mesh",
+    "set_mesh",
+    "to_placements",
 ]

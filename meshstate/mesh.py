@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate import _compat
 from meshstate.config import DEFAULT_ORDER, MeshConfig
-from meshstate.errors import AxisError, ConfigError, MeshStateError
+from meshstate.errors import AxisError, ConfigError, MeshStateError, NotInitializedError
 from meshstate.groups import GroupOptions, GroupSpec, ProcessGroupSet, create_process_groups
 from meshstate.layout import (
     DENSE_AXES,
@@ -98,7 +98,10 @@ class ParallelMesh:
         """Whether the calling rank is in a group of ``key`` (always, for axis keys)."""
         if key in self._axis_groups or key in self.families:
             return key in self._axis_groups
-        return self.layout.canonical(key) in self._axis_groups
+        try:
+            return self.layout.canonical(key) in self._axis_groups
+        except AxisError:
+            return False
 
     @property
     def coordinate(self) -> dict[str, int]:
@@ -189,12 +192,29 @@ class ParallelMesh:
         return mesh
 
     def destroy(self) -> None:
-        """Destroy the process groups this mesh created; safe to call twice."""
+        """Destroy the process groups this mesh created; safe to call twice.
+
+        A destroyed mesh stops being the current mesh.
+        """
+        global _current_mesh
+        if _current_mesh is self:
+            _current_mesh = None
+        while self in _entered_meshes:
+            _entered_meshes.remove(self)
         self.process_groups.destroy()
         self._device_meshes.clear()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_default_group = False
+
+    def __enter__(self) -> ParallelMesh:
+        """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
+        _entered_meshes.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if _entered_meshes and _entered_meshes[-1] is self:
+            _entered_meshes.pop()
 
     def __repr__(self) -> str:
         sizes = " ".join(f"{name}={size}" for name, size in self.config.sizes().items())
@@ -250,6 +270,35 @@ class ParallelMesh:
                 f"{root_axes}; use {in_mesh_order}"
             )
         return root[names]
+
+
+_current_mesh: ParallelMesh | None = None
+_entered_meshes: list[ParallelMesh] = []
+
+
+def set_mesh(mesh: ParallelMesh | None) -> None:
+    """Make ``mesh`` the current mesh outside any ``with mesh:`` block (``None`` clears it).
+
+    Example::
+
+        meshstate.set_mesh(meshstate.init_mesh(tp=2))
+        meshstate.current_mesh().size("tp")   # 2
+    """
+    global _current_mesh
+    _current_mesh = mesh
+
+
+def current_mesh() -> ParallelMesh:
+    """The innermost mesh of a ``with mesh:`` block, else the one :func:`set_mesh` set.
+
+    ``initialize_model_parallel`` sets its mesh too.
+    """
+    mesh = _entered_meshes[-1] if _entered_meshes else _current_mesh
+    if mesh is None:
+        raise NotInitializedError(
+            "there is no current mesh; call meshstate.set_mesh(mesh) or use `with mesh:`"
+        )
+    return mesh
 
 
 def init_mesh(

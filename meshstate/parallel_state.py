@@ -59,7 +59,7 @@ from meshstate.megatron_groups import (
     default_position_embedding_ranks,
     hierarchical_levels,
 )
-from meshstate.mesh import ParallelMesh, init_mesh
+from meshstate.mesh import ParallelMesh, init_mesh, set_mesh
 
 ProcessGroup = dist.ProcessGroup
 
@@ -517,6 +517,7 @@ def initialize_model_parallel(
         view.vpp_rank, view.vpp_size = 0, virtual_pipeline_model_parallel_size
     view.memory_buffer = GlobalMemoryBuffer()
     _view = view
+    set_mesh(mesh)
     logger.debug("initialized model parallel state: %r", mesh)
 
 

@@ -357,3 +357,43 @@ def test_memory_buffer_works_on_cpu():
         assert ours.get_global_symmetric_memory_buffer().maybe_get_tensor((4,), torch.float32) == {
             "tensor": None, "handle": None}
         ours.destroy_model_parallel()
+
+
+def test_process_group_collection_equals_megatron():
+    from megatron.core.process_groups_config import ProcessGroupCollection as Theirs
+
+    from meshstate.process_groups import ProcessGroupCollection
+
+    kwargs = dict(tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
+                  expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                  num_distributed_optimizer_instances=2, hierarchical_context_parallel_sizes=[2, 1])
+    for rank in (0, 5, 13):
+        with fake_world(rank, 16):
+            reset_megatron()
+            megatron.initialize_model_parallel(create_gloo_process_groups=False, **kwargs)
+            theirs = Theirs.use_mpu_process_groups()
+            expected = {f: ranks_of(getattr(theirs, f)) for f in theirs.__dataclass_fields__}
+            reset_megatron()
+            ours.initialize_model_parallel(create_gloo_process_groups=False, **kwargs)
+            mine = ProcessGroupCollection.use_mpu_process_groups()
+            assert {f: ranks_of(getattr(mine, f)) for f in expected} == expected
+            assert ProcessGroupCollection.from_mesh(ours.get_mesh(), ["tp"]).pp is None
+            assert repr(mine).startswith("ProcessGroupCollection(tp(2), pp(2), mp(4)")
+            ours.destroy_model_parallel()
+
+
+def test_process_group_collection_from_a_plain_mesh():
+    import meshstate
+    from meshstate.process_groups import ProcessGroupCollection
+
+    with fake_world(5, 8):
+        mesh = meshstate.init_mesh(tp=2, pp=2)
+        pgs = ProcessGroupCollection.from_mesh(mesh)
+        assert dist.get_process_group_ranks(pgs.tp) == [4, 5]
+        assert dist.get_process_group_ranks(pgs.mp) == [0, 1, 4, 5]
+        assert pgs.intra_dp_cp is pgs.dp_cp and pgs.embd is None and pgs.hcp is None
+        with pytest.raises(ValueError, match="unknown process groups \\['tpp'\\]"):
+            ProcessGroupCollection.from_mesh(mesh, ["tpp"])
+        with mesh:
+            assert ProcessGroupCollection.use_mpu_process_groups(["tp"]).tp is pgs.tp
+        mesh.destroy()
