@@ -13,6 +13,18 @@ Example (``torchrun --nproc-per-node 8``)::
 Legacy Megatron code: ``from meshstate import parallel_state as mpu``.
 """
 
+from meshstate.collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    psum,
+    psum_scatter,
+)
 from meshstate.config import DEFAULT_ORDER, MeshConfig
 from meshstate.errors import (
     AxisError,
@@ -24,7 +36,14 @@ from meshstate.errors import (
 from meshstate.groups import GroupOptions
 from meshstate.hyper_comm_grid import HyperCommGrid
 from meshstate.layout import GROUP_KINDS, Grid, GroupFamily, ParallelLayout
-from meshstate.mesh import AxisGroup, ParallelMesh, current_mesh, init_mesh, set_mesh
+from meshstate.mesh import (
+    AxisGroup,
+    OrderedGroup,
+    ParallelMesh,
+    current_mesh,
+    init_mesh,
+    set_mesh,
+)
 from meshstate.process_groups import ProcessGroupCollection
 from meshstate.sharding import NamedSharding, P, distribute, to_placements
 
@@ -42,14 +61,25 @@ __all__ = [
     "MeshStateError",
     "NamedSharding",
     "NotInitializedError",
+    "OrderedGroup",
     "P",
     "ParallelLayout",
     "ParallelMesh",
     "ParallelStateError",
     "ProcessGroupCollection",
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
     "current_mesh",
     "distribute",
     "init_mesh",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
     "set_mesh",
     "to_placements",
 ]

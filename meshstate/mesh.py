@@ -47,6 +47,22 @@ class AxisGroup:
     group: dist.ProcessGroup
 
 
+@dataclass(frozen=True)
+class OrderedGroup:
+    """The caller's group over an ordered list of axes.
+
+    ``ranks`` are the global ranks in row-major order of the axes (first axis
+    major) and ``index`` the caller's position among them; ``group`` is the
+    process group of the same ranks, in which ``ranks[i]`` has group rank
+    ``group_ranks[i]``.
+    """
+
+    ranks: tuple[int, ...]
+    index: int
+    group: dist.ProcessGroup
+    group_ranks: tuple[int, ...]
+
+
 class ParallelMesh:
     """A rank's view of a parallel layout: groups, ranks and DeviceMeshes by axis.
 
@@ -68,6 +84,7 @@ class ParallelMesh:
         process_groups: ProcessGroupSet,
         *,
         device_type: str,
+        kinds: tuple[str, ...] = GROUP_KINDS,
         families: Sequence[GroupFamily] = (),
         owns_default_group: bool = False,
     ) -> None:
@@ -76,10 +93,12 @@ class ParallelMesh:
         self.device_type = device_type
         self.global_rank = dist.get_rank()
         self.process_groups = process_groups
+        self.kinds = kinds
         self.families = {family.name: family for family in families}
         self._owns_default_group = owns_default_group
         self._axis_groups: dict[str, AxisGroup] = {}
-        for key in GROUP_KINDS:
+        self._ordered_groups: dict[str | tuple[str, ...], OrderedGroup] = {}
+        for key in kinds:
             self._add_axis_group(key, layout.group_of(self.global_rank, key))
         for family in families:
             members = layout.family_group_of(self.global_rank, family)
@@ -91,8 +110,8 @@ class ParallelMesh:
 
     @property
     def keys(self) -> tuple[str, ...]:
-        """Every group key: the kinds ``meshstate plan`` lists, then extra families."""
-        return GROUP_KINDS + tuple(self.families)
+        """Every group key: Megatron's kinds, declared joint groups, then families."""
+        return self.kinds + tuple(self.families)
 
     def has_group(self, key: str) -> bool:
         """Whether the calling rank is in a group of ``key`` (always, for axis keys)."""
@@ -107,6 +126,31 @@ class ParallelMesh:
     def coordinate(self) -> dict[str, int]:
         """The calling rank's position on every dense and expert axis."""
         return self.layout.coordinate(self.global_rank)
+
+    def ordered(self, axes: str | Sequence[str]) -> OrderedGroup:
+        """The caller's group over ``axes`` with its ranks in the caller's axis order.
+
+        ``axes`` is one axis, a joint key (mesh order) or a sequence of axes,
+        the first major: ``ordered(("cp", "dp")).index == cp * dp_size + dp``.
+        The process group is the joint group of the same axes, so it must be
+        one of ``keys`` (declare others with ``init_mesh(joint_groups=...)``).
+        """
+        key = axes if isinstance(axes, str) else tuple(axes)
+        found = self._ordered_groups.get(key)
+        if found is not None:
+            return found
+        grid, major_to_minor = self.layout.resolve_base(key)
+        members = self.axis_group("-".join(major_to_minor))
+        ranks = grid.group_of(self.global_rank, major_to_minor)
+        position = {rank: index for index, rank in enumerate(members.ranks)}
+        found = OrderedGroup(
+            ranks=ranks,
+            index=ranks.index(self.global_rank),
+            group=members.group,
+            group_ranks=tuple(position[rank] for rank in ranks),
+        )
+        self._ordered_groups[key] = found
+        return found
 
     def axis_group(self, key: str) -> AxisGroup:
         """Everything the calling rank knows about its group of ``key``."""
@@ -240,7 +284,7 @@ class ParallelMesh:
         )
 
     def _flattened(self, key: str) -> DeviceMesh:
-        joints = [k for k in GROUP_KINDS if "-" in k]
+        joints = [k for k in self.kinds if "-" in k]
         canonical, grid, axes = self.layout.resolve(key)
         if canonical not in joints:
             raise AxisError(f"mesh has no joint group {key!r}; valid joint keys are {', '.join(joints)}")
@@ -312,6 +356,7 @@ def init_mesh(
     device_type: str | None = None,
     backend: str | None = None,
     timeout: timedelta | None = None,
+    joint_groups: Sequence[str] = (),
     families: Sequence[GroupFamily] = (),
     group_options: Mapping[str, GroupOptions] | None = None,
 ) -> ParallelMesh:
@@ -321,7 +366,8 @@ def init_mesh(
     torchrun environment (NCCL when CUDA is available, else gloo). ``dp`` is
     inferred from the world size and ``etp`` defaults to ``tp``. ``backend``
     and ``timeout`` reach every group created; ``device_type`` defaults to
-    ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise. ``families`` adds
+    ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise. ``joint_groups``
+    declares joint groups beyond Megatron's (e.g. ``"cp-pp"``); ``families`` adds
     named groups carved out of the axis groups (e.g. Megatron's embedding
     groups); ``group_options`` sets backend and options per key or family.
 
@@ -335,8 +381,15 @@ def init_mesh(
         dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp
     )
     layout = ParallelLayout(config)
+    kinds = GROUP_KINDS + tuple(
+        dict.fromkeys(
+            canonical
+            for canonical in map(layout.canonical, joint_groups)
+            if canonical not in GROUP_KINDS
+        )
+    )
     options = dict(group_options or {})
-    _check_family_names(families, options)
+    _check_family_names(kinds, families, options)
     rank = dist.get_rank()
     specs = [
         GroupSpec(
@@ -345,7 +398,7 @@ def init_mesh(
             partial(_all_groups, layout, key),
             options.get(key, GroupOptions()),
         )
-        for key in GROUP_KINDS
+        for key in kinds
     ]
     specs += [
         GroupSpec(
@@ -363,6 +416,7 @@ def init_mesh(
         layout,
         process_groups,
         device_type=device_type,
+        kinds=kinds,
         families=families,
         owns_default_group=owns_default_group,
     )
@@ -373,15 +427,17 @@ def _all_groups(layout: ParallelLayout, key: str) -> list[list[int]]:
     return groups
 
 
-def _check_family_names(families: Sequence[GroupFamily], options: Mapping[str, object]) -> None:
+def _check_family_names(
+    kinds: tuple[str, ...], families: Sequence[GroupFamily], options: Mapping[str, object]
+) -> None:
     names = [family.name for family in families]
     for name in names:
-        if name in GROUP_KINDS or names.count(name) > 1:
+        if name in kinds or names.count(name) > 1:
             raise ConfigError(f"group family name {name!r} repeats a kind or another family")
-    unknown = [key for key in options if key not in GROUP_KINDS and key not in names]
+    unknown = [key for key in options if key not in kinds and key not in names]
     if unknown:
         raise ConfigError(
-            f"group_options names {unknown}, which are neither kinds {GROUP_KINDS} "
+            f"group_options names {unknown}, which are neither kinds {kinds} "
             f"nor families {names}"
         )
 

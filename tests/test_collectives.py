@@ -1,0 +1,140 @@
+"""JAX-style named-axis collectives on 8 gloo ranks, single axes and both tuple orders.
+
+Layout: init_mesh(tp=2, cp=2) on 8 ranks, default order, so dp=2 and
+rank = tp + 2*cp + 4*dp. Expected values are computed here from that formula.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshstate
+from meshstate import collectives as lax
+from meshstate.errors import AxisError, ConfigError, NotInitializedError
+from meshstate.testing import distributed, fake_world
+
+
+def coords(rank):
+    return {"tp": rank % 2, "cp": rank // 2 % 2, "dp": rank // 4}
+
+
+def rank_of(tp, cp, dp):
+    return tp + 2 * cp + 4 * dp
+
+
+def members(rank, axes):
+    """Global ranks along ``axes`` (first major) through ``rank``, as JAX orders them."""
+    mine = coords(rank)
+    result = []
+    for first in range(2):
+        for second in range(2):
+            point = dict(mine)
+            point[axes[0]], point[axes[1]] = first, second
+            result.append(rank_of(point["tp"], point["cp"], point["dp"]))
+    return result
+
+
+@pytest.mark.parametrize("axes", [("cp", "dp"), ("dp", "cp"), ("tp", "cp"), ("cp", "tp")])
+@distributed(world_size=8)
+def test_tuple_axes_follow_the_tuple_order(axes):
+    mesh = meshstate.init_mesh(tp=2, cp=2, joint_groups=["tp-cp"])
+    rank = dist.get_rank()
+    group = members(rank, axes)
+    index = group.index(rank)
+    with mesh:
+        assert lax.axis_index(axes) == coords(rank)[axes[0]] * 2 + coords(rank)[axes[1]] == index
+        assert lax.axis_size(axes) == 4
+        assert lax.psum(torch.tensor([float(rank)]), axes).item() == sum(group)
+        assert lax.pmean(torch.tensor([float(rank)]), axes).item() == sum(group) / 4
+        assert lax.pmax(torch.tensor([rank]), axes).item() == max(group)
+        assert lax.pmin(torch.tensor([rank]), axes).item() == min(group)
+        gathered = lax.all_gather(torch.tensor([rank, -rank]), axes)
+        assert gathered.tolist() == [[r, -r] for r in group]
+        assert lax.all_gather(torch.tensor([rank]), axes, tiled=True).tolist() == group
+        values = torch.arange(4.0) * (rank + 1)
+        expected = sum(index * (r + 1) for r in group)
+        assert lax.psum_scatter(values, axes).item() == expected
+        assert lax.psum_scatter(values.repeat_interleave(2), axes, tiled=True).tolist() == [expected] * 2
+        outgoing = torch.tensor([[rank * 10 + j] for j in range(4)])
+        received = lax.all_to_all(outgoing, axes, split_axis=0, concat_axis=0)
+        assert received.tolist() == [[sender * 10 + index] for sender in group]
+        tiled = lax.all_to_all(outgoing.view(1, 4), axes, split_axis=1, concat_axis=0, tiled=True)
+        assert tiled.tolist() == [[sender * 10 + index] for sender in group]
+        ring = [(i, (i + 1) % 4) for i in range(4)]
+        assert lax.ppermute(torch.tensor([rank]), axes, ring).item() == group[(index - 1) % 4]
+        assert lax.ppermute(torch.tensor([rank]), axes, [(0, 3)]).item() == (group[0] if index == 3 else 0)
+    mesh.destroy()
+
+
+@distributed(world_size=8)
+def test_single_axes_and_joint_keys():
+    mesh = meshstate.init_mesh(tp=2, cp=2)
+    rank = dist.get_rank()
+    c = coords(rank)
+    with mesh:
+        assert [lax.axis_index(a) for a in ("tp", "cp", "dp")] == [c["tp"], c["cp"], c["dp"]]
+        assert lax.psum(torch.tensor([1.0]), "tp").item() == 2
+        assert lax.axis_index("dp-cp") == c["dp"] * 2 + c["cp"]   # a joint key is mesh order
+        assert lax.all_gather(torch.tensor([rank]), "dp-cp", tiled=True).tolist() == members(rank, ("dp", "cp"))
+        assert lax.axis_index(("tp",)) == c["tp"]
+    mesh.destroy()
+
+
+@distributed(world_size=8)
+def test_collectives_are_differentiable_as_their_transposes():
+    mesh = meshstate.init_mesh(tp=2, cp=2)
+    rank = dist.get_rank()
+    axes = ("cp", "dp")
+    weights = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    with mesh:
+        x = torch.tensor([float(rank)], requires_grad=True)
+        (lax.all_gather(x, axes, tiled=True) * weights).sum().backward()
+        # every rank of the group weighs my shard by weights[my index]
+        assert x.grad.item() == 4 * weights[lax.axis_index(axes)].item()
+        y = torch.ones(4, requires_grad=True)
+        lax.psum_scatter(y, axes).backward()
+        assert y.grad.tolist() == [1.0] * 4
+        z = torch.ones(1, requires_grad=True)
+        lax.psum(z * (rank + 1), "tp").backward()
+        assert z.grad.item() == 2 * (rank + 1)
+        w = torch.ones(1, requires_grad=True)
+        ring = [(i, (i + 1) % 4) for i in range(4)]
+        (lax.ppermute(w, axes, ring) * (lax.axis_index(axes) + 1)).sum().backward()
+        # my value went to index+1, which weighs it by index+2
+        assert w.grad.item() == (lax.axis_index(axes) + 1) % 4 + 1
+        with pytest.raises(ConfigError, match="pmax is not differentiable"):
+            lax.pmax(torch.ones(1, requires_grad=True), "tp")
+    mesh.destroy()
+
+
+def test_current_mesh_and_errors():
+    with fake_world(3, 8):
+        with pytest.raises(NotInitializedError, match="there is no current mesh"):
+            lax.axis_index("tp")
+        mesh = meshstate.init_mesh(tp=2, cp=2)
+        meshstate.set_mesh(mesh)
+        assert lax.axis_index("tp") == 1 and meshstate.current_mesh() is mesh
+        other = meshstate.init_mesh(tp=4)
+        with other:
+            assert lax.axis_size("tp") == 4
+        assert lax.axis_size("tp") == 2
+        with pytest.raises(AxisError, match="mesh has no group 'cp-pp'"):
+            lax.axis_index(("cp", "pp"), mesh=mesh)
+        with pytest.raises(ConfigError, match="must equal the axis size 2"):
+            lax.psum_scatter(torch.ones(3), "tp", mesh=mesh)
+        with pytest.raises(ConfigError, match="repeats a source or a destination"):
+            lax.ppermute(torch.ones(1), "tp", [(0, 1), (1, 1)], mesh=mesh)
+        other.destroy()
+        mesh.destroy()
+        with pytest.raises(NotInitializedError):
+            meshstate.current_mesh()
+
+
+def test_declared_joint_groups_work_like_megatron_kinds():
+    with fake_world(5, 16):
+        mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, joint_groups=["pp-cp"])
+        # rank 5: tp=1 cp=0 dp=1 pp=0; the cp-pp group varies cp (stride 2) and pp (stride 8)
+        assert "cp-pp" in mesh.keys and mesh.ranks("pp-cp") == (5, 7, 13, 15) == mesh.ranks("cp-pp")
+        assert mesh["cp-pp"].mesh.tolist() == [5, 7, 13, 15]
+        assert mesh.ordered(("cp", "pp")).ranks == (5, 13, 7, 15)
+        mesh.destroy()
