@@ -7,10 +7,12 @@ function says which private name it relies on.
 from __future__ import annotations
 
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
@@ -60,6 +62,18 @@ def default_group() -> dist.ProcessGroup:
     return c10d._get_default_group()
 
 
+def default_store() -> Store:
+    """The store the default group was initialised with. Uses ``c10d._world.pg_map``."""
+    store: Store = c10d._world.pg_map[default_group()][1]
+    return store
+
+
+def default_timeout(backend: str) -> timedelta:
+    """torch's default process-group timeout for ``backend``. Uses ``c10d._get_default_timeout``."""
+    timeout: timedelta = c10d._get_default_timeout(dist.Backend(backend))
+    return timeout
+
+
 def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup | None) -> None:
     """Change the timeout of ``group`` (``None``: the default group). Uses ``c10d._set_pg_timeout``."""
     c10d._set_pg_timeout(timeout, group)
@@ -85,15 +99,39 @@ def symmetric_memory(
         return None, None
 
 
+def forget_sharding_decisions() -> None:
+    """Clear DTensor's sharding-propagation caches.
+
+    They key on a DeviceMesh's layout and names, not its process groups, so
+    after a mesh is destroyed and an equal one built, a cached decision would
+    hand out DTensors on the destroyed mesh. Uses
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache``.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    clear: Callable[[], None] = _clear_sharding_prop_cache  # untyped in torch
+    clear()
+
+
 def bound_device(group: dist.ProcessGroup) -> torch.device | None:
     """The device a group was bound to at init (``device_id=``), if any."""
     device: torch.device | None = getattr(group, "bound_device_id", None)
     return device
 
 
-def is_registered(group: dist.ProcessGroup) -> bool:
-    """Whether torch still knows ``group`` (it was not destroyed). Uses ``c10d._world``."""
-    return group in c10d._world.pg_map
+def destroy_group(group: dist.ProcessGroup) -> None:
+    """Destroy ``group`` if torch still knows it, leaving nothing behind.
+
+    ``destroy_process_group`` keeps an empty entry per group in
+    ``c10d._world.tags_to_pg``; this drops it too.
+    """
+    world = c10d._world
+    if group not in world.pg_map:
+        return
+    tag = world.pg_to_tag.get(group)
+    dist.destroy_process_group(group)
+    if tag is not None and not world.tags_to_pg.get(tag, True):
+        del world.tags_to_pg[tag]
 
 
 def flatten_with_group(

@@ -46,3 +46,17 @@ class ParallelStateError(ConfigError, RuntimeError, AssertionError):
     """A Megatron-style call that megatron-core rejects with ``RuntimeError`` or
     ``AssertionError``: catchable as either of those, and as ``ValueError``.
     """
+
+
+class ConfigMismatchError(ConfigError, RuntimeError):
+    """Ranks asked for different meshes; the message names the ranks and fields.
+
+    Every rank raises the same message, before any process group is made.
+    """
+
+
+class MeshTimeoutError(MeshStateError, TimeoutError, RuntimeError):
+    """Ranks did not arrive (or a group did not form) within the timeout.
+
+    The message names the ranks that are missing.
+    """

@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate import _compat
-from meshstate.errors import MeshStateError
+from meshstate.errors import MeshStateError, MeshTimeoutError
 
 _build_counter = itertools.count()
 
@@ -71,8 +71,7 @@ class ProcessGroupSet:
     def destroy(self) -> None:
         """Destroy every group this build created; safe to call twice."""
         for group in self.owned:
-            if _compat.is_registered(group):
-                dist.destroy_process_group(group)
+            _compat.destroy_group(group)
         self.owned.clear()
         self.by_name.clear()
 
@@ -83,13 +82,17 @@ def create_process_groups(
     backend: str | None = None,
     timeout: timedelta | None = None,
     pg_options: Any = None,
+    build_id: int | None = None,
 ) -> ProcessGroupSet:
     """Create the groups of ``specs`` that the calling rank belongs to.
 
     Every rank must call this with specs naming the same families in the same
     order. ``backend``, ``timeout`` and ``pg_options`` (backend options such as
     ``ProcessGroupNCCL.Options``) reach every group created, unless a spec's
-    own options say otherwise.
+    own options say otherwise. ``build_id`` (the same on every rank, e.g. from
+    :func:`meshstate.agreement.agree`) names the groups; without it a count of
+    this process's builds does. If a group cannot be created, the groups
+    created so far are destroyed.
 
     Example (4 ranks; rank 1 passes its tp group ``(0, 1)``)::
 
@@ -100,11 +103,18 @@ def create_process_groups(
         raise MeshStateError(
             "torch.distributed is not initialized; call init_process_group first"
         )
-    return _Builder(backend, timeout, pg_options).build(specs)
+    builder = _Builder(backend, timeout, pg_options, build_id)
+    try:
+        return builder.build(specs)
+    except BaseException:
+        builder.result.destroy()
+        raise
 
 
 class _Builder:
-    def __init__(self, backend: str | None, timeout: timedelta | None, pg_options: Any) -> None:
+    def __init__(
+        self, backend: str | None, timeout: timedelta | None, pg_options: Any, build_id: int | None
+    ) -> None:
         self.default_group = _compat.default_group()
         self.default_backend = str(dist.get_backend(self.default_group))
         self.world = tuple(range(self.default_group.size()))
@@ -112,7 +122,7 @@ class _Builder:
         self.timeout = timeout
         self.pg_options = pg_options
         self.bound = _compat.bound_device(self.default_group) is not None
-        self.build_id = next(_build_counter)
+        self.build_id = f"{build_id}" if build_id is not None else f"local{next(_build_counter)}"
         self.result = ProcessGroupSet(by_name={})
         self.by_key: dict[tuple[Any, ...], dist.ProcessGroup | None] = {}
 
@@ -170,14 +180,20 @@ class _Builder:
         digest = hashlib.sha1(
             f"{backend}:{name}:{members}".encode(), usedforsecurity=False
         ).hexdigest()[:20]
-        group = _compat.new_member_group(
-            list(members),
-            f"meshstate-{self.build_id}-{digest}",
-            backend=backend,
-            timeout=self.timeout,
-            pg_options=pg_options,
-            description=f"meshstate:{name}",
-        )
+        try:
+            group = _compat.new_member_group(
+                list(members),
+                f"meshstate-{self.build_id}-{digest}",
+                backend=backend,
+                timeout=self.timeout,
+                pg_options=pg_options,
+                description=f"meshstate:{name}",
+            )
+        except RuntimeError as error:
+            what = f"the {name!r} group of ranks {_short(members)} did not form"
+            if isinstance(error, dist.DistStoreError) or "timed out" in str(error).lower():
+                raise MeshTimeoutError(f"{what} within the timeout: {error}") from error
+            raise MeshStateError(f"{what}: {error}") from error
         self.result.creation_calls += 1
         self.result.owned.append(group)
         return group
@@ -195,3 +211,7 @@ class _Builder:
         if group is not None:
             self.result.owned.append(group)
         return group
+
+
+def _short(ranks: tuple[int, ...]) -> str:
+    return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate import _compat
+from meshstate.agreement import agree
 from meshstate.config import DEFAULT_ORDER, MeshConfig
 from meshstate.errors import AxisError, ConfigError, MeshStateError, NotInitializedError
 from meshstate.groups import GroupOptions, GroupSpec, ProcessGroupSet, create_process_groups
@@ -246,6 +247,8 @@ class ParallelMesh:
         while self in _entered_meshes:
             _entered_meshes.remove(self)
         self.process_groups.destroy()
+        if self._device_meshes:
+            _compat.forget_sharding_decisions()
         self._device_meshes.clear()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -292,6 +295,7 @@ class ParallelMesh:
             return self._device_meshes[(canonical,)]
         root = self.dense if grid is self.layout.dense else self.expert
         flattened = _compat.flatten_with_group(root, axes, canonical, self.group(canonical))
+        self._check_consistent(flattened, (canonical,))
         self._device_meshes[(canonical,)] = flattened
         return flattened
 
@@ -313,7 +317,19 @@ class ParallelMesh:
                 f"axes {names} must be distinct and in mesh order (outer to inner) "
                 f"{root_axes}; use {in_mesh_order}"
             )
-        return root[names]
+        return self._check_consistent(root[names], names)
+
+    def _check_consistent(self, view: DeviceMesh, keys: tuple[str, ...]) -> DeviceMesh:
+        """Refuse a DeviceMesh whose ranks disagree with the process groups behind it."""
+        for dim, key in enumerate(keys):
+            mesh_rank, group_rank = view.get_local_rank(dim), dist.get_rank(view.get_group(dim))
+            if mesh_rank != group_rank or mesh_rank != self.rank(key):
+                raise MeshStateError(
+                    f"DeviceMesh dim {key!r} puts rank {self.global_rank} at {mesh_rank}, but its "
+                    f"process group at {group_rank} and the layout at {self.rank(key)}; a "
+                    "DeviceMesh numbers ranks in mesh order, so the group must list them so too"
+                )
+        return view
 
 
 _current_mesh: ParallelMesh | None = None
@@ -359,6 +375,7 @@ def init_mesh(
     joint_groups: Sequence[str] = (),
     families: Sequence[GroupFamily] = (),
     group_options: Mapping[str, GroupOptions] | None = None,
+    agree_on: Mapping[str, object] | None = None,
 ) -> ParallelMesh:
     """Build the calling rank's :class:`ParallelMesh`; every rank must call it.
 
@@ -371,12 +388,60 @@ def init_mesh(
     named groups carved out of the axis groups (e.g. Megatron's embedding
     groups); ``group_options`` sets backend and options per key or family.
 
+    First every rank agrees on these arguments (and ``agree_on``, for callers
+    with more to agree on) through the store, within ``timeout`` (torch's
+    default when ``None``): a rank with different arguments makes every rank
+    raise :class:`~meshstate.errors.ConfigMismatchError`, a rank that never
+    arrives a :class:`~meshstate.errors.MeshTimeoutError` naming it.
+
     Example (``torchrun --nproc-per-node 8``)::
 
         mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, ep=2, etp=1)
         mesh["dp-cp"]   # what FSDP2 shards over
     """
     owns_default_group = _init_default_group_from_env(backend, timeout)
+    try:
+        return _build_mesh(
+            order, tp, cp, ep, etp, pp, device_type, backend, timeout, joint_groups, families,
+            dict(group_options or {}), dict(agree_on or {}), owns_default_group,
+        )
+    except BaseException:
+        if owns_default_group:
+            dist.destroy_process_group()
+        raise
+
+
+def _build_mesh(
+    order: str,
+    tp: int,
+    cp: int,
+    ep: int,
+    etp: int | None,
+    pp: int,
+    device_type: str | None,
+    backend: str | None,
+    timeout: timedelta | None,
+    joint_groups: Sequence[str],
+    families: Sequence[GroupFamily],
+    options: dict[str, GroupOptions],
+    agree_on: dict[str, object],
+    owns_default_group: bool,
+) -> ParallelMesh:
+    build_id = agree(
+        {
+            "order": order, "tp": tp, "cp": cp, "ep": ep, "etp": etp, "pp": pp,
+            "device_type": device_type, "backend": backend,
+            "timeout": None if timeout is None else timeout.total_seconds(),
+            "joint_groups": list(joint_groups),
+            "families": [[family.name, family.base] for family in families],
+            "group_options": {
+                key: [value.backend, value.pg_options is not None, value.separate]
+                for key, value in sorted(options.items())
+            },
+            **agree_on,
+        },
+        timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
+    )
     config = MeshConfig(
         dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp
     )
@@ -388,7 +453,6 @@ def init_mesh(
             if canonical not in GROUP_KINDS
         )
     )
-    options = dict(group_options or {})
     _check_family_names(kinds, families, options)
     rank = dist.get_rank()
     specs = [
@@ -409,7 +473,9 @@ def init_mesh(
         )
         for family in families
     ]
-    process_groups = create_process_groups(specs, backend=backend, timeout=timeout)
+    process_groups = create_process_groups(
+        specs, backend=backend, timeout=timeout, build_id=build_id
+    )
     if device_type is None:
         device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     return ParallelMesh(

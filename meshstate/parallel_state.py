@@ -509,6 +509,17 @@ def initialize_model_parallel(
         timeout=timedelta(minutes=distributed_timeout_minutes),
         families=derived,
         group_options=options,
+        agree_on={
+            "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
+            "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
+            "use_sharp": use_sharp,
+            "sharp_enabled_group": sharp_enabled_group,
+            "hierarchical_context_parallel_sizes": hierarchical_context_parallel_sizes,
+            "num_distributed_optimizer_instances": num_distributed_optimizer_instances,
+            "get_embedding_ranks": _name_of(get_embedding_ranks),
+            "get_position_embedding_ranks": _name_of(get_position_embedding_ranks),
+            "create_gloo_process_groups": create_gloo_process_groups,
+        },
     )
     if sharp_group is not None:
         _enable_sharp(mesh.group(sharp_group) if mesh.has_group(sharp_group) else None)
@@ -521,13 +532,18 @@ def initialize_model_parallel(
     logger.debug("initialized model parallel state: %r", mesh)
 
 
+def _name_of(function: Callable[..., object] | None) -> str | None:
+    if function is None:
+        return None
+    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', repr(function))}"
+
+
 def destroy_model_parallel() -> None:
     """Destroy the groups and reset every value; safe to call when not initialized."""
     global _view
     old, _view = _view, _View()
     for group in old.standalone_groups:
-        if _compat.is_registered(group):
-            dist.destroy_process_group(group)
+        _compat.destroy_group(group)
     if old.mesh is not None:
         old.mesh.destroy()
 

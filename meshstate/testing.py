@@ -39,14 +39,13 @@ _pooled: dict[tuple[int, str], LocalWorld] = {}
 def local_world(world_size: int, backend: str | None = None) -> LocalWorld:
     """A running :class:`LocalWorld` of ``world_size`` ranks, reused between calls.
 
-    Only one pooled world is kept: asking for another size stops the previous one.
+    One world is kept per size and backend until :func:`close_pooled_worlds`
+    (or exit); a world whose workers died is replaced.
     """
     key = (world_size, backend or default_backend(world_size))
     world = _pooled.get(key)
-    if world is not None and world.alive:
-        return world
-    close_pooled_worlds()
-    world = _pooled[key] = LocalWorld(world_size, backend=key[1])
+    if world is None or not world.alive:
+        world = _pooled[key] = LocalWorld(world_size, backend=key[1])
     return world
 
 

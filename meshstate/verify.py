@@ -4,7 +4,8 @@ For every group kind the calling rank checks that its process group holds
 exactly the ranks the layout says, in that order: an all-reduce of
 ``[global rank, 1]`` must give the sum and the count of the member ranks, an
 all-gather of the global ranks must return them in group order, and the
-DeviceMesh of the kind must report the same ranks and local rank. This is what
+DeviceMesh of the kind must hold the same ranks (the mesh itself refuses one
+whose local rank disagrees with its group's). This is what
 ``meshstate check`` runs on every rank.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from meshstate.errors import MeshStateError
 from meshstate.mesh import ParallelMesh
 
 
@@ -67,14 +69,13 @@ def _check_kind(mesh: ParallelMesh, key: str, device: torch.device) -> KindCheck
     gathered_ranks = tuple(int(t.item()) for t in gathered)
     if gathered_ranks != ranks:
         problems.append(f"all_gather of ranks gave {list(gathered_ranks)}, expected {list(ranks)}")
-    device_mesh = mesh[key]
-    if tuple(device_mesh.mesh.flatten().tolist()) != ranks:
-        problems.append(f"DeviceMesh {key!r} holds {device_mesh.mesh.flatten().tolist()}")
-    if device_mesh.get_local_rank() != mesh.rank(key):
-        problems.append(
-            f"DeviceMesh {key!r} local rank {device_mesh.get_local_rank()}, "
-            f"expected {mesh.rank(key)}"
-        )
+    try:
+        device_mesh = mesh[key]
+    except MeshStateError as refused:
+        problems.append(str(refused))
+    else:
+        if tuple(device_mesh.mesh.flatten().tolist()) != ranks:
+            problems.append(f"DeviceMesh {key!r} holds {device_mesh.mesh.flatten().tolist()}")
     return KindCheck(key, ranks, tuple(problems))
 
 

@@ -102,3 +102,21 @@ def test_verify_reports_a_group_that_does_not_match_the_layout():
     assert any("all_gather of ranks gave" in p for p in checks["tp"].problems)
     assert all(check.ok for key, check in checks.items() if key != "tp")
     mesh.destroy()
+
+
+def dtensor_matmul_on_a_fresh_mesh():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = meshstate.init_mesh(tp=2)
+    tp = mesh["tp"]
+    weight = DTensor.from_local(torch.ones(2, 3), tp, [Shard(0)], run_check=False)
+    inputs = DTensor.from_local(torch.ones(4, 2), tp, [Shard(1)], run_check=False)
+    result = torch.mm(inputs, weight).redistribute(tp, [Replicate()]).to_local()
+    mesh.destroy()
+    return result.sum().item()
+
+
+@distributed(world_size=8)
+def test_dtensors_on_a_rebuilt_mesh_do_not_reach_the_destroyed_groups():
+    # DTensor caches sharding decisions by mesh layout; destroy() must forget them.
+    assert dtensor_matmul_on_a_fresh_mesh() == dtensor_matmul_on_a_fresh_mesh() == 48.0

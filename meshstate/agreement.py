@@ -1,0 +1,96 @@
+"""Before any group exists, every rank agrees on the config, or all fail alike.
+
+At thousands of ranks the common failures are one rank launched with a
+different flag and one node that never came up. :func:`agree` runs first in
+every mesh build: each rank posts its config to the default group's store and
+waits, within the timeout, until all ranks have. Then either every rank holds
+the same config and the build goes on, or every rank raises the same
+:class:`~meshstate.errors.ConfigMismatchError` naming the ranks and fields that
+differ; ranks that never arrive end it with a
+:class:`~meshstate.errors.MeshTimeoutError` naming them. The store traffic per
+rank is constant; only the error paths read every rank's entry.
+
+On torch's fake backend there is no one to agree with, so nothing is checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from meshstate import _compat
+from meshstate.errors import ConfigMismatchError, MeshTimeoutError
+
+_PREFIX = "meshstate/agree"
+_LISTED = 16  # ranks named in a message before "and N more"
+
+
+def agree(fields: Mapping[str, Any], *, timeout: timedelta) -> int | None:
+    """Wait until every rank has posted ``fields``; check they are all the same.
+
+    Returns the build's round number, the same on every rank (``None`` on the
+    fake backend). Every rank must call it once per mesh build.
+
+    Raises:
+        MeshTimeoutError: some ranks did not call it within ``timeout``.
+        ConfigMismatchError: some ranks posted different ``fields``.
+    """
+    if dist.get_backend() == "fake":
+        return None
+    store = _compat.default_store()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    build = (store.add(f"{_PREFIX}/arrivals", 1) - 1) // world_size
+    prefix = f"{_PREFIX}/{build}"
+    text = json.dumps(dict(fields), sort_keys=True, default=repr)
+    digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+    store.set(f"{prefix}/rank/{rank}", text)
+    store.add(f"{prefix}/digest/{digest}", 1)
+    if store.add(f"{prefix}/count", 1) == world_size:
+        store.set(f"{prefix}/done", "1")
+    try:
+        store.wait([f"{prefix}/done"], timeout)
+    except RuntimeError:
+        missing = [r for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
+        raise MeshTimeoutError(
+            f"{_ranks(missing)} did not reach the mesh build within "
+            f"{timeout.total_seconds():g} s ({world_size - len(missing)} of {world_size} "
+            "ranks arrived)"
+        ) from None
+    if store.add(f"{prefix}/digest/{digest}", 0) != world_size:
+        keys = [f"{prefix}/rank/{r}" for r in range(world_size)]
+        posted = [json.loads(value) for value in store.multi_get(keys)]
+        raise ConfigMismatchError(describe_mismatch(posted))
+    store.delete_key(f"{prefix}/rank/{rank}")
+    return build
+
+
+def describe_mismatch(posted: list[dict[str, Any]]) -> str:
+    """Which ranks posted configs that differ from rank 0's, and in which fields.
+
+    Example: ``"ranks disagree on the mesh config: rank 3 has tp=4 (rank 0: tp=2)"``.
+    """
+    reference = posted[0]
+    by_difference: dict[str, list[int]] = {}
+    for rank, fields in enumerate(posted):
+        names = sorted(set(fields) | set(reference))
+        different = [n for n in names if fields.get(n) != reference.get(n)]
+        if different:
+            mine = ", ".join(f"{n}={fields.get(n)!r}" for n in different)
+            theirs = ", ".join(f"{n}={reference.get(n)!r}" for n in different)
+            by_difference.setdefault(f"{mine} (rank 0: {theirs})", []).append(rank)
+    parts = [f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {text}"
+             for text, ranks in by_difference.items()]
+    return "ranks disagree on the mesh config: " + "; ".join(parts)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(map(str, ranks[:_LISTED]))
+    more = f" and {len(ranks) - _LISTED} more" if len(ranks) > _LISTED else ""
+    return f"ranks {shown}{more}"
