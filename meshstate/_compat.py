@@ -7,7 +7,8 @@ function says which private name it relies on.
 from __future__ import annotations
 
 from datetime import timedelta
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -97,6 +98,40 @@ def symmetric_memory(
         return buffer, symm_mem.rendezvous(buffer, group)
     except RuntimeError:
         return None, None
+
+
+@contextmanager
+def counting_group_creation() -> Iterator[list[int]]:
+    """Count the calls that create process groups while the block runs.
+
+    Every group creation, by ``new_group``, ``init_device_mesh`` or meshstate,
+    goes through ``c10d._new_process_group_helper`` (members and non-members
+    alike), or through ``split_group``; the count is ``calls[0]``.
+    """
+    calls = [0]
+    helper, split = c10d._new_process_group_helper, dist.split_group
+
+    def counted_helper(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return helper(*args, **kwargs)
+
+    def counted_split(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return split(*args, **kwargs)
+
+    c10d._new_process_group_helper = counted_helper
+    dist.split_group = counted_split
+    try:
+        yield calls
+    finally:
+        c10d._new_process_group_helper = helper
+        dist.split_group = split
+
+
+def live_groups() -> list[dist.ProcessGroup]:
+    """Every process group this rank is a member of, the default group aside."""
+    world_group = default_group()
+    return [group for group in c10d._world.pg_map if group is not world_group]
 
 
 def forget_sharding_decisions() -> None:

@@ -4,7 +4,8 @@
 ``--json`` prints them as one object; ``--rank R`` adds that rank's view;
 ``--gpus-per-node N`` adds how many nodes each group spans and order advice.
 ``meshstate check`` builds the mesh on local processes (or the ranks torchrun
-launched) and verifies every group with real collectives.
+launched) and verifies every group with real collectives. ``meshstate bench``
+measures meshstate beside megatron-core and plain DeviceMesh.
 Bad input exits with status 2 and one line on stderr.
 """
 
@@ -21,6 +22,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from meshstate import bench
 from meshstate.config import DEFAULT_ORDER, MeshConfig
 from meshstate.errors import MeshStateError
 from meshstate.launch import RankFailure, RankTimeout, default_backend, run_local
@@ -82,7 +84,30 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_layout_flags(check, {"tp": 2, "cp": 2, "ep": 2, "etp": 1, "pp": 2})
     check.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on GPUs, gloo")
     check.add_argument("--timeout", type=_positive_int, default=120, help="seconds (default 120)")
+
+    bench = commands.add_parser(
+        "bench", help="init time, groups, getter cost and memory beside megatron-core"
+    )
+    bench.add_argument(
+        "--world-sizes", type=_positive_ints, default=[1024, 16384, 131072],
+        help="simulated worlds (default 1024,16384,131072)",
+    )
+    _add_layout_flags(bench, {"tp": 8, "cp": 2, "ep": 8, "etp": 1, "pp": 8})
+    bench.add_argument("--rank", type=int, help="the simulated rank (default: world/2 + 1)")
+    bench.add_argument("--repeat", type=_positive_int, default=3, help="timed runs (median)")
+    bench.add_argument(
+        "--processes", type=_positive_ints, default=[8, 16],
+        help="real local worlds to time too, tp=2 cp=2 pp=2 ep=2 etp=1 (default 8,16; 0: none)",
+    )
+    bench.add_argument("--without-megatron", action="store_true", help="leave megatron-core out")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def _positive_ints(text: str) -> list[int]:
+    if text.strip() == "0":
+        return []
+    return [_positive_int(part) for part in text.split(",")]
 
 
 def _config(args: argparse.Namespace, world_size: int) -> MeshConfig:
@@ -232,11 +257,25 @@ def _check(args: argparse.Namespace) -> int:
     return EXIT_MISMATCH if any(not row.ok for row in summaries) else 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    sizes = dict(order=args.order, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, pp=args.pp)
+    for world_size in args.world_sizes:
+        if args.rank is not None and not 0 <= args.rank < world_size:
+            raise MeshStateError(f"--rank {args.rank} is outside 0..{world_size - 1}")
+    report = bench.run(
+        args.world_sizes, sizes, rank=args.rank, repeats=args.repeat,
+        process_world_sizes=args.processes, with_megatron=not args.without_megatron,
+    )
+    print(bench.report_json(report) if args.json else bench.format_report(report))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``meshstate`` command; return its exit status."""
     args = _build_parser().parse_args(argv)
+    commands = {"plan": _plan, "check": _check, "bench": _bench}
     try:
-        return _plan(args) if args.command == "plan" else _check(args)
+        return commands[args.command](args)
     except (RankFailure, RankTimeout) as failure:
         print(f"meshstate {args.command}: {failure}", file=sys.stderr)
         return EXIT_MISMATCH

@@ -29,7 +29,8 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -266,3 +267,21 @@ def run_local(
     """Start a :class:`LocalWorld`, run ``fn`` once on every rank, stop it."""
     with LocalWorld(world_size, backend=backend, timeout=timeout) as world:
         return world.run(fn, *args, **kwargs)
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """Be rank ``rank`` of a ``world_size``-rank world on torch's fake backend.
+
+    For layout, group-count and timing work in one process; collectives do not
+    move data. The default group (and every group made inside) is destroyed on exit.
+
+    Example: ``with fake_world(5, 131072): meshstate.init_mesh(tp=8)``.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

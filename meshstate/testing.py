@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import atexit
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.distributed as dist
 
-from meshstate.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend
+from meshstate.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend, fake_world
+
+__all__ = ["close_pooled_worlds", "distributed", "fake_world", "local_world"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -85,19 +85,3 @@ def distributed(
         return cast(_F, run_on_ranks)
 
     return decorate
-
-
-@contextmanager
-def fake_world(rank: int, world_size: int) -> Iterator[None]:
-    """Be rank ``rank`` of a ``world_size``-rank world on torch's fake backend.
-
-    For layout, group-count and timing work in one process; collectives do not
-    move data. The default group is destroyed on exit.
-    """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()

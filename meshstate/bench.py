@@ -1,0 +1,397 @@
+"""``meshstate bench``: meshstate beside megatron-core and plain DeviceMesh, in one run.
+
+For each world size, one rank is simulated on torch's fake backend and every
+approach builds the same layout: meshstate's ``init_mesh``, meshstate's
+``parallel_state.initialize_model_parallel``, megatron-core's
+``initialize_model_parallel`` (when installed) and a plain ``init_device_mesh``
+with the ``_flatten``/``_unflatten`` calls that give the same joint and expert
+groups. Each row reports the median init time, the group-creation calls the
+rank made, the process groups it ends up in and how many distinct rank sets
+they hold, the Python memory the built state keeps (tracemalloc: tensors and
+C++ objects are not counted), the cost of the hot getters, and for meshstate
+and megatron-core the time to compute the groups of every kind. Ratios are
+against megatron-core at the same world size.
+
+Then the same approaches run on real local processes (gloo, NCCL with a GPU
+per rank): the wall time of init, the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import platform
+import statistics
+import time
+import timeit
+import tracemalloc
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from meshstate import _compat
+from meshstate import parallel_state as mpu
+from meshstate.config import MeshConfig
+from meshstate.launch import LocalWorld, default_backend, fake_world
+from meshstate.layout import GROUP_KINDS, ParallelLayout
+from meshstate.mesh import init_mesh
+
+INIT_MESH = "meshstate init_mesh"
+PARALLEL_STATE = "meshstate parallel_state"
+MEGATRON = "megatron-core"
+DEVICE_MESH = "init_device_mesh"
+APPROACHES = (INIT_MESH, PARALLEL_STATE, MEGATRON, DEVICE_MESH)
+GETTERS = ("tp rank", "tp size", "first stage", "dp-cp size")
+PROCESS_SIZES = dict(tp=2, cp=2, pp=2, ep=2, etp=1)
+"""The layout timed on real local processes unless told otherwise."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One approach at one world size."""
+
+    world_size: int
+    approach: str
+    init_seconds: float
+    creation_calls: int
+    member_groups: int
+    distinct_rank_sets: int
+    state_kib: float
+    getter_ns: dict[str, float]
+    layout_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class ProcessRow:
+    """One approach on real local processes: init wall time, the slowest rank."""
+
+    world_size: int
+    backend: str
+    approach: str
+    init_seconds: float
+
+
+@dataclass
+class Report:
+    """Everything ``meshstate bench`` prints."""
+
+    machine: dict[str, Any]
+    config: dict[str, Any]
+    rows: list[Row] = field(default_factory=list)
+    process_config: dict[str, Any] = field(default_factory=dict)
+    process_rows: list[ProcessRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Built:
+    getters: dict[str, Callable[[], object]]
+    teardown: Callable[[], None] = lambda: None
+
+
+def megatron_available() -> bool:
+    """Whether megatron-core can be imported (it is an optional peer)."""
+    return importlib.util.find_spec("megatron.core") is not None
+
+
+def _sizes(config: MeshConfig) -> dict[str, Any]:
+    return dict(order=config.order, tp=config.tp, cp=config.cp, ep=config.ep, etp=config.etp, pp=config.pp)
+
+
+def _build_init_mesh(config: MeshConfig) -> _Built:
+    mesh = init_mesh(**_sizes(config))
+    return _Built(
+        {
+            "tp rank": partial(mesh.rank, "tp"),
+            "tp size": partial(mesh.size, "tp"),
+            "first stage": partial(mesh.is_first, "pp"),
+            "dp-cp size": partial(mesh.size, "dp-cp"),
+        },
+        mesh.destroy,
+    )
+
+
+def _megatron_arguments(config: MeshConfig) -> dict[str, Any]:
+    return dict(
+        tensor_model_parallel_size=config.tp,
+        context_parallel_size=config.cp,
+        expert_model_parallel_size=config.ep,
+        expert_tensor_parallel_size=config.etp,
+        pipeline_model_parallel_size=config.pp,
+        order=config.order,
+        create_gloo_process_groups=dist.get_backend() != "fake",
+    )
+
+
+def _build_parallel_state(config: MeshConfig) -> _Built:
+    mpu.initialize_model_parallel(**_megatron_arguments(config))
+    return _Built(
+        {
+            "tp rank": mpu.get_tensor_model_parallel_rank,
+            "tp size": mpu.get_tensor_model_parallel_world_size,
+            "first stage": mpu.is_pipeline_first_stage,
+            "dp-cp size": partial(mpu.get_data_parallel_world_size, with_context_parallel=True),
+        },
+        mpu.destroy_model_parallel,
+    )
+
+
+def _build_megatron(config: MeshConfig) -> _Built:
+    from megatron.core import parallel_state as megatron
+
+    megatron.initialize_model_parallel(**_megatron_arguments(config))
+    return _Built(
+        {
+            "tp rank": megatron.get_tensor_model_parallel_rank,
+            "tp size": megatron.get_tensor_model_parallel_world_size,
+            "first stage": megatron.is_pipeline_first_stage,
+            "dp-cp size": partial(megatron.get_data_parallel_world_size, with_context_parallel=True),
+        },
+        megatron.destroy_model_parallel,
+    )
+
+
+def _build_device_mesh(config: MeshConfig) -> _Built:
+    """Plain torch: every axis by ``init_device_mesh``, joint and expert groups by flattening."""
+    layout = ParallelLayout(config)
+    dense = init_device_mesh(
+        "cpu", layout.dense.mesh_shape, mesh_dim_names=layout.dense.mesh_axes
+    )
+    flattened = {}
+    for key in GROUP_KINDS:
+        _, grid, axes = layout.resolve(key)
+        if "-" in key and grid is layout.dense:
+            flattened[key] = dense[axes]._flatten(key)
+    expert = dense._flatten("world")._unflatten(
+        0, layout.expert.mesh_shape, layout.expert.mesh_axes
+    )
+    for key in ("etp-ep", "etp-ep-pp"):
+        flattened[key] = expert[layout.resolve(key)[2]]._flatten(key)
+    tp, pp, dp_cp = dense["tp"], dense["pp"], flattened["dp-cp"]
+    return _Built(
+        {
+            "tp rank": tp.get_local_rank,
+            "tp size": tp.size,
+            "first stage": lambda: pp.get_local_rank() == 0,
+            "dp-cp size": dp_cp.size,
+        }
+    )
+
+
+_BUILDERS: dict[str, Callable[[MeshConfig], _Built]] = {
+    INIT_MESH: _build_init_mesh,
+    PARALLEL_STATE: _build_parallel_state,
+    MEGATRON: _build_megatron,
+    DEVICE_MESH: _build_device_mesh,
+}
+
+
+# megatron-core's RankGenerator token for each expert kind; dense kinds keep their names.
+_EXPERT_TOKENS = {"ep": "ep", "etp": "tp", "etp-ep": "tp-ep", "etp-ep-pp": "tp-ep-pp", "edp": "dp"}
+
+
+def _megatron_layout(config: MeshConfig) -> None:
+    from megatron.core.parallel_state import RankGenerator
+
+    dense = RankGenerator(config.tp, 1, config.dp, config.pp, config.cp, config.order)
+    expert = RankGenerator(config.etp, config.ep, config.edp, config.pp, 1, config.order)
+    for kind in GROUP_KINDS:
+        if kind in _EXPERT_TOKENS:
+            expert.get_ranks(_EXPERT_TOKENS[kind])
+        else:
+            dense.get_ranks(kind)
+
+
+def _meshstate_layout(config: MeshConfig) -> None:
+    layout = ParallelLayout(config)
+    for kind in GROUP_KINDS:
+        layout.groups(kind)
+
+
+def _median_seconds(action: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _ns_per_call(getter: Callable[[], object]) -> float:
+    calls = 20000
+    best = min(timeit.repeat(getter, number=calls, repeat=5))
+    return best / calls * 1e9
+
+
+def measure(config: MeshConfig, approach: str, rank: int, repeats: int) -> Row:
+    """One row: ``approach`` building ``config`` on ``rank`` of a fake world."""
+    build = _BUILDERS[approach]
+    with fake_world(rank, config.world_size):
+        gc.collect()
+        tracemalloc.start()
+        before, _ = tracemalloc.get_traced_memory()
+        with _compat.counting_group_creation() as calls:
+            built = build(config)
+        gc.collect()
+        kept, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        groups = _compat.live_groups()
+        rank_sets = {tuple(dist.get_process_group_ranks(group)) for group in groups}
+        getter_ns = {name: _ns_per_call(getter) for name, getter in built.getters.items()}
+        built.teardown()
+    times = []
+    for _ in range(repeats):
+        with fake_world(rank, config.world_size):
+            started = time.perf_counter()
+            built = build(config)
+            times.append(time.perf_counter() - started)
+            built.teardown()
+    layout_seconds = None
+    if approach in (INIT_MESH, MEGATRON):
+        compute = _meshstate_layout if approach == INIT_MESH else _megatron_layout
+        layout_seconds = _median_seconds(lambda: compute(config), repeats)
+    return Row(
+        world_size=config.world_size,
+        approach=approach,
+        init_seconds=statistics.median(times),
+        creation_calls=calls[0],
+        member_groups=len(groups),
+        distinct_rank_sets=len(rank_sets),
+        state_kib=(kept - before) / 1024,
+        getter_ns=getter_ns,
+        layout_seconds=layout_seconds,
+    )
+
+
+def time_init_on_rank(approach: str, sizes: dict[str, Any]) -> float:
+    """Build ``approach`` on this rank of an initialised world; return the seconds it took."""
+    config = MeshConfig(dist.get_world_size(), **sizes)
+    dist.barrier()
+    started = time.perf_counter()
+    built = _BUILDERS[approach](config)
+    seconds = time.perf_counter() - started
+    dist.barrier()
+    built.teardown()
+    return seconds
+
+
+def run(
+    world_sizes: Sequence[int],
+    sizes: dict[str, Any],
+    *,
+    rank: int | None = None,
+    repeats: int = 3,
+    process_world_sizes: Sequence[int] = (8, 16),
+    process_sizes: dict[str, Any] | None = None,
+    with_megatron: bool = True,
+) -> Report:
+    """Measure every approach; see the module docstring."""
+    for world_size in world_sizes:
+        MeshConfig(world_size, **sizes)
+    report = Report(machine=machine(), config={"world_sizes": list(world_sizes), **sizes})
+    approaches = [a for a in APPROACHES if a != MEGATRON or (with_megatron and megatron_available())]
+    if MEGATRON in approaches:
+        with warnings.catch_warnings():  # megatron-core warns about optional CUDA packages
+            warnings.simplefilter("ignore")
+            importlib.import_module("megatron.core.parallel_state")  # outside any measurement
+    else:
+        report.notes.append("megatron-core is left out (not installed, or --without-megatron)")
+    for world_size in world_sizes:
+        config = MeshConfig(world_size, **sizes)
+        measured_rank = world_size // 2 + 1 if rank is None else rank
+        for approach in approaches:
+            report.rows.append(measure(config, approach, measured_rank, repeats))
+    process_sizes = process_sizes or dict(PROCESS_SIZES)
+    for world_size in process_world_sizes:
+        MeshConfig(world_size, **process_sizes)
+    report.process_config = dict(process_sizes)
+    for world_size in process_world_sizes:
+        backend = default_backend(world_size)
+        with LocalWorld(world_size, backend=backend) as world:
+            for approach in approaches:
+                seconds = world.run(time_init_on_rank, approach, process_sizes)
+                report.process_rows.append(ProcessRow(world_size, backend, approach, max(seconds)))
+    if process_world_sizes and not torch.cuda.is_available():
+        report.notes.append("no GPU here: the NCCL path (and split_group) was not measured")
+    return report
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import os
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+
+
+def _ratio(mine: float | None, reference: float | None) -> str:
+    if mine is None or reference is None or mine <= 0:
+        return "-"
+    return f"{reference / mine:.0f}x" if reference / mine >= 10 else f"{reference / mine:.1f}x"
+
+
+def format_report(report: Report) -> str:
+    """The tables ``meshstate bench`` prints."""
+    config = report.config
+    lines = [
+        "meshstate bench: one simulated rank per world size (fake backend); "
+        + " ".join(f"{k}={v}" for k, v in config.items() if k != "world_sizes"),
+        f"machine: {report.machine['processor']}, {report.machine['cpus']} CPUs, "
+        f"Python {report.machine['python']}, torch {report.machine['torch']}",
+        "",
+        f"{'world':>7} {'approach':<25} {'init s':>8} {'calls':>7} {'groups':>7} {'sets':>5} "
+        f"{'state KiB':>10} {'tp rank ns':>10} {'layout s':>9} {'init':>6} {'getter':>6} {'layout':>6}",
+    ]
+    for row in report.rows:
+        reference = next(
+            (r for r in report.rows if r.world_size == row.world_size and r.approach == MEGATRON),
+            None,
+        )
+        layout = "-" if row.layout_seconds is None else f"{row.layout_seconds:.4f}"
+        ratios = ["-", "-", "-"]
+        if reference is not None:
+            ratios = [
+                _ratio(row.init_seconds, reference.init_seconds),
+                _ratio(row.getter_ns["tp rank"], reference.getter_ns["tp rank"]),
+                _ratio(row.layout_seconds, reference.layout_seconds),
+            ]
+        lines.append(
+            f"{row.world_size:>7} {row.approach:<25} {row.init_seconds:>8.4f} "
+            f"{row.creation_calls:>7} {row.member_groups:>7} {row.distinct_rank_sets:>5} "
+            f"{row.state_kib:>10.0f} {row.getter_ns['tp rank']:>10.0f} {layout:>9} "
+            + " ".join(f"{ratio:>6}" for ratio in ratios)
+        )
+    lines.append("")
+    lines.append("hot getters, ns per call (" + ", ".join(GETTERS) + "):")
+    for row in report.rows:
+        if row.world_size == report.rows[-1].world_size:
+            figures = "  ".join(f"{row.getter_ns[name]:6.0f}" for name in GETTERS)
+            lines.append(f"{row.world_size:>7} {row.approach:<25} {figures}")
+    if report.process_rows:
+        lines += ["", "real processes, init wall time of the slowest rank: "
+                  + " ".join(f"{k}={v}" for k, v in report.process_config.items())]
+        for process_row in report.process_rows:
+            lines.append(
+                f"{process_row.world_size:>7} {process_row.backend:<6} "
+                f"{process_row.approach:<25} {process_row.init_seconds:>8.4f} s"
+            )
+    lines += [f"note: {note}" for note in report.notes]
+    return "\n".join(lines)
+
+
+def report_json(report: Report) -> str:
+    """The report as one JSON object."""
+    return json.dumps(asdict(report))

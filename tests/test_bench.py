@@ -1,0 +1,64 @@
+"""meshstate bench's logic at a small world: counts, table and JSON schema (no timing asserts)."""
+
+import json
+
+import pytest
+
+from meshstate import bench
+from meshstate.cli import main
+
+SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
+
+
+@pytest.fixture(scope="module")
+def report():
+    return bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(4,),
+                     process_sizes=dict(tp=2, pp=2, ep=2, etp=1))
+
+
+def test_every_approach_measured(report):
+    assert [row.approach for row in report.rows] == list(bench.APPROACHES)
+    assert [(r.world_size, r.backend, r.approach) for r in report.process_rows] == [
+        (4, "gloo", approach) for approach in bench.APPROACHES]
+    for row in report.rows:
+        assert row.init_seconds > 0 and set(row.getter_ns) == set(bench.GETTERS)
+
+
+def test_group_counts(report):
+    rows = {row.approach: row for row in report.rows}
+    # meshstate creates one group per distinct rank set it is in, nothing for other ranks.
+    for approach in (bench.INIT_MESH, bench.PARALLEL_STATE):
+        row = rows[approach]
+        assert row.creation_calls == row.member_groups == row.distinct_rank_sets
+    # tp cp dp pp tp-cp dp-cp tp-dp tp-dp-cp tp-pp ep etp etp-ep etp-ep-pp edp on rank 5 of 64
+    # (tp=2 cp=2 pp=2 ep=2 etp=1): 10 distinct sets, including the one single-rank group.
+    assert rows[bench.INIT_MESH].distinct_rank_sets == 10
+    # megatron-core takes part in creating every group of the world and keeps duplicates.
+    megatron = rows[bench.MEGATRON]
+    assert megatron.creation_calls > 300 and megatron.member_groups > megatron.distinct_rank_sets
+    assert rows[bench.DEVICE_MESH].creation_calls > 300
+    assert megatron.layout_seconds is not None and rows[bench.INIT_MESH].layout_seconds is not None
+
+
+def test_table_and_json(report):
+    table = bench.format_report(report)
+    assert "world approach" in table.replace("  ", " ")
+    assert "     64 meshstate init_mesh" in table
+    assert "real processes, init wall time of the slowest rank" in table
+    decoded = json.loads(bench.report_json(report))
+    assert set(decoded) == {"machine", "config", "rows", "process_config", "process_rows", "notes"}
+    assert set(decoded["rows"][0]) == {
+        "world_size", "approach", "init_seconds", "creation_calls", "member_groups",
+        "distinct_rank_sets", "state_kib", "getter_ns", "layout_seconds"}
+    assert decoded["config"]["world_sizes"] == [64]
+
+
+def test_cli_bench_json_and_bad_input(capsys):
+    assert main(["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
+                 "--etp", "1", "--repeat", "1", "--processes", "0", "--without-megatron", "--json"]) == 0
+    decoded = json.loads(capsys.readouterr().out)
+    assert [row["approach"] for row in decoded["rows"]] == [
+        bench.INIT_MESH, bench.PARALLEL_STATE, bench.DEVICE_MESH]
+    assert main(["bench", "--world-sizes", "12", "--tp", "8"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "meshstate bench: error: world size 12 is not divisible by tp*cp*pp = 8*2*8 = 128"]
