@@ -169,6 +169,19 @@ def destroy_group(group: dist.ProcessGroup) -> None:
         del world.tags_to_pg[tag]
 
 
+def share_rank_map(mesh: DeviceMesh, source: DeviceMesh) -> None:
+    """Let ``mesh`` hold ``source``'s rank map instead of an equal copy.
+
+    Every DeviceMesh keeps its root's rank map as a tensor and as a tuple of
+    world-size Python ints (``_rank_map``, ``_flatten_rank_map``); meshes with
+    equal maps can share one. Maps that differ are left alone.
+    """
+    if mesh._rank_map is not source._rank_map and not torch.equal(mesh._rank_map, source._rank_map):
+        return
+    mesh._rank_map = source._rank_map
+    mesh._flatten_rank_map = source._flatten_rank_map
+
+
 def flatten_with_group(
     root: DeviceMesh, axes: tuple[str, ...], name: str, group: dist.ProcessGroup
 ) -> DeviceMesh:
@@ -193,6 +206,7 @@ def flatten_with_group(
     flattened._dim_group_names = [group.group_name]
     root._pg_registry[group.group_name] = group
     root._flatten_mapping[name] = flattened
+    share_rank_map(flattened, root)
     return flattened
 
 

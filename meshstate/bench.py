@@ -144,7 +144,9 @@ def _build_parallel_state(config: MeshConfig) -> _Built:
 
 
 def _build_megatron(config: MeshConfig) -> _Built:
-    from megatron.core import parallel_state as megatron
+    with warnings.catch_warnings():  # megatron-core warns about optional CUDA packages
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state as megatron
 
     megatron.initialize_model_parallel(**_megatron_arguments(config))
     return _Built(

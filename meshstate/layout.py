@@ -239,17 +239,17 @@ class GroupFamily:
         """The sorted parts of one base group, checked to be disjoint members of it."""
         if self.split is None:
             return [sorted(base_group)]
-        parts = [sorted(int(rank) for rank in part) for part in self.split(list(base_group))]
-        members = set(base_group)
-        seen: set[int] = set()
-        for part in parts:
-            stray = [rank for rank in part if rank not in members or rank in seen]
-            if not part or stray or len(set(part)) != len(part):
-                raise ConfigError(
-                    f"group family {self.name!r} split base group {base_group} into {parts}; "
-                    "parts must be non-empty, disjoint and drawn from the base group"
-                )
-            seen.update(part)
+        parts = [sorted(map(int, part)) for part in self.split(list(base_group))]
+        every_rank = [rank for part in parts for rank in part]
+        if (
+            any(not part for part in parts)
+            or len(set(every_rank)) != len(every_rank)
+            or not set(every_rank) <= set(base_group)
+        ):
+            raise ConfigError(
+                f"group family {self.name!r} split base group {base_group} into {parts}; "
+                "parts must be non-empty, disjoint and drawn from the base group"
+            )
         return parts
 
 

@@ -83,6 +83,7 @@ class ParallelMesh:
         self,
         layout: ParallelLayout,
         process_groups: ProcessGroupSet,
+        members: Mapping[str, tuple[int, ...]],
         *,
         device_type: str,
         kinds: tuple[str, ...] = GROUP_KINDS,
@@ -99,14 +100,16 @@ class ParallelMesh:
         self._owns_default_group = owns_default_group
         self._axis_groups: dict[str, AxisGroup] = {}
         self._ordered_groups: dict[str | tuple[str, ...], OrderedGroup] = {}
-        for key in kinds:
-            self._add_axis_group(key, layout.group_of(self.global_rank, key))
-        for family in families:
-            members = layout.family_group_of(self.global_rank, family)
-            if members is not None:
-                self._add_axis_group(family.name, members)
+        for key, ranks in members.items():
+            self._axis_groups[key] = AxisGroup(
+                key=key,
+                ranks=ranks,
+                rank=ranks.index(self.global_rank),
+                group=process_groups.by_name[key],
+            )
         self.dense = self._root_mesh(layout.dense)
         self.expert = self._root_mesh(layout.expert)
+        _compat.share_rank_map(self.expert, self.dense)
         self._device_meshes: dict[tuple[str, ...], DeviceMesh] = {}
 
     @property
@@ -270,14 +273,6 @@ class ParallelMesh:
             f"order={self.config.order!r}, {sizes})"
         )
 
-    def _add_axis_group(self, key: str, ranks: tuple[int, ...]) -> None:
-        self._axis_groups[key] = AxisGroup(
-            key=key,
-            ranks=ranks,
-            rank=ranks.index(self.global_rank),
-            group=self.process_groups.by_name[key],
-        )
-
     def _root_mesh(self, grid: Grid) -> DeviceMesh:
         return DeviceMesh.from_group(
             [self._axis_groups[axis].group for axis in grid.mesh_axes],
@@ -317,7 +312,9 @@ class ParallelMesh:
                 f"axes {names} must be distinct and in mesh order (outer to inner) "
                 f"{root_axes}; use {in_mesh_order}"
             )
-        return self._check_consistent(root[names], names)
+        view = root[names]
+        _compat.share_rank_map(view, root)
+        return self._check_consistent(view, names)
 
     def _check_consistent(self, view: DeviceMesh, keys: tuple[str, ...]) -> DeviceMesh:
         """Refuse a DeviceMesh whose ranks disagree with the process groups behind it."""
@@ -455,10 +452,12 @@ def _build_mesh(
     )
     _check_family_names(kinds, families, options)
     rank = dist.get_rank()
+    members: dict[str, tuple[int, ...] | None] = {key: layout.group_of(rank, key) for key in kinds}
+    members.update((family.name, layout.family_group_of(rank, family)) for family in families)
     specs = [
         GroupSpec(
             key,
-            layout.group_of(rank, key),
+            members[key],
             partial(_all_groups, layout, key),
             options.get(key, GroupOptions()),
         )
@@ -467,7 +466,7 @@ def _build_mesh(
     specs += [
         GroupSpec(
             family.name,
-            layout.family_group_of(rank, family),
+            members[family.name],
             partial(layout.family_groups, family),
             options.get(family.name, GroupOptions()),
         )
@@ -481,6 +480,7 @@ def _build_mesh(
     return ParallelMesh(
         layout,
         process_groups,
+        {key: ranks for key, ranks in members.items() if ranks is not None},
         device_type=device_type,
         kinds=kinds,
         families=families,

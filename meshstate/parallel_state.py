@@ -182,6 +182,9 @@ _NCCL_CONFIG_KEYS = {
     "intra_dist_opt_instance": (families.DIST_OPT_INSTANCE,),
 }
 
+# The groups whose global ranks megatron-core keeps in module-level lists.
+_GLOBAL_RANK_KEYS = ("tp", "pp", "dp", "cp", "dp-cp", "ep", "tp-pp")
+
 # The `set_*` overrides, by megatron-core's module-level name.
 _OVERRIDES = {
     "tp_size": "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
@@ -310,7 +313,7 @@ class _View:
     def _read_groups(self, mesh: ParallelMesh) -> None:
         member_keys = [key for key in mesh.keys if mesh.has_group(key)]
         self.groups = {key: mesh.group(key) for key in member_keys}
-        self.global_ranks = {key: list(mesh.ranks(key)) for key in member_keys}
+        self.global_ranks = {key: list(mesh.ranks(key)) for key in _GLOBAL_RANK_KEYS}
         levels = [families.hierarchical_cp(level) for level in range(len(mesh.keys))]
         present = [level for level in levels if level in self.groups]
         self.hierarchical_cp = [mesh.group(level) for level in present] or None
