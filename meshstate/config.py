@@ -21,7 +21,8 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _MISSING_AXIS_APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp")
 
 
-def _check_positive_int(name: str, value: object) -> int:
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` if it is a positive ``int`` (not a bool), else a ConfigError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return value
@@ -93,10 +94,10 @@ class MeshConfig:
         etp: int | None = None,
         pp: int = 1,
     ) -> None:
-        _check_positive_int("world size", world_size)
+        check_positive_int("world size", world_size)
         for name, value in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp)):
-            _check_positive_int(name, value)
-        etp = tp if etp is None else _check_positive_int("etp", etp)
+            check_positive_int(name, value)
+        etp = tp if etp is None else check_positive_int("etp", etp)
         object.__setattr__(self, "world_size", world_size)
         object.__setattr__(self, "order", "-".join(_order_tokens(order)))
         object.__setattr__(self, "tp", tp)

@@ -5,12 +5,15 @@ A :class:`LocalWorld` starts N worker processes once and reuses them: each
 when there is a GPU per rank), calls the function, destroys the groups and
 returns the results by rank. A rank that raises is reported with its
 traceback; ranks that do not finish in time end the run with an error naming
-them, and the workers are replaced.
+them, and the workers are stopped (``meshstate.testing`` starts new ones).
+
+:func:`fake_world` instead simulates one rank of a large world in the calling
+process on torch's fake backend (collectives move no data).
 
 Example::
 
-    def world_sum(rank: int) -> float:
-        t = torch.tensor([float(rank)])
+    def world_sum() -> float:
+        t = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(t)
         return t.item()
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshstate.config import MeshConfig, _check_positive_int
+from meshstate.config import MeshConfig, check_positive_int
 from meshstate.errors import AxisError, ConfigError, MeshStateError
 from meshstate.groups import GroupSpec, ProcessGroupSet, create_process_groups
 from meshstate.layout import GROUP_KINDS, Grid, ParallelLayout
@@ -54,7 +54,7 @@ def check_ranks_per_node(world_size: int, ranks_per_node: object) -> int:
     Example: ``check_ranks_per_node(16, 3)`` raises ``ConfigError: world size 16
     is not divisible by 3 ranks per node``.
     """
-    checked = _check_positive_int("ranks per node", ranks_per_node)
+    checked = check_positive_int("ranks per node", ranks_per_node)
     if world_size % checked:
         raise ConfigError(f"world size {world_size} is not divisible by {checked} ranks per node")
     return checked
@@ -256,7 +256,7 @@ class HybridGrid:
             raise ConfigError("a hybrid grid needs at least one axis in intra or inter")
         for part, part_sizes in (("intra", intra), ("inter", inter)):
             for axis, size in part_sizes.items():
-                _check_positive_int(f"{part} size of axis {axis!r}", size)
+                check_positive_int(f"{part} size of axis {axis!r}", size)
         intra_sizes = tuple(intra.get(axis, 1) for axis in axes)
         inter_sizes = tuple(inter.get(axis, 1) for axis in axes)
         object.__setattr__(self, "axes", axes)

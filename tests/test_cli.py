@@ -77,7 +77,7 @@ def test_plan_table(capsys):
         (["check", "--world-size", "6", "--tp", "4"],
          "meshstate check: error: world size 6 is not divisible by tp*cp*pp = 4*2*2 = 16"),
         (["launch"], "meshstate: error: argument command: invalid choice: 'launch' "
-                     "(choose from 'plan', 'check')"),
+                     "(choose from 'plan', 'check', 'bench')"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):
