@@ -131,17 +131,22 @@ def _megatron_arguments(config: MeshConfig) -> dict[str, Any]:
     )
 
 
-def _build_parallel_state(config: MeshConfig) -> _Built:
-    mpu.initialize_model_parallel(**_megatron_arguments(config))
+def _build_with_getters(module: Any, config: MeshConfig) -> _Built:
+    """``initialize_model_parallel`` of a parallel_state module (ours or megatron-core's)."""
+    module.initialize_model_parallel(**_megatron_arguments(config))
     return _Built(
         {
-            "tp rank": ("f()", mpu.get_tensor_model_parallel_rank),
-            "tp size": ("f()", mpu.get_tensor_model_parallel_world_size),
-            "first stage": ("f()", mpu.is_pipeline_first_stage),
-            "dp-cp size": ("f(with_context_parallel=True)", mpu.get_data_parallel_world_size),
+            "tp rank": ("f()", module.get_tensor_model_parallel_rank),
+            "tp size": ("f()", module.get_tensor_model_parallel_world_size),
+            "first stage": ("f()", module.is_pipeline_first_stage),
+            "dp-cp size": ("f(with_context_parallel=True)", module.get_data_parallel_world_size),
         },
-        mpu.destroy_model_parallel,
+        module.destroy_model_parallel,
     )
+
+
+def _build_parallel_state(config: MeshConfig) -> _Built:
+    return _build_with_getters(mpu, config)
 
 
 def _build_megatron(config: MeshConfig) -> _Built:
@@ -149,16 +154,7 @@ def _build_megatron(config: MeshConfig) -> _Built:
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state as megatron
 
-    megatron.initialize_model_parallel(**_megatron_arguments(config))
-    return _Built(
-        {
-            "tp rank": ("f()", megatron.get_tensor_model_parallel_rank),
-            "tp size": ("f()", megatron.get_tensor_model_parallel_world_size),
-            "first stage": ("f()", megatron.is_pipeline_first_stage),
-            "dp-cp size": ("f(with_context_parallel=True)", megatron.get_data_parallel_world_size),
-        },
-        megatron.destroy_model_parallel,
-    )
+    return _build_with_getters(megatron, config)
 
 
 def _build_device_mesh(config: MeshConfig) -> _Built:
