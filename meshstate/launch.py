@@ -219,8 +219,18 @@ class LocalWorld:
                 outcomes[rank] = outcome
         missing = [rank for rank in range(self.world_size) if rank not in outcomes]
         failures = {r: text for r, (kind, text) in sorted(outcomes.items()) if kind == "error"}
+        exits = {
+            rank: worker.exitcode
+            for rank, worker in enumerate(self._workers)
+            if rank in missing and not worker.is_alive()
+        }
         if missing:
             self._kill()
+        if exits:
+            raise RankFailure(
+                f"{fn.__qualname__}: the worker processes of ranks {sorted(exits)} exited "
+                f"(exit codes {sorted(set(exits.values()), key=str)}); see their output above"
+            )
         if failures:
             details = "\n".join(f"--- rank {r} ---\n{text}" for r, text in failures.items())
             unfinished = f"; ranks {missing} did not finish" if missing else ""

@@ -1,0 +1,58 @@
+"""The local-world harness: failures with tracebacks, timeouts naming ranks, crashed workers."""
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from meshstate.launch import LocalWorld, RankFailure, RankTimeout
+from meshstate.testing import local_world
+
+
+def rank_one_raises():
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 disagrees")
+    return dist.get_rank()
+
+
+def rank_one_hangs():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def rank_one_exits():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(1)
+    return dist.get_rank()
+
+
+def world_size_and_rank():
+    return dist.get_world_size(), dist.get_rank()
+
+
+def test_results_failures_and_timeouts():
+    with LocalWorld(2, timeout=timedelta(seconds=30)) as world:
+        assert world.run(world_size_and_rank) == [(2, 0), (2, 1)]
+        with pytest.raises(RankFailure) as failed:
+            world.run(rank_one_raises)
+        message = str(failed.value)
+        assert message.startswith("rank_one_raises failed on ranks [1]\n--- rank 1 ---\nTraceback")
+        assert "ValueError: rank 1 disagrees" in message
+        assert world.run(world_size_and_rank) == [(2, 0), (2, 1)]   # still usable
+        started = time.monotonic()
+        with pytest.raises(RankTimeout, match=r"rank_one_hangs: ranks \[1\] of 2 did not finish within 2 s"):
+            world.run(rank_one_hangs, timeout=timedelta(seconds=2))
+        assert time.monotonic() - started < 10
+        assert not world.alive
+
+
+def test_a_crashed_worker_is_reported_and_the_pool_replaced():
+    world = local_world(2)
+    with pytest.raises(RankFailure, match=r"worker processes of ranks \[1\] exited \(exit codes \[3\]\)"):
+        world.run(rank_one_exits)
+    assert local_world(2) is not world
+    assert local_world(2).run(world_size_and_rank) == [(2, 0), (2, 1)]
