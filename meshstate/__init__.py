@@ -13,6 +13,8 @@ Example (``torchrun --nproc-per-node 8``)::
 Legacy Megatron code: ``from meshstate import parallel_state as mpu``.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from meshstate.collectives import (
     all_gather,
     all_to_all,
@@ -45,7 +47,20 @@ from meshstate.mesh import (
     set_mesh,
 )
 from meshstate.process_groups import ProcessGroupCollection
-from meshstate.sharding import NamedSharding, P, distribute, to_placements
+
+if TYPE_CHECKING:
+    from meshstate.sharding import NamedSharding, P, distribute, to_placements
+
+_SHARDING_NAMES = ("NamedSharding", "P", "distribute", "to_placements")
+
+
+def __getattr__(name: str) -> Any:
+    # DTensor is a heavy import; code that never shards tensors does not pay for it.
+    if name in _SHARDING_NAMES:
+        from meshstate import sharding
+
+        return getattr(sharding, name)
+    raise AttributeError(f"module 'meshstate' has no attribute {name!r}")
 
 __all__ = [
     "DEFAULT_ORDER",
