@@ -91,7 +91,7 @@ def _train(steps: int) -> list[float]:
     device = _device()
     tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+    first = mpu.is_pipeline_first_stage()
     up, down = full_weights(device)[mpu.get_pipeline_model_parallel_rank()]
     shard = HIDDEN // tp_size
     up = up[tp_rank * shard : (tp_rank + 1) * shard].clone().requires_grad_()
