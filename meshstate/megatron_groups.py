@@ -48,6 +48,14 @@ def hierarchical_cp(level: int) -> str:
     return f"hcp-{level}"
 
 
+def hierarchical_cp_levels(keys: Sequence[str]) -> list[str]:
+    """The hierarchical context-parallel family names among ``keys``, innermost first."""
+    levels: list[str] = []
+    while hierarchical_cp(len(levels)) in keys:
+        levels.append(hierarchical_cp(len(levels)))
+    return levels
+
+
 def hybrid_dp_cp(size: int) -> str:
     """Family name of the hybrid data+context groups of ``size`` ranks."""
     return f"dp-cp:hybrid-{size}"

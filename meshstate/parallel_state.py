@@ -314,9 +314,8 @@ class _View:
         member_keys = [key for key in mesh.keys if mesh.has_group(key)]
         self.groups = {key: mesh.group(key) for key in member_keys}
         self.global_ranks = {key: list(mesh.ranks(key)) for key in _GLOBAL_RANK_KEYS}
-        levels = [families.hierarchical_cp(level) for level in range(len(mesh.keys))]
-        present = [level for level in levels if level in self.groups]
-        self.hierarchical_cp = [mesh.group(level) for level in present] or None
+        levels = families.hierarchical_cp_levels(mesh.keys)
+        self.hierarchical_cp = [mesh.group(level) for level in levels] or None
         self.hybrid_dp_cp = {
             size: mesh.group(families.hybrid_dp_cp(size))
             for size in families.hybrid_sizes(mesh.size("dp-cp"))

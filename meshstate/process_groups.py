@@ -95,9 +95,8 @@ class ProcessGroupCollection:
         collection = cls()
         for name in wanted:
             if name == "hcp":
-                levels = [families.hierarchical_cp(i) for i in range(len(mesh.keys))]
-                present = [mesh.group(level) for level in levels if mesh.has_group(level)]
-                collection.hcp = present or None
+                levels = families.hierarchical_cp_levels(mesh.keys)
+                collection.hcp = [mesh.group(level) for level in levels] or None
                 continue
             keys = [key for key in _FIELD_KEYS[name] if key in mesh.keys]
             setattr(collection, name, mesh.group(keys[0]) if keys and mesh.has_group(keys[0]) else None)
