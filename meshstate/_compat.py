@@ -6,8 +6,9 @@ function says which private name it relies on.
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -139,13 +140,18 @@ def forget_sharding_decisions() -> None:
 
     They key on a DeviceMesh's layout and names, not its process groups, so
     after a mesh is destroyed and an equal one built, a cached decision would
-    hand out DTensors on the destroyed mesh. Uses
-    ``torch.distributed.tensor.debug._clear_sharding_prop_cache``.
+    hand out DTensors on the destroyed mesh. Does what
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does without
+    importing that module (it needs numpy): clears the lru cache of
+    ``DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding`` and
+    the C++ fast path's (``torch._C._clear_DTensor_sharding_propagator_cache``).
+    Nothing is cached before DTensor is first imported, so this imports nothing.
     """
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    clear: Callable[[], None] = _clear_sharding_prop_cache  # untyped in torch
-    clear()
+    dtensor_api = sys.modules.get("torch.distributed.tensor._api")
+    if dtensor_api is None:
+        return
+    dtensor_api.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def bound_device(group: dist.ProcessGroup) -> torch.device | None:
