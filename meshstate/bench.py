@@ -99,7 +99,10 @@ class _Built:
 
 def megatron_available() -> bool:
     """Whether megatron-core can be imported (it is an optional peer)."""
-    return importlib.util.find_spec("megatron.core") is not None
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no ``megatron`` package at all
+        return False
 
 
 def _sizes(config: MeshConfig) -> dict[str, Any]:

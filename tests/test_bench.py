@@ -1,6 +1,7 @@
 """meshstate bench's logic at a small world: counts, table and JSON schema (no timing asserts)."""
 
 import json
+import sys
 
 import pytest
 
@@ -62,3 +63,10 @@ def test_cli_bench_json_and_bad_input(capsys):
     assert main(["bench", "--world-sizes", "12", "--tp", "8"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "meshstate bench: error: world size 12 is not divisible by tp*cp*pp = 8*2*8 = 128"]
+
+
+def test_megatron_counts_as_absent_when_no_megatron_package_is_installed(monkeypatch):
+    # A fresh `pip install -e .` has no `megatron` package at all.
+    monkeypatch.setitem(sys.modules, "megatron", None)
+    monkeypatch.delitem(sys.modules, "megatron.core", raising=False)
+    assert not bench.megatron_available()
