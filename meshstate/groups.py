@@ -215,3 +215,49 @@ class _Builder:
 
 def _short(ranks: tuple[int, ...]) -> str:
     return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def create_group_family(
+    rank_lists: Sequence[Sequence[int]],
+    *,
+    description: str,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+    pg_options: Any = None,
+    owner: ProcessGroupSet | None = None,
+) -> dist.ProcessGroup | None:
+    """Create one process group per rank list; return the calling rank's.
+
+    Every rank of the world calls it with the same disjoint ``rank_lists``,
+    the way megatron-core loops over an enumeration; a rank in none of them
+    gets ``None``. Groups are made as :func:`create_process_groups` makes them:
+    each with its ranks sorted, a list of the whole world without options as
+    the default group itself. ``owner`` receives the groups
+    this call created, so ``owner.destroy()`` ends them, and keeps the caller's
+    under ``description``; without it they live until ``destroy_process_group()``.
+
+    Example (4 ranks)::
+
+        tp_group = create_group_family([[0, 1], [2, 3]], description="tp")
+        # on rank 2: the group of ranks 2 and 3
+    """
+    if not dist.is_initialized():
+        raise MeshStateError(
+            "torch.distributed is not initialized; call init_process_group first"
+        )
+    rank = dist.get_rank()
+    family = [sorted(ranks) for ranks in rank_lists]
+    members = next((tuple(ranks) for ranks in family if rank in ranks), None)
+    created = create_process_groups(
+        [GroupSpec(description, members, lambda: family)],
+        backend=backend,
+        timeout=timeout,
+        pg_options=pg_options,
+    )
+    group = created.by_name.get(description)
+    if owner is not None:
+        owner.owned.extend(created.owned)
+        owner.creation_calls += created.creation_calls
+        if group is not None:
+            owner.by_name[description] = group
+    return group

@@ -4,7 +4,7 @@
 dim fastest-varying as in a Megatron order string; ``create_pg(dims)`` creates the
 process groups over some of those dims, once per dim set, and ``get_pg(dims)``
 returns them later. The rank arithmetic is :class:`meshstate.layout.Grid`, and
-the groups are created by :func:`meshstate.groups.create_process_groups`.
+the groups are created by :func:`meshstate.groups.create_group_family`.
 
 Example (8 ranks)::
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate.errors import AxisError, ConfigError, MeshStateError
-from meshstate.groups import GroupSpec, create_process_groups
+from meshstate.groups import create_group_family
 from meshstate.layout import Grid
 
 __all__ = ["DimError", "GridSizeError", "GroupKeyError", "HyperCommGrid"]
@@ -154,7 +154,7 @@ class HyperCommGrid:
         the same groups; asked for with the same ``timeout`` and the same
         ``pg_options`` object, they share one process group, named by the
         first call's ``group_desc``. Groups are made as
-        :func:`~meshstate.groups.create_process_groups` makes them: a group of
+        :func:`~meshstate.groups.create_group_family` makes them: a group of
         the whole world without options is the default group itself.
 
         Args:
@@ -185,18 +185,14 @@ class HyperCommGrid:
             None,
         )
         if created is None:
-            name = group_desc or key
-            rank = dist.get_rank()
-            inside = 0 <= rank - self.rank_offset < self.size
-            spec = GroupSpec(
-                name,
-                self._grid.group_of(rank, ordered) if inside else None,
-                lambda: self._grid.groups(ordered).tolist(),
+            group = create_group_family(
+                self._grid.groups(ordered).tolist(),
+                description=group_desc or key,
+                backend=self.backend,
+                timeout=timeout,
+                pg_options=pg_options,
             )
-            groups = create_process_groups(
-                [spec], backend=self.backend, timeout=timeout, pg_options=pg_options
-            )
-            created = _CreatedGroup(axes, timeout, pg_options, groups.by_name.get(name))
+            created = _CreatedGroup(axes, timeout, pg_options, group)
             self._created.append(created)
         self._pgs[key] = created.group
         return created.group

@@ -28,7 +28,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
 
 import einops
 import torch
@@ -37,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.config import MeshConfig, check_positive_int
 from meshstate.errors import AxisError, ConfigError, MeshStateError
-from meshstate.groups import GroupSpec, ProcessGroupSet, create_process_groups
+from meshstate.groups import ProcessGroupSet, create_group_family
 from meshstate.layout import GROUP_KINDS, Grid, ParallelLayout
 
 BANDWIDTH_HUNGRY_KINDS = ("tp", "cp", "ep", "etp")
@@ -376,7 +375,8 @@ def init_hybrid_mesh(
 ) -> HybridMesh:
     """Build ``grid``'s ``DeviceMesh`` (dims ``grid.mesh_axes``); every rank must call it.
 
-    Creates one group per axis through :func:`meshstate.groups.create_process_groups`.
+    Creates one group per axis through :func:`meshstate.groups.create_group_family`
+    and builds the mesh from them (``DeviceMesh.from_group`` creates none).
     ``device_type`` defaults to ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise.
 
     Example, on rank 9 of 16 with ``HybridGrid(intra={"dp": 2, "tp": 4}, inter={"dp": 2})``::
@@ -395,15 +395,18 @@ def init_hybrid_mesh(
             f"({' '.join(f'{a}={s}' for a, s in zip(grid.axes, grid.sizes))}) "
             f"but the world has {dist.get_world_size()}"
         )
-    rank = dist.get_rank()
-    specs = [
-        GroupSpec(axis, grid.group_of(rank, [axis]), partial(_axis_groups, grid, axis))
-        for axis in grid.mesh_axes
-    ]
-    process_groups = create_process_groups(specs, backend=backend, timeout=timeout)
     if device_type is None:
         device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    process_groups = ProcessGroupSet(by_name={})
     try:
+        for axis in grid.mesh_axes:
+            create_group_family(
+                grid.groups([axis]).tolist(),
+                description=axis,
+                backend=backend,
+                timeout=timeout,
+                owner=process_groups,
+            )
         device_mesh = DeviceMesh.from_group(
             [process_groups.by_name[axis] for axis in grid.mesh_axes],
             device_type,
@@ -414,8 +417,3 @@ def init_hybrid_mesh(
         process_groups.destroy()
         raise
     return HybridMesh(grid, device_mesh, process_groups)
-
-
-def _axis_groups(grid: HybridGrid, axis: str) -> list[list[int]]:
-    groups: list[list[int]] = grid.groups([axis]).tolist()
-    return groups

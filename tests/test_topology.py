@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from meshstate import AxisError, ConfigError, Grid, MeshConfig, ParallelLayout
+from meshstate import AxisError, ConfigError, Grid, MeshConfig, MeshStateError, ParallelLayout
+from meshstate import _compat, topology
 from meshstate.cli import main
 from meshstate.layout import GROUP_KINDS
 from meshstate.testing import fake_world
@@ -302,6 +303,33 @@ def test_init_hybrid_mesh(grid, ranks):
             hybrid.destroy()
             hybrid.destroy()
             assert len(c10d._world.pg_map) == before
+
+
+def test_hybrid_mesh_groups_are_created_by_meshstate_groups_alone():
+    # One family per axis; DeviceMesh.from_group registers the groups and creates none.
+    with fake_world(9, 16):
+        with _compat.counting_group_creation() as calls:
+            hybrid = init_hybrid_mesh(HYBRID)
+        assert calls[0] == hybrid.process_groups.creation_calls == 2
+        assert hybrid.process_groups.by_name == {
+            "tp": hybrid.device_mesh.get_group("tp"), "dp": hybrid.device_mesh.get_group("dp")}
+        hybrid.destroy()
+
+
+def test_a_failed_hybrid_build_leaves_no_groups(monkeypatch):
+    create_group_family = topology.create_group_family
+
+    def fail_on_dp(rank_lists, *, description, **options):
+        if description == "dp":
+            raise MeshStateError("the 'dp' group did not form")
+        return create_group_family(rank_lists, description=description, **options)
+
+    monkeypatch.setattr(topology, "create_group_family", fail_on_dp)
+    with fake_world(9, 16):
+        before = len(c10d._world.pg_map)
+        with pytest.raises(MeshStateError, match="'dp' group did not form"):
+            init_hybrid_mesh(HYBRID)  # tp's group is made first, then destroyed
+        assert len(c10d._world.pg_map) == before
 
 
 def test_init_hybrid_mesh_needs_a_matching_world():
