@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshstate.errors import ConfigError
-from meshstate.mesh import OrderedGroup, ParallelMesh, current_mesh
+from meshstate.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
 
 Axes = str | tuple[str, ...]
 
@@ -47,39 +47,41 @@ __all__ = [
 ]
 
 
-def _ordered(axes: Axes, mesh: ParallelMesh | None) -> OrderedGroup:
-    return (mesh or current_mesh()).ordered(axes)
+def _ordered(axes: Axes, mesh: ParallelMesh | None, name: str) -> OrderedGroup:
+    if mesh is None:
+        return current_mesh().ordered(axes)
+    return require_parallel_mesh(mesh, f"{name}(mesh=...)").ordered(axes)
 
 
 def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
     """The caller's index along ``axes`` (row-major over a tuple, first axis major)."""
-    return _ordered(axes, mesh).index
+    return _ordered(axes, mesh, "axis_index").index
 
 
 def axis_size(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
     """The number of ranks along ``axes``."""
-    return len(_ordered(axes, mesh).ranks)
+    return len(_ordered(axes, mesh, "axis_size").ranks)
 
 
 def psum(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The sum of ``x`` over ``axes``, on every rank."""
-    return _all_reduce_sum(x, _ordered(axes, mesh))
+    return _all_reduce_sum(x, _ordered(axes, mesh, "psum"))
 
 
 def pmean(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The mean of ``x`` over ``axes``, on every rank."""
-    group = _ordered(axes, mesh)
+    group = _ordered(axes, mesh, "pmean")
     return _all_reduce_sum(x, group) / len(group.ranks)
 
 
 def pmax(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The elementwise maximum of ``x`` over ``axes`` (not differentiable)."""
-    return _all_reduce_no_grad(x, _ordered(axes, mesh), dist.ReduceOp.MAX, "pmax")
+    return _all_reduce_no_grad(x, _ordered(axes, mesh, "pmax"), dist.ReduceOp.MAX, "pmax")
 
 
 def pmin(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The elementwise minimum of ``x`` over ``axes`` (not differentiable)."""
-    return _all_reduce_no_grad(x, _ordered(axes, mesh), dist.ReduceOp.MIN, "pmin")
+    return _all_reduce_no_grad(x, _ordered(axes, mesh, "pmin"), dist.ReduceOp.MIN, "pmin")
 
 
 def all_gather(
@@ -94,7 +96,7 @@ def all_gather(
 
     Stacked along a new dim ``axis``; with ``tiled=True`` concatenated along ``axis``.
     """
-    pieces = _all_gather(x, _ordered(axes, mesh))
+    pieces = _all_gather(x, _ordered(axes, mesh, "all_gather"))
     return torch.cat(pieces, dim=axis) if tiled else torch.stack(pieces, dim=axis)
 
 
@@ -111,7 +113,7 @@ def psum_scatter(
     Without ``tiled`` that dim must equal the axis size and is removed; with
     ``tiled=True`` it is split into axis-size chunks and the caller keeps its own.
     """
-    group = _ordered(axes, mesh)
+    group = _ordered(axes, mesh, "psum_scatter")
     chunks = _split(x, scatter_dimension, len(group.ranks), tiled, "psum_scatter")
     return _reduce_scatter_op(group, *chunks)
 
@@ -132,7 +134,7 @@ def all_to_all(
     dim of that size appears at ``concat_axis``; with ``tiled=True`` no dim is
     added or removed.
     """
-    group = _ordered(axes, mesh)
+    group = _ordered(axes, mesh, "all_to_all")
     chunks = _split(x, split_axis, len(group.ranks), tiled, "all_to_all")
     received = _all_to_all(group, *chunks)
     return torch.cat(received, dim=concat_axis) if tiled else torch.stack(received, dim=concat_axis)
@@ -150,7 +152,7 @@ def ppermute(
     A rank no pair sends to receives zeros. Each index may appear at most once
     as a source and once as a destination.
     """
-    group = _ordered(axes, mesh)
+    group = _ordered(axes, mesh, "ppermute")
     pairs = _check_perm(perm, len(group.ranks))
     return _ppermute(x, group, pairs)
 

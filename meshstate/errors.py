@@ -60,3 +60,14 @@ class MeshTimeoutError(MeshStateError, TimeoutError, RuntimeError):
 
     The message names the ranks that are missing.
     """
+
+
+class WrongMeshError(MeshStateError, TypeError, AttributeError):
+    """A torch ``DeviceMesh`` where a :class:`~meshstate.ParallelMesh` belongs, or
+    the other way round; the message names what was given and what to pass.
+
+    A ``TypeError`` by meaning. Also an ``AttributeError``, because torch code
+    handed a ParallelMesh (``fully_shard(model, mesh=mesh)``) meets it when it
+    reads a DeviceMesh attribute (``mesh.ndim``), and there ``hasattr`` and
+    ``getattr(mesh, name, default)`` must keep answering as for any missing name.
+    """

@@ -11,11 +11,13 @@ cached.
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshstate import _compat
 from meshstate.agreement import agree
 from meshstate.config import DEFAULT_ORDER, MeshConfig
-from meshstate.errors import AxisError, ConfigError, MeshStateError, NotInitializedError
+from meshstate.errors import (
+    AxisError,
+    ConfigError,
+    MeshStateError,
+    NotInitializedError,
+    WrongMeshError,
+)
 from meshstate.groups import GroupOptions, GroupSpec, ProcessGroupSet, create_process_groups
 from meshstate.layout import (
     DENSE_AXES,
@@ -68,7 +76,8 @@ class ParallelMesh:
     """A rank's view of a parallel layout: groups, ranks and DeviceMeshes by axis.
 
     Build one with :func:`init_mesh`. Keys name one axis (``"tp"``) or a
-    Megatron joint group (``"dp-cp"``; a set, so ``"cp-dp"`` is the same).
+    Megatron joint group (``"dp-cp"``; a set, so ``"cp-dp"`` is the same);
+    ``in``, ``len`` and iteration follow :meth:`keys`.
 
     Example, on rank 5 of 8 with ``init_mesh(tp=2, pp=2)`` (so dp=2)::
 
@@ -77,6 +86,7 @@ class ParallelMesh:
         mesh["tp"]              # DeviceMesh([4, 5], mesh_dim_names=("tp",))
         mesh["dp", "tp"]        # 2-D DeviceMesh [[4, 5], [6, 7]]
         mesh.next_rank("pp")    # 1 (the ring wraps around)
+        "cp-dp" in mesh         # True
     """
 
     def __init__(
@@ -90,6 +100,7 @@ class ParallelMesh:
         families: Sequence[GroupFamily] = (),
         owns_default_group: bool = False,
     ) -> None:
+        self._destroyed_at: str | None = None
         self.config = layout.config
         self.layout = layout
         self.device_type = device_type
@@ -112,10 +123,26 @@ class ParallelMesh:
         _compat.share_rank_map(self.expert, self.dense)
         self._device_meshes: dict[tuple[str, ...], DeviceMesh] = {}
 
-    @property
     def keys(self) -> tuple[str, ...]:
         """Every group key: Megatron's kinds, declared joint groups, then families."""
         return self.kinds + tuple(self.families)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is one of :meth:`keys`, in any spelling (``"cp-dp"``)."""
+        if not isinstance(key, str):
+            return False
+        if key in self.families:
+            return True
+        try:
+            return self.layout.canonical(key) in self.kinds
+        except AxisError:
+            return False
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
 
     def has_group(self, key: str) -> bool:
         """Whether the calling rank is in a group of ``key`` (always, for axis keys)."""
@@ -168,7 +195,7 @@ class ParallelMesh:
         except AxisError:
             canonical = key
         if canonical not in self._axis_groups:
-            raise AxisError(f"mesh has no group {key!r}; valid keys are {', '.join(self.keys)}")
+            raise AxisError(f"mesh has no group {key!r}; valid keys are {', '.join(self.keys())}")
         return self._axis_groups[canonical]
 
     def group(self, key: str) -> dist.ProcessGroup:
@@ -242,9 +269,15 @@ class ParallelMesh:
     def destroy(self) -> None:
         """Destroy the process groups this mesh created; safe to call twice.
 
-        A destroyed mesh stops being the current mesh.
+        A destroyed mesh stops being the current mesh, and every later use of it
+        raises :class:`~meshstate.errors.NotInitializedError` naming the line
+        that destroyed it. The default process group goes too if
+        :func:`init_mesh` initialised it.
         """
         global _current_mesh
+        if self._destroyed_at is not None:
+            return
+        destroyed_at = _first_caller_outside_meshstate()
         if _current_mesh is self:
             _current_mesh = None
         while self in _entered_meshes:
@@ -255,10 +288,29 @@ class ParallelMesh:
         self._device_meshes.clear()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
-            self._owns_default_group = False
+        # Drop every group and view; what a destroyed mesh is asked for goes to __getattr__.
+        kept = {"config": self.config, "global_rank": self.global_rank}
+        self.__dict__.clear()
+        self.__dict__.update(kept, _destroyed_at=destroyed_at)
+
+    if not TYPE_CHECKING:  # hidden from mypy, which keeps checking attribute names
+
+        def __getattr__(self, name: str) -> object:
+            if self.__dict__.get("_destroyed_at") is not None and not name.startswith("__"):
+                raise self._destroyed_error()
+            if name in _DEVICE_MESH_ATTRIBUTES:
+                raise WrongMeshError(
+                    f"a ParallelMesh is not a torch DeviceMesh (it has no {name!r}); pass one "
+                    'of its DeviceMeshes: mesh.dense, mesh.expert or a slice such as mesh["dp-cp"]'
+                )
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
+            )
 
     def __enter__(self) -> ParallelMesh:
         """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
+        if self._destroyed_at is not None:
+            raise self._destroyed_error()
         _entered_meshes.append(self)
         return self
 
@@ -271,6 +323,12 @@ class ParallelMesh:
         return (
             f"ParallelMesh(rank {self.global_rank} of {self.config.world_size}, "
             f"order={self.config.order!r}, {sizes})"
+        )
+
+    def _destroyed_error(self) -> NotInitializedError:
+        return NotInitializedError(
+            f"this mesh was destroyed at {self._destroyed_at}; build a new one with "
+            "meshstate.init_mesh"
         )
 
     def _root_mesh(self, grid: Grid) -> DeviceMesh:
@@ -331,6 +389,32 @@ class ParallelMesh:
 
 _current_mesh: ParallelMesh | None = None
 _entered_meshes: list[ParallelMesh] = []
+# What a DeviceMesh has and a ParallelMesh lacks: asking a ParallelMesh for one is a mix-up.
+_DEVICE_MESH_ATTRIBUTES = frozenset(name for name in dir(DeviceMesh) if not name.startswith("__"))
+
+
+def _first_caller_outside_meshstate() -> str:
+    """``file:line`` of the innermost frame of the calling stack outside meshstate."""
+    package = os.path.dirname(__file__) + os.sep
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back
+    return "an unknown place" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def require_parallel_mesh(mesh: object, where: str) -> ParallelMesh:
+    """``mesh`` if it is a :class:`ParallelMesh`, else a ``WrongMeshError`` naming ``where``.
+
+    Example: ``require_parallel_mesh(mesh["tp"], "psum(mesh=...)")`` raises
+    ``psum(mesh=...) takes a meshstate ParallelMesh, got DeviceMesh; ...``.
+    """
+    if isinstance(mesh, ParallelMesh):
+        return mesh
+    raise WrongMeshError(
+        f"{where} takes a meshstate ParallelMesh, got {type(mesh).__name__}; pass the mesh "
+        "that meshstate.init_mesh returned (its DeviceMeshes, such as mesh[\"tp\"], are for "
+        "torch's own APIs)"
+    )
 
 
 def set_mesh(mesh: ParallelMesh | None) -> None:
@@ -342,7 +426,7 @@ def set_mesh(mesh: ParallelMesh | None) -> None:
         meshstate.current_mesh().size("tp")   # 2
     """
     global _current_mesh
-    _current_mesh = mesh
+    _current_mesh = None if mesh is None else require_parallel_mesh(mesh, "set_mesh()")
 
 
 def current_mesh() -> ParallelMesh:
@@ -353,7 +437,8 @@ def current_mesh() -> ParallelMesh:
     mesh = _entered_meshes[-1] if _entered_meshes else _current_mesh
     if mesh is None:
         raise NotInitializedError(
-            "there is no current mesh; call meshstate.set_mesh(mesh) or use `with mesh:`"
+            "there is no current mesh; call meshstate.set_mesh(mesh) or use `with mesh:` on the "
+            "ParallelMesh from meshstate.init_mesh (a torch DeviceMesh's `with` does not count)"
         )
     return mesh
 

@@ -311,10 +311,10 @@ class _View:
         self.refresh()
 
     def _read_groups(self, mesh: ParallelMesh) -> None:
-        member_keys = [key for key in mesh.keys if mesh.has_group(key)]
+        member_keys = [key for key in mesh.keys() if mesh.has_group(key)]
         self.groups = {key: mesh.group(key) for key in member_keys}
         self.global_ranks = {key: list(mesh.ranks(key)) for key in _GLOBAL_RANK_KEYS}
-        levels = families.hierarchical_cp_levels(mesh.keys)
+        levels = families.hierarchical_cp_levels(mesh.keys())
         self.hierarchical_cp = [mesh.group(level) for level in levels] or None
         self.hybrid_dp_cp = {
             size: mesh.group(families.hybrid_dp_cp(size))

@@ -39,7 +39,7 @@ from torch.distributed.tensor import (
 )
 
 from meshstate import _compat
-from meshstate.errors import AxisError, ConfigError
+from meshstate.errors import AxisError, ConfigError, WrongMeshError
 
 __all__ = ["NamedSharding", "P", "distribute", "to_placements"]
 
@@ -117,7 +117,9 @@ def to_placements(spec: P, device_mesh: DeviceMesh) -> tuple[Placement, ...]:
 
     Raises:
         AxisError: the spec names an axis the mesh does not have.
+        WrongMeshError: ``device_mesh`` is not a DeviceMesh (a ParallelMesh, say).
     """
+    _require_device_mesh(device_mesh, "to_placements()")
     mesh_axes = device_mesh.mesh_dim_names or ()
     for axis in spec.axes:
         if axis not in mesh_axes:
@@ -156,6 +158,7 @@ class NamedSharding:
     placements: tuple[Placement, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
+        _require_device_mesh(self.device_mesh, "NamedSharding()")
         object.__setattr__(self, "placements", to_placements(self.spec, self.device_mesh))
 
     def shard_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
@@ -230,7 +233,9 @@ def distribute(tensor: torch.Tensor, device_mesh: DeviceMesh, spec: P) -> DTenso
 
     Raises:
         AxisError, ConfigError: as :class:`NamedSharding` and its ``shard_shape``.
+        WrongMeshError: ``device_mesh`` is not a DeviceMesh (a ParallelMesh, say).
     """
+    _require_device_mesh(device_mesh, "distribute()")
     sharding = NamedSharding(device_mesh, spec)
     sharding.shard_shape(tensor.shape)
     if not spec.unreduced:
@@ -299,3 +304,11 @@ def _product_text(axes: Sequence[str], sizes: Sequence[int]) -> str:
     if len(axes) == 1:
         return f"{axes[0]} = {sizes[0]}"
     return f"{'*'.join(axes)} = {'*'.join(map(str, sizes))} = {math.prod(sizes)}"
+
+
+def _require_device_mesh(device_mesh: object, where: str) -> None:
+    if not isinstance(device_mesh, DeviceMesh):
+        raise WrongMeshError(
+            f"{where} takes a torch DeviceMesh, got {type(device_mesh).__name__}; "
+            'pass mesh.dense, mesh.expert or a slice such as mesh["dp"]'
+        )

@@ -134,7 +134,7 @@ def test_declared_joint_groups_work_like_megatron_kinds():
     with fake_world(5, 16):
         mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, joint_groups=["pp-cp"])
         # rank 5: tp=1 cp=0 dp=1 pp=0; the cp-pp group varies cp (stride 2) and pp (stride 8)
-        assert "cp-pp" in mesh.keys and mesh.ranks("pp-cp") == (5, 7, 13, 15) == mesh.ranks("cp-pp")
+        assert "cp-pp" in mesh.keys() and mesh.ranks("pp-cp") == (5, 7, 13, 15) == mesh.ranks("cp-pp")
         assert mesh["cp-pp"].mesh.tolist() == [5, 7, 13, 15]
         assert mesh.ordered(("cp", "pp")).ranks == (5, 13, 7, 15)
         mesh.destroy()

@@ -72,7 +72,7 @@ def test_init_collectives_destroy_reinit_cycles():
 def test_distributed_timeout_minutes_reaches_every_group():
     mpu.initialize_model_parallel(2, 2, distributed_timeout_minutes=3)
     mesh = mpu.get_mesh()
-    for key in mesh.keys:
+    for key in mesh.keys():
         if mesh.has_group(key):
             backend = mesh.group(key)._get_backend(torch.device("cpu"))
             assert backend.options._timeout == timedelta(minutes=3), key
