@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 from meshstate.errors import ConfigError
 
@@ -54,6 +55,17 @@ def parse_order(order: object) -> tuple[str, ...]:
     """
     tokens = _order_tokens(order)
     return tokens + tuple(a for a in _MISSING_AXIS_APPEND_ORDER if a not in tokens)
+
+
+class MeshArguments(TypedDict):
+    """The keyword arguments of :func:`meshstate.init_mesh` that say the layout."""
+
+    order: str
+    tp: int
+    cp: int
+    ep: int
+    etp: int
+    pp: int
 
 
 @dataclass(frozen=True, init=False)
@@ -123,6 +135,15 @@ class MeshConfig:
     def edp(self) -> int:
         """Data-parallel size of the expert layers."""
         return self.world_size // (self.etp * self.ep * self.pp)
+
+    def arguments(self) -> MeshArguments:
+        """What to pass :func:`meshstate.init_mesh` to build this layout on a world of its size.
+
+        Example: ``init_mesh(**MeshConfig(8, tp=2).arguments())``.
+        """
+        return MeshArguments(
+            order=self.order, tp=self.tp, cp=self.cp, ep=self.ep, etp=self.etp, pp=self.pp
+        )
 
     def sizes(self) -> dict[str, int]:
         """Every axis size by name: ``tp cp ep etp pp dp edp``."""
