@@ -37,7 +37,16 @@ from meshstate.errors import (
 )
 from meshstate.groups import GroupOptions
 from meshstate.hyper_comm_grid import HyperCommGrid
-from meshstate.layout import GROUP_KINDS, Grid, GroupFamily, ParallelLayout
+from meshstate.layout import (
+    GROUP_KINDS,
+    Chunks,
+    DerivedGroup,
+    Grid,
+    Instances,
+    Level,
+    ParallelLayout,
+    Pick,
+)
 from meshstate.mesh import (
     AxisGroup,
     OrderedGroup,
@@ -68,10 +77,13 @@ __all__ = [
     "AxisError",
     "AxisGroup",
     "ConfigError",
+    "Chunks",
+    "DerivedGroup",
     "Grid",
-    "GroupFamily",
     "GroupOptions",
     "HyperCommGrid",
+    "Instances",
+    "Level",
     "MeshConfig",
     "MeshStateError",
     "NamedSharding",
@@ -81,6 +93,7 @@ __all__ = [
     "ParallelLayout",
     "ParallelMesh",
     "ParallelStateError",
+    "Pick",
     "ProcessGroupCollection",
     "all_gather",
     "all_to_all",

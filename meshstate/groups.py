@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from meshstate import _compat
 from meshstate.errors import MeshStateError, MeshTimeoutError
+from meshstate.layout import Key
 
 _build_counter = itertools.count()
 
@@ -54,7 +55,7 @@ class GroupSpec:
     groups are split collectively.
     """
 
-    name: str
+    name: Key
     members: tuple[int, ...] | None
     all_groups: Callable[[], list[list[int]]]
     options: GroupOptions = GroupOptions()
@@ -64,7 +65,7 @@ class GroupSpec:
 class ProcessGroupSet:
     """The groups of one mesh build: by spec name, and the ones to destroy."""
 
-    by_name: dict[str, dist.ProcessGroup]
+    by_name: dict[Key, dist.ProcessGroup]
     owned: list[dist.ProcessGroup] = field(default_factory=list)
     creation_calls: int = 0
 
@@ -175,7 +176,7 @@ class _Builder:
         return spec.options.backend or self.backend or self.default_backend
 
     def _member_group(
-        self, members: tuple[int, ...], name: str, backend: str, pg_options: Any
+        self, members: tuple[int, ...], name: Key, backend: str, pg_options: Any
     ) -> dist.ProcessGroup:
         digest = hashlib.sha1(
             f"{backend}:{name}:{members}".encode(), usedforsecurity=False
@@ -190,7 +191,7 @@ class _Builder:
                 description=f"meshstate:{name}",
             )
         except RuntimeError as error:
-            what = f"the {name!r} group of ranks {_short(members)} did not form"
+            what = f"the {str(name)!r} group of ranks {_short(members)} did not form"
             if isinstance(error, dist.DistStoreError) or "timed out" in str(error).lower():
                 raise MeshTimeoutError(f"{what} within the timeout: {error}") from error
             raise MeshStateError(f"{what}: {error}") from error
@@ -199,7 +200,7 @@ class _Builder:
         return group
 
     def _split(
-        self, family: tuple[tuple[int, ...], ...], name: str, pg_options: Any
+        self, family: tuple[tuple[int, ...], ...], name: Key, pg_options: Any
     ) -> dist.ProcessGroup | None:
         group = dist.split_group(
             split_ranks=[list(ranks) for ranks in family],

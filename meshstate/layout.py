@@ -3,7 +3,9 @@
 Nothing here touches ``torch.distributed``. A :class:`Grid` lays ranks out on
 named axes with the first axis fastest-varying, the convention of Megatron's
 order string; a :class:`ParallelLayout` holds the dense view (tp, cp, dp, pp)
-and the expert view (etp, ep, edp, pp) of one :class:`~meshstate.config.MeshConfig`.
+and the expert view (etp, ep, edp, pp) of one :class:`~meshstate.config.MeshConfig`;
+a :class:`DerivedGroup` describes, by value, a group carved out of the groups of
+a key (a hierarchical level, an instance, a gloo twin, ...).
 
 Groups, the order of ranks inside a group and the order of the groups equal
 megatron-core's ``RankGenerator``: inside a group the axis that comes first in
@@ -21,9 +23,10 @@ Example (8 ranks, tp=2, pp=2, so dp=2)::
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import einops
 import torch
@@ -214,43 +217,198 @@ def _expert_grid(config: MeshConfig) -> Grid:
     return Grid(tuple(names[a] for a in order_axes), tuple(sizes[a] for a in order_axes))
 
 
+def hierarchical_levels(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[list[int]]]:
+    """Split ``ranks`` into hierarchical levels of the given sizes.
+
+    Level ``i`` groups ranks ``prod(sizes[:i])`` apart, ``sizes[i]`` at a time.
+
+    Example: 8 ranks in levels ``[2, 4]`` give ``[[0, 1], [2, 3], ...]`` and
+    ``[[0, 2, 4, 6], [1, 3, 5, 7]]``.
+    """
+    if math.prod(sizes) != len(ranks):
+        raise ConfigError(
+            f"hierarchical sizes {list(sizes)} multiply to {math.prod(sizes)}, "
+            f"not to the {len(ranks)} ranks they split"
+        )
+    levels = []
+    for level, size in enumerate(sizes):
+        grouped = einops.rearrange(
+            torch.tensor(list(ranks)),
+            "(outer size inner) -> (outer inner) size",
+            inner=math.prod(sizes[:level]),
+            size=size,
+            outer=math.prod(sizes[level + 1 :]),
+        )
+        levels.append(grouped.tolist())
+    return levels
+
+
 @dataclass(frozen=True)
-class GroupFamily:
-    """Named groups carved out of the groups of a base axis list.
+class Chunks:
+    """Consecutive parts of ``size`` ranks.
 
-    ``base`` is a key (``"pp"``, ``"dp-cp"``) or axes major to minor
-    (``("edp", "pp", "ep", "etp")``). ``split`` divides one base group, given
-    as its ranks in base order, into disjoint parts; without ``split`` the
-    family is the base groups themselves. A rank in no part has no group of
-    the family. Groups are sorted, as a process group's ranks are.
+    Example: ``Chunks(2).parts([0, 4, 8, 12]) == [[0, 4], [8, 12]]``.
+    """
 
-    Example, the first and last stage of every pipeline::
+    size: int
 
-        >>> family = GroupFamily("embedding", "pp", lambda ranks: [[ranks[0], ranks[-1]]])
-        >>> ParallelLayout(MeshConfig(8, pp=4)).family_groups(family)
-        [[0, 6], [1, 7]]
+    def parts(self, ranks: Sequence[int]) -> list[list[int]]:
+        """The parts of one base group."""
+        if self.size < 1 or len(ranks) % self.size:
+            raise ConfigError(f"{len(ranks)} ranks do not split into {self}")
+        return [list(ranks[start : start + self.size]) for start in range(0, len(ranks), self.size)]
+
+    def __str__(self) -> str:
+        return f"chunks of {self.size}"
+
+
+@dataclass(frozen=True)
+class Instances:
+    """``count`` instances of consecutive ranks: each instance (intra), or the ranks
+    at one position in every instance (``inter``).
+
+    ``count`` is the mesh's, not part of the value: ``Instances()`` finds the
+    instances a mesh declared, whatever their count.
+
+    Example: ``Instances(2).parts(range(8))`` is ``[[0, 1, 2, 3], [4, 5, 6, 7]]``;
+    ``Instances(2, inter=True).parts(range(8))`` is ``[[0, 4], [1, 5], [2, 6], [3, 7]]``.
+    """
+
+    count: int = field(default=0, compare=False)
+    inter: bool = False
+
+    def parts(self, ranks: Sequence[int]) -> list[list[int]]:
+        """The parts of one base group."""
+        if self.count < 1 or len(ranks) % self.count:
+            raise ConfigError(f"{len(ranks)} ranks do not split into {self}")
+        per_instance = len(ranks) // self.count
+        if self.inter:
+            return [list(ranks[start::per_instance]) for start in range(per_instance)]
+        return Chunks(per_instance).parts(ranks)
+
+    def __str__(self) -> str:
+        count = f" of {self.count}" if self.count else ""
+        return f"{'inter' if self.inter else 'intra'}-instance{count}"
+
+
+@dataclass(frozen=True)
+class Level:
+    """Level ``level`` of a hierarchy of ``sizes`` (see :func:`hierarchical_levels`).
+
+    ``sizes`` are the mesh's, not part of the value: ``Level(0)`` finds level 0
+    of whatever hierarchy a mesh declared.
+    """
+
+    level: int
+    sizes: tuple[int, ...] = field(default=(), compare=False)
+
+    def parts(self, ranks: Sequence[int]) -> list[list[int]]:
+        """The parts of one base group."""
+        if not 0 <= self.level < len(self.sizes):
+            raise ConfigError(f"{self} needs sizes with at least {self.level + 1} levels")
+        return hierarchical_levels(ranks, self.sizes)[self.level]
+
+    def __str__(self) -> str:
+        sizes = f" of {'x'.join(map(str, self.sizes))}" if self.sizes else ""
+        return f"level {self.level}{sizes}"
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The ranks ``ranks_of`` picks from each base group, e.g. a pipeline's first and last stage.
+
+    ``name`` tells picks apart; the function is the mesh's, not part of the value.
     """
 
     name: str
-    base: str | tuple[str, ...]
-    split: Callable[[list[int]], Sequence[Sequence[int]]] | None = None
+    ranks_of: Callable[[list[int]], Sequence[int]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
-    def parts(self, base_group: list[int]) -> list[list[int]]:
-        """The sorted parts of one base group, checked to be disjoint members of it."""
-        if self.split is None:
-            return [sorted(base_group)]
-        parts = [sorted(map(int, part)) for part in self.split(list(base_group))]
-        every_rank = [rank for part in parts for rank in part]
-        if (
-            any(not part for part in parts)
-            or len(set(every_rank)) != len(every_rank)
-            or not set(every_rank) <= set(base_group)
-        ):
+    def parts(self, ranks: Sequence[int]) -> list[list[int]]:
+        """The one part of one base group, checked to be drawn from it."""
+        if self.ranks_of is None:
+            raise ConfigError(f"pick {self.name!r} has no ranks_of function")
+        picked = [int(rank) for rank in self.ranks_of(list(ranks))]
+        if not picked or len(set(picked)) != len(picked) or not set(picked) <= set(ranks):
             raise ConfigError(
-                f"group family {self.name!r} split base group {base_group} into {parts}; "
-                "parts must be non-empty, disjoint and drawn from the base group"
+                f"pick {self.name!r} chose {picked} from {list(ranks)}; it must choose "
+                "distinct ranks of that group, at least one"
             )
-        return parts
+        return [picked]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+Split = Chunks | Instances | Level | Pick
+"""How a derived group divides one group of its base."""
+
+
+@dataclass(frozen=True)
+class DerivedGroup:
+    """A group carved out of the groups of ``base``, named by value.
+
+    ``base`` is a key (``"dp-cp"``) or axes major to minor (``("edp", "pp", "ep",
+    "etp")``); ``split`` divides each base group (``None``: the base group
+    itself); ``backend`` gives it a communicator of that backend (``"gloo"`` for
+    a gloo twin of a key) and ``separate`` one of its own even where another group
+    has the same ranks. A mesh creates the derived groups it is given at init
+    and answers ``mesh.group(spec)``, ``mesh.rank(spec)`` and so on for them.
+
+    Example::
+
+        >>> hierarchical = DerivedGroup("cp", Level(1, sizes=(2, 2)))
+        >>> str(hierarchical)
+        'cp/level 1 of 2x2'
+        >>> hierarchical == DerivedGroup("cp", Level(1))   # the sizes are the mesh's
+        True
+        >>> str(DerivedGroup("dp", backend="gloo"))
+        'dp[gloo]'
+    """
+
+    base: str | tuple[str, ...]
+    split: Split | None = None
+    backend: str | None = None
+    separate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.split is None and self.backend is None and not self.separate:
+            raise ConfigError(
+                f"DerivedGroup({self.base!r}) derives nothing from its base; give it a split, "
+                "a backend or separate=True"
+            )
+
+    def parts(self, base_group: Sequence[int]) -> list[list[int]]:
+        """The sorted groups carved out of one base group, given in base order."""
+        parts = [list(base_group)] if self.split is None else self.split.parts(base_group)
+        return [sorted(part) for part in parts]
+
+    def __str__(self) -> str:
+        base = self.base if isinstance(self.base, str) else f"({', '.join(self.base)})"
+        text = base if self.split is None else f"{base}/{self.split}"
+        extras = ([self.backend] if self.backend else []) + (["separate"] if self.separate else [])
+        return f"{text}[{', '.join(extras)}]" if extras else text
+
+
+Key = str | DerivedGroup
+"""What names a group of a mesh: a key such as ``"dp-cp"``, or a :class:`DerivedGroup`."""
+
+
+def spellings(key: Key) -> list[Key]:
+    """Every way to write ``key``: a joint key is a set of axes.
+
+    Example: ``spellings("dp-cp") == ["dp-cp", "cp-dp"]``.
+    """
+    if isinstance(key, str):
+        return list(_joint_spellings(key))
+    if isinstance(key.base, str):
+        return [replace(key, base=base) for base in _joint_spellings(key.base)]
+    return [key]
+
+
+def _joint_spellings(key: str) -> Iterable[str]:
+    return map("-".join, itertools.permutations(key.split("-")))
 
 
 @dataclass(frozen=True)
@@ -324,15 +482,20 @@ class ParallelLayout:
         grid = self.resolve("-".join(base))[1]
         return grid, tuple(base)
 
-    def family_groups(self, family: GroupFamily) -> list[list[int]]:
-        """Every group of ``family``, base group by base group."""
-        grid, axes = self.resolve_base(family.base)
-        return [part for base in grid.groups(axes).tolist() for part in family.parts(base)]
-
-    def family_group_of(self, rank: int, family: GroupFamily) -> tuple[int, ...] | None:
-        """The group of ``family`` that contains ``rank``, or ``None``."""
-        grid, axes = self.resolve_base(family.base)
-        for part in family.parts(list(grid.group_of(rank, axes))):
+    def members(self, rank: int, key: Key) -> tuple[int, ...] | None:
+        """The group of ``key`` that contains ``rank`` (``None`` if a derived group has none)."""
+        if isinstance(key, str):
+            return self.group_of(rank, key)
+        grid, axes = self.resolve_base(key.base)
+        for part in key.parts(grid.group_of(rank, axes)):
             if rank in part:
                 return tuple(part)
         return None
+
+    def every_group(self, key: Key) -> list[list[int]]:
+        """Every group of ``key``, base group by base group."""
+        if isinstance(key, str):
+            groups: list[list[int]] = self.groups(key).tolist()
+            return groups
+        grid, axes = self.resolve_base(key.base)
+        return [part for base in grid.groups(axes).tolist() for part in key.parts(base)]

@@ -1,69 +1,75 @@
-"""Megatron's derived groups as :class:`~meshstate.layout.GroupFamily` values.
+"""Megatron's derived groups as :class:`~meshstate.layout.DerivedGroup` values.
 
 Pure: no process groups here. Besides the axis kinds, megatron-core's
 ``initialize_model_parallel`` builds groups carved out of them: embedding and
 position-embedding groups (stages of each pipeline), hierarchical
 context-parallel levels, the groups of partial distributed-optimizer
-instances, hybrid data+context groups and a second data+context group for
-all-gathers. :func:`megatron_families` returns them, with megatron-core's rank
-arithmetic, for the façades to pass to :func:`meshstate.init_mesh`.
+instances, hybrid data+context groups, a second data+context group for
+all-gathers and gloo twins. :func:`derived_groups` returns the ones asked for,
+with megatron-core's rank arithmetic, for the façades to pass to
+:func:`meshstate.init_mesh`; the constants below look them up in a mesh.
 
 Example::
 
     >>> from meshstate.config import MeshConfig
     >>> from meshstate.layout import ParallelLayout
-    >>> families = megatron_families(MeshConfig(8, pp=4))
-    >>> ParallelLayout(MeshConfig(8, pp=4)).family_groups(families[0])
+    >>> derived = derived_groups(MeshConfig(8, pp=4))
+    >>> derived[0] == EMBEDDING
+    True
+    >>> ParallelLayout(MeshConfig(8, pp=4)).every_group(derived[0])
     [[0, 6], [1, 7]]
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
-from functools import partial
-
-import einops
-import torch
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 from meshstate.config import MeshConfig
 from meshstate.errors import ParallelStateError
-from meshstate.layout import GroupFamily
+from meshstate.layout import Chunks, DerivedGroup, Instances, Key, Level, Pick
 
-EMBEDDING = "embedding"
-POSITION_EMBEDDING = "position-embedding"
-INTRA_DP_CP = "dp-cp:intra-instance"
-INTRA_EDP = "edp:intra-instance"
-INTER_EDP = "edp:inter-instance"
-DIST_OPT_INSTANCE = "dist-opt-instance"
-DP_CP_ALL_GATHER = "dp-cp:all-gather"
-GLOO_KEYS = ("dp", "dp-cp", "edp", INTRA_DP_CP, INTRA_EDP)
-"""Keys megatron-core gives a gloo copy when ``create_gloo_process_groups``."""
+EMBEDDING = DerivedGroup("pp", Pick("embedding"))
+POSITION_EMBEDDING = DerivedGroup("pp", Pick("position-embedding"))
+INTRA_DP_CP = DerivedGroup("dp-cp", Instances())
+INTRA_EDP = DerivedGroup("edp", Instances())
+INTER_EDP = DerivedGroup("edp", Instances(inter=True))
+DIST_OPT_INSTANCE = DerivedGroup(("edp", "pp", "ep", "etp"), Instances())
+DP_CP_ALL_GATHER = DerivedGroup("dp-cp", separate=True)
+GLOO_KEYS: tuple[Key, ...] = ("dp", "dp-cp", "edp", INTRA_DP_CP, INTRA_EDP)
+"""Keys megatron-core gives a gloo twin when ``create_gloo_process_groups``."""
 
 RanksCallback = Callable[..., Sequence[int]]
 
 
-def hierarchical_cp(level: int) -> str:
-    """Family name of hierarchical context-parallel level ``level``."""
-    return f"hcp-{level}"
+def hierarchical_cp(level: int) -> DerivedGroup:
+    """Hierarchical context-parallel level ``level``, whatever the sizes."""
+    return DerivedGroup("cp", Level(level))
 
 
-def hierarchical_cp_levels(keys: Sequence[str]) -> list[str]:
-    """The hierarchical context-parallel family names among ``keys``, innermost first."""
-    levels: list[str] = []
-    while hierarchical_cp(len(levels)) in keys:
-        levels.append(hierarchical_cp(len(levels)))
-    return levels
+def hierarchical_cp_levels(keys: Iterable[Key]) -> list[DerivedGroup]:
+    """The hierarchical context-parallel levels among ``keys``, innermost first."""
+    declared = set(keys)
+    return list(itertools.takewhile(declared.__contains__, map(hierarchical_cp, itertools.count())))
 
 
-def hybrid_dp_cp(size: int) -> str:
-    """Family name of the hybrid data+context groups of ``size`` ranks."""
-    return f"dp-cp:hybrid-{size}"
+def hybrid_dp_cp(size: int) -> DerivedGroup:
+    """The hybrid data+context groups of ``size`` ranks."""
+    return DerivedGroup("dp-cp", Chunks(size))
 
 
-def gloo(key: str) -> str:
-    """Family name of the gloo copy of ``key``'s groups."""
-    return f"{key}:gloo"
+def hybrid_sizes(dp_cp: int) -> list[int]:
+    """Group sizes of the hybrid data+context groups: powers of two from 2, below ``dp_cp``."""
+    return [2**power for power in range(1, int(math.log2(dp_cp)))]
+
+
+def gloo(key: Key) -> DerivedGroup:
+    """The gloo twin of ``key``: the same ranks, a gloo communicator."""
+    if isinstance(key, DerivedGroup):
+        return replace(key, backend="gloo")
+    return DerivedGroup(key, backend="gloo")
 
 
 def default_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
@@ -82,33 +88,7 @@ def default_position_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
     return [pp_ranks[0]]
 
 
-def hierarchical_levels(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[list[int]]]:
-    """Split ``ranks`` into hierarchical levels of the given sizes.
-
-    Level ``i`` groups ranks ``prod(sizes[:i])`` apart, ``sizes[i]`` at a time.
-
-    Example: 8 ranks in levels ``[2, 4]`` give ``[[0, 1], [2, 3], ...]`` and
-    ``[[0, 2, 4, 6], [1, 3, 5, 7]]``.
-    """
-    if math.prod(sizes) != len(ranks):
-        raise ParallelStateError(
-            f"hierarchical sizes {list(sizes)} multiply to {math.prod(sizes)}, "
-            f"not to the {len(ranks)} ranks they split"
-        )
-    levels = []
-    for level, size in enumerate(sizes):
-        grouped = einops.rearrange(
-            torch.tensor(list(ranks)),
-            "(outer size inner) -> (outer inner) size",
-            inner=math.prod(sizes[:level]),
-            size=size,
-            outer=math.prod(sizes[level + 1 :]),
-        )
-        levels.append(grouped.tolist())
-    return levels
-
-
-def megatron_families(
+def derived_groups(
     config: MeshConfig,
     *,
     get_embedding_ranks: RanksCallback | None = None,
@@ -118,28 +98,24 @@ def megatron_families(
     hybrid_context_parallel: bool = False,
     create_all_gather_group: bool = False,
     create_gloo_process_groups: bool = False,
-) -> list[GroupFamily]:
-    """The derived group families megatron-core builds for these arguments.
+) -> list[DerivedGroup]:
+    """The derived groups megatron-core builds for these arguments, in its order.
 
     Validates them as megatron-core does (with :class:`ParallelStateError`).
     """
-    embedding = get_embedding_ranks or default_embedding_ranks
     position_embedding = get_position_embedding_ranks or default_position_embedding_ranks
-    families = [
-        GroupFamily(EMBEDDING, "pp", lambda pp: [list(embedding(pp))]),
-        GroupFamily(POSITION_EMBEDDING, "pp", lambda pp: [list(position_embedding(pp))]),
+    derived = [
+        DerivedGroup("pp", Pick("embedding", get_embedding_ranks or default_embedding_ranks)),
+        DerivedGroup("pp", Pick("position-embedding", position_embedding)),
     ]
     if hierarchical_context_parallel_sizes:
-        sizes = list(hierarchical_context_parallel_sizes)
+        sizes = tuple(hierarchical_context_parallel_sizes)
         if math.prod(sizes) != config.cp:
             raise ParallelStateError(
-                f"hierarchical_context_parallel_sizes {sizes} multiply to {math.prod(sizes)}, "
+                f"hierarchical_context_parallel_sizes {list(sizes)} multiply to {math.prod(sizes)}, "
                 f"but context_parallel_size is {config.cp}"
             )
-        for level in range(len(sizes)):
-            families.append(
-                GroupFamily(hierarchical_cp(level), "cp", partial(_level, sizes, level))
-            )
+        derived += [DerivedGroup("cp", Level(level, sizes)) for level in range(len(sizes))]
     instances = num_distributed_optimizer_instances
     if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
         raise ParallelStateError(
@@ -156,50 +132,20 @@ def megatron_families(
             f"expert data parallel size edp = {config.edp} is not divisible by "
             f"num_distributed_optimizer_instances = {instances}"
         )
-    intra_edp = config.edp // instances
-    families += [
-        GroupFamily(INTRA_DP_CP, "dp-cp", lambda ranks: _chunks(ranks, dp_cp // instances)),
-        GroupFamily(INTRA_EDP, "edp", lambda ranks: _chunks(ranks, intra_edp)),
-        GroupFamily(
-            DIST_OPT_INSTANCE,
-            ("edp", "pp", "ep", "etp"),
-            lambda world: _chunks(world, len(world) // instances),
-        ),
-    ]
+    intra = Instances(instances)
+    derived += [replace(INTRA_DP_CP, split=intra), replace(INTRA_EDP, split=intra)]
+    derived.append(replace(DIST_OPT_INSTANCE, split=intra))
     if instances > 1:
-        families.append(
-            GroupFamily(INTER_EDP, "edp", lambda ranks: [list(ranks[i::intra_edp]) for i in range(intra_edp)])
-        )
+        derived.append(replace(INTER_EDP, split=Instances(instances, inter=True)))
     if hybrid_context_parallel:
         if dp_cp % 2:
             raise ParallelStateError(
                 f"hybrid context parallel needs an even dp*cp, got {config.dp}*{config.cp} = {dp_cp}"
             )
-        for size in hybrid_sizes(dp_cp):
-            families.append(
-                GroupFamily(hybrid_dp_cp(size), "dp-cp", partial(_chunks, size=size))
-            )
+        derived += [hybrid_dp_cp(size) for size in hybrid_sizes(dp_cp)]
     if create_all_gather_group:
-        families.append(GroupFamily(DP_CP_ALL_GATHER, "dp-cp"))
+        derived.append(DP_CP_ALL_GATHER)
     if create_gloo_process_groups:
-        by_name = {family.name: family for family in families}
-        for key in GLOO_KEYS:
-            source = by_name.get(key)
-            if source is None:
-                families.append(GroupFamily(gloo(key), key))
-            else:
-                families.append(GroupFamily(gloo(key), source.base, source.split))
-    return families
-
-
-def hybrid_sizes(dp_cp: int) -> list[int]:
-    """Group sizes of the hybrid data+context groups: powers of two from 2, below ``dp_cp``."""
-    return [2**power for power in range(1, int(math.log2(dp_cp)))]
-
-
-def _level(sizes: Sequence[int], level: int, ranks: Sequence[int]) -> list[list[int]]:
-    return hierarchical_levels(ranks, sizes)[level]
-
-
-def _chunks(ranks: Sequence[int], size: int) -> list[list[int]]:
-    return [list(ranks[start : start + size]) for start in range(0, len(ranks), size)]
+        declared: dict[Key, Key] = {spec: spec for spec in derived}
+        derived += [gloo(declared.get(key, key)) for key in GLOO_KEYS]
+    return derived

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -38,9 +39,11 @@ from meshstate.layout import (
     DENSE_AXES,
     EXPERT_AXES,
     GROUP_KINDS,
+    DerivedGroup,
     Grid,
-    GroupFamily,
+    Key,
     ParallelLayout,
+    spellings,
 )
 
 
@@ -50,7 +53,7 @@ class AxisGroup:
     position in it, and the process group.
     """
 
-    key: str
+    key: Key
     ranks: tuple[int, ...]
     rank: int
     group: dist.ProcessGroup
@@ -75,14 +78,18 @@ class OrderedGroup:
 class ParallelMesh:
     """A rank's view of a parallel layout: groups, ranks and DeviceMeshes by axis.
 
-    Build one with :func:`init_mesh`. Keys name one axis (``"tp"``) or a
-    Megatron joint group (``"dp-cp"``; a set, so ``"cp-dp"`` is the same);
-    ``in``, ``len`` and iteration follow :meth:`keys`.
+    Build one with :func:`init_mesh`. Keys name one axis (``"tp"``), a
+    Megatron joint group (``"dp-cp"``; a set, so ``"cp-dp"`` is the same) or a
+    :class:`~meshstate.layout.DerivedGroup` declared at init; ``in``, ``len``
+    and iteration follow :meth:`keys`. Every query reads a table made at init:
+    ``rank_in``, ``size_of``, ``group_of`` and ``ranks_of`` map every spelling of
+    every key whose group holds the calling rank to its answer.
 
     Example, on rank 5 of 8 with ``init_mesh(tp=2, pp=2)`` (so dp=2)::
 
         mesh.ranks("dp")        # (5, 7)
         mesh.rank("tp-dp")      # 1
+        mesh.size_of["cp-dp"]   # 2, a dict lookup
         mesh["tp"]              # DeviceMesh([4, 5], mesh_dim_names=("tp",))
         mesh["dp", "tp"]        # 2-D DeviceMesh [[4, 5], [6, 7]]
         mesh.next_rank("pp")    # 1 (the ring wraps around)
@@ -93,11 +100,11 @@ class ParallelMesh:
         self,
         layout: ParallelLayout,
         process_groups: ProcessGroupSet,
-        members: Mapping[str, tuple[int, ...]],
+        members: Mapping[Key, tuple[int, ...] | None],
         *,
         device_type: str,
         kinds: tuple[str, ...] = GROUP_KINDS,
-        families: Sequence[GroupFamily] = (),
+        derived: tuple[DerivedGroup, ...] = (),
         owns_default_group: bool = False,
     ) -> None:
         self._destroyed_at: str | None = None
@@ -107,51 +114,49 @@ class ParallelMesh:
         self.global_rank = dist.get_rank()
         self.process_groups = process_groups
         self.kinds = kinds
-        self.families = {family.name: family for family in families}
+        self.derived = derived
         self._owns_default_group = owns_default_group
-        self._axis_groups: dict[str, AxisGroup] = {}
         self._ordered_groups: dict[str | tuple[str, ...], OrderedGroup] = {}
-        for key, ranks in members.items():
-            self._axis_groups[key] = AxisGroup(
-                key=key,
-                ranks=ranks,
-                rank=ranks.index(self.global_rank),
-                group=process_groups.by_name[key],
-            )
+        # Every spelling of every key -> the key as declared. Spellings are interned, so a
+        # lookup by an interned string (as a façade's constants are) matches by identity.
+        self._declared: dict[Key, Key] = {
+            sys.intern(spelling) if isinstance(spelling, str) else spelling: key
+            for key in self.keys()
+            for spelling in spellings(key)
+        }
+        self.rank_in: dict[Key, int] = {}
+        self.size_of: dict[Key, int] = {}
+        self.group_of: dict[Key, dist.ProcessGroup] = {}
+        self.ranks_of: dict[Key, tuple[int, ...]] = {}
+        for spelling, key in self._declared.items():
+            ranks = members[key]
+            if ranks is not None:
+                self.rank_in[spelling] = ranks.index(self.global_rank)
+                self.size_of[spelling] = len(ranks)
+                self.group_of[spelling] = process_groups.by_name[key]
+                self.ranks_of[spelling] = ranks
         self.dense = self._root_mesh(layout.dense)
         self.expert = self._root_mesh(layout.expert)
         _compat.share_rank_map(self.expert, self.dense)
         self._device_meshes: dict[tuple[str, ...], DeviceMesh] = {}
 
-    def keys(self) -> tuple[str, ...]:
-        """Every group key: Megatron's kinds, declared joint groups, then families."""
-        return self.kinds + tuple(self.families)
+    def keys(self) -> tuple[Key, ...]:
+        """Every group key: Megatron's kinds, declared joint groups, then derived groups."""
+        return self.kinds + self.derived
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is one of :meth:`keys`, in any spelling (``"cp-dp"``)."""
-        if not isinstance(key, str):
-            return False
-        if key in self.families:
-            return True
-        try:
-            return self.layout.canonical(key) in self.kinds
-        except AxisError:
-            return False
+        return isinstance(key, (str, DerivedGroup)) and key in self._declared
 
     def __len__(self) -> int:
         return len(self.keys())
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[Key]:
         return iter(self.keys())
 
-    def has_group(self, key: str) -> bool:
+    def has_group(self, key: Key) -> bool:
         """Whether the calling rank is in a group of ``key`` (always, for axis keys)."""
-        if key in self._axis_groups or key in self.families:
-            return key in self._axis_groups
-        try:
-            return self.layout.canonical(key) in self._axis_groups
-        except AxisError:
-            return False
+        return key in self.group_of
 
     @property
     def coordinate(self) -> dict[str, int]:
@@ -171,82 +176,83 @@ class ParallelMesh:
         if found is not None:
             return found
         grid, major_to_minor = self.layout.resolve_base(key)
-        members = self.axis_group("-".join(major_to_minor))
+        joint = "-".join(major_to_minor)
         ranks = grid.group_of(self.global_rank, major_to_minor)
-        position = {rank: index for index, rank in enumerate(members.ranks)}
+        position = {rank: index for index, rank in enumerate(self.ranks(joint))}
         found = OrderedGroup(
             ranks=ranks,
             index=ranks.index(self.global_rank),
-            group=members.group,
+            group=self.group(joint),
             group_ranks=tuple(position[rank] for rank in ranks),
         )
         self._ordered_groups[key] = found
         return found
 
-    def axis_group(self, key: str) -> AxisGroup:
+    def axis_group(self, key: Key) -> AxisGroup:
         """Everything the calling rank knows about its group of ``key``."""
-        found = self._axis_groups.get(key)
-        if found is not None:
-            return found
-        if key in self.families:
-            raise MeshStateError(f"rank {self.global_rank} is in no {key!r} group")
-        try:
-            canonical = self.layout.canonical(key)
-        except AxisError:
-            canonical = key
-        if canonical not in self._axis_groups:
-            raise AxisError(f"mesh has no group {key!r}; valid keys are {', '.join(self.keys())}")
-        return self._axis_groups[canonical]
+        ranks = self.ranks(key)
+        return AxisGroup(self._declared[key], ranks, self.rank_in[key], self.group_of[key])
 
-    def group(self, key: str) -> dist.ProcessGroup:
+    def group(self, key: Key) -> dist.ProcessGroup:
         """The process group of ``key`` that the calling rank is in."""
-        return self.axis_group(key).group
+        try:
+            return self.group_of[key]
+        except KeyError:
+            raise self._missing(key) from None
 
-    def rank(self, key: str) -> int:
+    def rank(self, key: Key) -> int:
         """The calling rank's position in its group of ``key``."""
-        return self.axis_group(key).rank
+        try:
+            return self.rank_in[key]
+        except KeyError:
+            raise self._missing(key) from None
 
-    def size(self, key: str) -> int:
+    def size(self, key: Key) -> int:
         """Number of ranks in a group of ``key``."""
-        return len(self.axis_group(key).ranks)
+        try:
+            return self.size_of[key]
+        except KeyError:
+            raise self._missing(key) from None
 
-    def ranks(self, key: str) -> tuple[int, ...]:
+    def ranks(self, key: Key) -> tuple[int, ...]:
         """Global ranks of the calling rank's group of ``key``, in group order."""
-        return self.axis_group(key).ranks
+        try:
+            return self.ranks_of[key]
+        except KeyError:
+            raise self._missing(key) from None
 
-    def next_rank(self, key: str) -> int:
+    def next_rank(self, key: Key) -> int:
         """Global rank after the caller in its group, wrapping around.
 
         ``next_rank("pp")`` is the next pipeline stage; ``next_rank("cp")`` is
         where a context-parallel ring sends.
         """
-        found = self.axis_group(key)
-        return found.ranks[(found.rank + 1) % len(found.ranks)]
+        ranks = self.ranks(key)
+        return ranks[(self.rank_in[key] + 1) % len(ranks)]
 
-    def prev_rank(self, key: str) -> int:
+    def prev_rank(self, key: Key) -> int:
         """Global rank before the caller in its group, wrapping around.
 
         ``prev_rank("cp")`` is where a context-parallel ring receives from.
         """
-        found = self.axis_group(key)
-        return found.ranks[(found.rank - 1) % len(found.ranks)]
+        ranks = self.ranks(key)
+        return ranks[(self.rank_in[key] - 1) % len(ranks)]
 
-    def first_rank(self, key: str) -> int:
+    def first_rank(self, key: Key) -> int:
         """Global rank of the first member of the caller's group."""
-        return self.axis_group(key).ranks[0]
+        return self.ranks(key)[0]
 
-    def last_rank(self, key: str) -> int:
+    def last_rank(self, key: Key) -> int:
         """Global rank of the last member of the caller's group."""
-        return self.axis_group(key).ranks[-1]
+        return self.ranks(key)[-1]
 
-    def is_first(self, key: str) -> bool:
+    def is_first(self, key: Key) -> bool:
         """Whether the caller is first in its group (``is_first("pp")``: first stage)."""
-        return self.axis_group(key).rank == 0
+        return self.rank(key) == 0
 
-    def is_last(self, key: str) -> bool:
+    def is_last(self, key: Key) -> bool:
         """Whether the caller is last in its group (``is_last("pp")``: last stage)."""
-        found = self.axis_group(key)
-        return found.rank == len(found.ranks) - 1
+        return self.rank(key) == self.size_of[key] - 1
 
     def __getitem__(self, key: str | tuple[str, ...]) -> DeviceMesh:
         """A DeviceMesh by axis name, tuple of axis names, or joint key.
@@ -331,9 +337,16 @@ class ParallelMesh:
             "meshstate.init_mesh"
         )
 
+    def _missing(self, key: Key) -> MeshStateError:
+        """Why the tables lack ``key``: a derived group without the caller, or no such key."""
+        if key in self:
+            return MeshStateError(f"rank {self.global_rank} is in no {str(key)!r} group")
+        valid = ", ".join(map(str, self.keys()))
+        return AxisError(f"mesh has no group {str(key)!r}; valid keys are {valid}")
+
     def _root_mesh(self, grid: Grid) -> DeviceMesh:
         return DeviceMesh.from_group(
-            [self._axis_groups[axis].group for axis in grid.mesh_axes],
+            [self.group_of[axis] for axis in grid.mesh_axes],
             self.device_type,
             mesh=grid.rank_grid(),
             mesh_dim_names=grid.mesh_axes,
@@ -455,8 +468,8 @@ def init_mesh(
     backend: str | None = None,
     timeout: timedelta | None = None,
     joint_groups: Sequence[str] = (),
-    families: Sequence[GroupFamily] = (),
-    group_options: Mapping[str, GroupOptions] | None = None,
+    derived: Sequence[DerivedGroup] = (),
+    group_options: Mapping[Key, GroupOptions] | None = None,
     agree_on: Mapping[str, object] | None = None,
 ) -> ParallelMesh:
     """Build the calling rank's :class:`ParallelMesh`; every rank must call it.
@@ -466,9 +479,10 @@ def init_mesh(
     inferred from the world size and ``etp`` defaults to ``tp``. ``backend``
     and ``timeout`` reach every group created; ``device_type`` defaults to
     ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise. ``joint_groups``
-    declares joint groups beyond Megatron's (e.g. ``"cp-pp"``); ``families`` adds
-    named groups carved out of the axis groups (e.g. Megatron's embedding
-    groups); ``group_options`` sets backend and options per key or family.
+    declares joint groups beyond Megatron's (e.g. ``"cp-pp"``); ``derived``
+    adds groups carved out of them (:class:`~meshstate.layout.DerivedGroup`
+    values, e.g. the hierarchical levels of ``cp``); ``group_options`` sets
+    backend and options per key.
 
     First every rank agrees on these arguments (and ``agree_on``, for callers
     with more to agree on) through the store, within ``timeout`` (torch's
@@ -483,9 +497,43 @@ def init_mesh(
     """
     owns_default_group = _init_default_group_from_env(backend, timeout)
     try:
-        return _build_mesh(
-            order, tp, cp, ep, etp, pp, device_type, backend, timeout, joint_groups, families,
-            dict(group_options or {}), dict(agree_on or {}), owns_default_group,
+        build_id = agree(
+            {
+                "order": order, "tp": tp, "cp": cp, "ep": ep, "etp": etp, "pp": pp,
+                "device_type": device_type, "backend": backend,
+                "timeout": None if timeout is None else timeout.total_seconds(),
+                "joint_groups": list(joint_groups),
+                "derived": [str(spec) for spec in derived],
+                "group_options": {
+                    str(key): [value.backend, value.pg_options is not None, value.separate]
+                    for key, value in (group_options or {}).items()
+                },
+                **(agree_on or {}),
+            },
+            timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
+        )
+        layout = ParallelLayout(
+            MeshConfig(dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp)
+        )
+        kinds, declared = _declared_keys(layout, joint_groups, derived)
+        options = _options_by_key(layout, kinds + declared, group_options or {})
+        rank = dist.get_rank()
+        members = {key: layout.members(rank, key) for key in kinds + declared}
+        specs = [
+            GroupSpec(key, ranks, partial(layout.every_group, key), options[key])
+            for key, ranks in members.items()
+        ]
+        process_groups = create_process_groups(
+            specs, backend=backend, timeout=timeout, build_id=build_id
+        )
+        return ParallelMesh(
+            layout,
+            process_groups,
+            members,
+            device_type=device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu"),
+            kinds=kinds,
+            derived=declared,
+            owns_default_group=owns_default_group,
         )
     except BaseException:
         if owns_default_group:
@@ -493,104 +541,45 @@ def init_mesh(
         raise
 
 
-def _build_mesh(
-    order: str,
-    tp: int,
-    cp: int,
-    ep: int,
-    etp: int | None,
-    pp: int,
-    device_type: str | None,
-    backend: str | None,
-    timeout: timedelta | None,
-    joint_groups: Sequence[str],
-    families: Sequence[GroupFamily],
-    options: dict[str, GroupOptions],
-    agree_on: dict[str, object],
-    owns_default_group: bool,
-) -> ParallelMesh:
-    build_id = agree(
-        {
-            "order": order, "tp": tp, "cp": cp, "ep": ep, "etp": etp, "pp": pp,
-            "device_type": device_type, "backend": backend,
-            "timeout": None if timeout is None else timeout.total_seconds(),
-            "joint_groups": list(joint_groups),
-            "families": [[family.name, family.base] for family in families],
-            "group_options": {
-                key: [value.backend, value.pg_options is not None, value.separate]
-                for key, value in sorted(options.items())
-            },
-            **agree_on,
-        },
-        timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
-    )
-    config = MeshConfig(
-        dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp
-    )
-    layout = ParallelLayout(config)
-    kinds = GROUP_KINDS + tuple(
-        dict.fromkeys(
-            canonical
-            for canonical in map(layout.canonical, joint_groups)
-            if canonical not in GROUP_KINDS
-        )
-    )
-    _check_family_names(kinds, families, options)
-    rank = dist.get_rank()
-    members: dict[str, tuple[int, ...] | None] = {key: layout.group_of(rank, key) for key in kinds}
-    members.update((family.name, layout.family_group_of(rank, family)) for family in families)
-    specs = [
-        GroupSpec(
-            key,
-            members[key],
-            partial(_all_groups, layout, key),
-            options.get(key, GroupOptions()),
-        )
-        for key in kinds
-    ]
-    specs += [
-        GroupSpec(
-            family.name,
-            members[family.name],
-            partial(layout.family_groups, family),
-            options.get(family.name, GroupOptions()),
-        )
-        for family in families
-    ]
-    process_groups = create_process_groups(
-        specs, backend=backend, timeout=timeout, build_id=build_id
-    )
-    if device_type is None:
-        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-    return ParallelMesh(
-        layout,
-        process_groups,
-        {key: ranks for key, ranks in members.items() if ranks is not None},
-        device_type=device_type,
-        kinds=kinds,
-        families=families,
-        owns_default_group=owns_default_group,
-    )
+def _declared_keys(
+    layout: ParallelLayout, joint_groups: Sequence[str], derived: Sequence[DerivedGroup]
+) -> tuple[tuple[str, ...], tuple[DerivedGroup, ...]]:
+    """Megatron's kinds with the joint groups, and the derived groups, spelled canonically."""
+    joints = dict.fromkeys(map(layout.canonical, joint_groups))
+    kinds = GROUP_KINDS + tuple(key for key in joints if key not in GROUP_KINDS)
+    declared: list[DerivedGroup] = []
+    for spec in derived:
+        if not isinstance(spec, DerivedGroup):
+            raise ConfigError(f"derived takes DerivedGroup values, got {spec!r}")
+        base = layout.canonical(spec.base) if isinstance(spec.base, str) else spec.base
+        canonical = replace(spec, base=base)
+        layout.resolve_base(canonical.base)
+        if canonical in declared:
+            raise ConfigError(f"derived group {str(spec)!r} is declared twice")
+        declared.append(canonical)
+    return kinds, tuple(declared)
 
 
-def _all_groups(layout: ParallelLayout, key: str) -> list[list[int]]:
-    groups: list[list[int]] = layout.groups(key).tolist()
-    return groups
-
-
-def _check_family_names(
-    kinds: tuple[str, ...], families: Sequence[GroupFamily], options: Mapping[str, object]
-) -> None:
-    names = [family.name for family in families]
-    for name in names:
-        if name in kinds or names.count(name) > 1:
-            raise ConfigError(f"group family name {name!r} repeats a kind or another family")
-    unknown = [key for key in options if key not in kinds and key not in names]
+def _options_by_key(
+    layout: ParallelLayout, keys: tuple[Key, ...], given: Mapping[Key, GroupOptions]
+) -> dict[Key, GroupOptions]:
+    """Each key's group options: ``given`` (in any spelling) with a derived group's own backend."""
+    canonical = {spelling: key for key in keys for spelling in spellings(key)}
+    unknown = [str(key) for key in given if key not in canonical]
     if unknown:
         raise ConfigError(
-            f"group_options names {unknown}, which are neither kinds {kinds} "
-            f"nor families {names}"
+            f"group_options names {unknown}, which are not keys of the mesh: "
+            f"{', '.join(map(str, keys))}"
         )
+    by_key = {canonical[key]: value for key, value in given.items()}
+    options = {}
+    for key in keys:
+        chosen = by_key.get(key, GroupOptions())
+        if isinstance(key, DerivedGroup):
+            backend, separate = key.backend or chosen.backend, key.separate or chosen.separate
+            chosen = replace(chosen, backend=backend, separate=separate)
+        options[key] = chosen
+    return options
 
 
 def _init_default_group_from_env(backend: str | None, timeout: timedelta | None) -> bool:

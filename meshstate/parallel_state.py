@@ -10,19 +10,22 @@ Legacy code switches by changing one import::
 
 Every function has megatron-core 0.16's name, parameters, defaults and values.
 ``initialize_model_parallel`` builds one :class:`~meshstate.ParallelMesh`
-(``get_mesh()``); the module keeps a single reference, ``_view``: the mesh
-plus the few values only Megatron has (the ``set_*`` overrides, the virtual
-pipeline stage, the memory buffers), with every getter's answer read from the
-mesh once at init. A getter is then one attribute read; none calls into
-``torch.distributed``.
+(``get_mesh()``) and the module keeps a single reference to it, ``_served``;
+every getter asks that mesh's tables (``mesh.rank_in["tp"]``), with the
+``set_*`` overrides laid over them. Before init, and after
+``destroy_model_parallel``, the tables are stand-ins that raise megatron-core's
+errors, so no answer outlives its mesh. Only the values megatron-core itself
+keeps beside its groups live here: the overrides, the virtual pipeline stage
+and the memory buffers. No getter calls into ``torch.distributed``.
 
 Differences from megatron-core, on purpose:
 
-- ``destroy_model_parallel`` destroys the process groups it created and resets
-  every module-level name (megatron-core keeps several stale global-rank lists
-  and the data-parallel overrides).
+- ``destroy_model_parallel`` destroys the process groups it created (those of
+  ``create_group`` and friends too, once initialised) and resets every
+  module-level name (megatron-core keeps several stale global-rank lists and
+  the data-parallel overrides).
 - Identical rank sets share one process group (``etp == tp`` gives one).
-- On a gloo world the gloo copies of the data-parallel groups *are* the
+- On a gloo world the gloo twins of the data-parallel groups *are* the
   data-parallel groups; NCCL communicator options (``nccl_communicator_config_path``,
   ``high_priority_stream_groups``) do not apply and are ignored with a warning;
   ``use_sharp`` and an NCCL/UCC ``pipeline_model_parallel_comm_backend`` are
@@ -38,12 +41,14 @@ import logging
 import math
 import operator
 import os
+import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections import ChainMap
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial, reduce
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -52,16 +57,21 @@ from meshstate import _compat
 from meshstate import megatron_groups as families
 from meshstate.config import DEFAULT_ORDER, MeshConfig, parse_order
 from meshstate.errors import AxisError, ConfigError, NotInitializedError, ParallelStateError
-from meshstate.groups import GroupOptions, GroupSpec, create_process_groups
-from meshstate.layout import Grid
-from meshstate.megatron_groups import (
-    default_embedding_ranks,
-    default_position_embedding_ranks,
+from meshstate.groups import GroupOptions, ProcessGroupSet, create_group_family
+from meshstate.layout import (
+    GROUP_KINDS,
+    Chunks,
+    DerivedGroup,
+    Grid,
+    Key,
+    Level,
     hierarchical_levels,
 )
+from meshstate.megatron_groups import default_embedding_ranks, default_position_embedding_ranks
 from meshstate.mesh import ParallelMesh, init_mesh, set_mesh
 
 ProcessGroup = dist.ProcessGroup
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -159,44 +169,87 @@ __all__ = [
     "update_pg_timeout",
 ]
 
+
+# The joint keys, interned: the mesh's tables then find them by identity (a code constant
+# with a "-" is not interned, and a lookup by an equal but distinct string is slower).
+_TP_PP, _TP_CP, _TP_DP, _TP_DP_CP, _DP_CP, _ETP_EP, _ETP_EP_PP = map(
+    sys.intern, ("tp-pp", "tp-cp", "tp-dp", "tp-dp-cp", "dp-cp", "etp-ep", "etp-ep-pp")
+)
+_INTRA_DP_CP = families.INTRA_DP_CP
+_INTRA_EDP = families.INTRA_EDP
+_EMBEDDING = families.EMBEDDING
+_GLOO = {key: families.gloo(key) for key in families.GLOO_KEYS}
+# A key no mesh has: data parallel without context parallel, partial (only an override answers).
+_PARTIAL_DP = "dp (partial, without cp)"
+
+# megatron-core's name of each group, for "... is not initialized".
+_WHAT: dict[Key, str] = {
+    "tp": "tensor model parallel group",
+    "pp": "pipeline model parallel group",
+    _TP_PP: "model parallel group",
+    "dp": "data parallel group",
+    _PARTIAL_DP: "data parallel group",
+    _DP_CP: "data parallel group with context parallel",
+    _INTRA_DP_CP: "intra partial data parallel group with context parallel",
+    families.DP_CP_ALL_GATHER: "all-gather data parallel group with context parallel",
+    "cp": "context parallel group",
+    _TP_CP: "tensor and context parallel group",
+    _TP_DP: "tensor and data parallel group",
+    _TP_DP_CP: "tensor and data parallel group with context parallel",
+    "ep": "expert model parallel group",
+    "etp": "expert tensor parallel group",
+    _ETP_EP: "expert tensor and model parallel group",
+    _ETP_EP_PP: "expert tensor-model-pipeline parallel group",
+    "edp": "expert data parallel group",
+    _INTRA_EDP: "intra partial expert data parallel group",
+    families.INTER_EDP: "inter distributed optimizer instance group "
+    "(needs num_distributed_optimizer_instances > 1)",
+    families.DIST_OPT_INSTANCE: "intra distributed optimizer instance group",
+    _EMBEDDING: "embedding group",
+    families.POSITION_EMBEDDING: "position embedding group",
+}
+_WHAT.update({twin: f"gloo {_WHAT[key]}" for key, twin in _GLOO.items()})
+
+# Sizes and ranks megatron-core answers with 0 before torch.distributed is initialized.
+_ZERO_UNLESS_DISTRIBUTED: frozenset[Key] = frozenset(
+    {"dp", _PARTIAL_DP, _DP_CP, _INTRA_DP_CP, "cp", _TP_CP, "ep", _ETP_EP, "edp", _INTRA_EDP}
+)
+
+# megatron-core's override names -> the table and the keys each answers for.
+_OVERRIDDEN: dict[str, tuple[Literal["rank", "size"], tuple[Key, ...]]] = {
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": ("size", ("tp",)),
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK": ("rank", ("tp",)),
+    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": ("size", ("pp",)),
+    "_MPU_PIPELINE_MODEL_PARALLEL_RANK": ("rank", ("pp",)),
+    "_MPU_DATA_PARALLEL_WORLD_SIZE": ("size", ("dp", _PARTIAL_DP, _DP_CP, _INTRA_DP_CP)),
+    "_MPU_DATA_PARALLEL_RANK": ("rank", ("dp", _PARTIAL_DP, _DP_CP, _INTRA_DP_CP)),
+    "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": ("size", ("ep",)),
+    "_MPU_EXPERT_MODEL_PARALLEL_RANK": ("rank", ("ep",)),
+    "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": ("size", ("etp",)),
+    "_MPU_EXPERT_TENSOR_PARALLEL_RANK": ("rank", ("etp",)),
+}
+
 # megatron-core's process-group names (for NCCL options) -> meshstate keys.
-_NCCL_CONFIG_KEYS = {
+_NCCL_CONFIG_KEYS: dict[str, tuple[Key, ...]] = {
     "tp": ("tp",),
     "cp": ("cp",),
     "dp": ("dp",),
     "pp": ("pp",),
-    "mp": ("tp-pp",),
-    "tp_cp": ("tp-cp",),
-    "tp_dp": ("tp-dp",),
-    "tp_dp_cp": ("tp-dp-cp",),
+    "mp": (_TP_PP,),
+    "tp_cp": (_TP_CP,),
+    "tp_dp": (_TP_DP,),
+    "tp_dp_cp": (_TP_DP_CP,),
     "ep": ("ep",),
     "ep_tp": ("etp",),
-    "tp_ep_mp": ("etp-ep",),
-    "tp_ep_pp": ("etp-ep-pp",),
+    "tp_ep_mp": (_ETP_EP,),
+    "tp_ep_pp": (_ETP_EP_PP,),
     "ep_dp": ("edp",),
-    "embd": (families.EMBEDDING,),
+    "embd": (_EMBEDDING,),
     "pos_embd": (families.POSITION_EMBEDDING,),
-    "intra_dp_cp": (families.INTRA_DP_CP,),
-    "intra_ep_dp": (families.INTRA_EDP,),
+    "intra_dp_cp": (_INTRA_DP_CP,),
+    "intra_ep_dp": (_INTRA_EDP,),
     "inter_ep_dp": (families.INTER_EDP,),
     "intra_dist_opt_instance": (families.DIST_OPT_INSTANCE,),
-}
-
-# The groups whose global ranks megatron-core keeps in module-level lists.
-_GLOBAL_RANK_KEYS = ("tp", "pp", "dp", "cp", "dp-cp", "ep", "tp-pp")
-
-# The `set_*` overrides, by megatron-core's module-level name.
-_OVERRIDES = {
-    "tp_size": "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
-    "tp_rank": "_MPU_TENSOR_MODEL_PARALLEL_RANK",
-    "pp_size": "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
-    "pp_rank": "_MPU_PIPELINE_MODEL_PARALLEL_RANK",
-    "dp_size": "_MPU_DATA_PARALLEL_WORLD_SIZE",
-    "dp_rank": "_MPU_DATA_PARALLEL_RANK",
-    "ep_size": "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE",
-    "ep_rank": "_MPU_EXPERT_MODEL_PARALLEL_RANK",
-    "etp_size": "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE",
-    "etp_rank": "_MPU_EXPERT_TENSOR_PARALLEL_RANK",
 }
 
 
@@ -258,137 +311,72 @@ class GlobalSymmetricMemoryBuffer:
         return {"tensor": tensor, "handle": self.symm_mem_hdl}
 
 
-class _View:
-    """What the getters read: the current mesh's answers and Megatron's extras.
+class _NotInitialized(dict[Key, Any]):
+    """A table before init: empty, and a lookup by ``[]`` is megatron-core's answer.
 
-    An int attribute is absent when neither an override nor a mesh gives it,
-    so a getter's one attribute read fails over to the not-initialized path.
+    That answer is an error naming the group or, for the sizes and ranks that
+    megatron-core gives as 0 while torch.distributed is not initialized, 0.
+    ``get`` answers ``None``, as for a group the caller is not in.
     """
 
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
-    pp_first: bool
-    pp_last: bool
-    dp_size: int
-    dp_rank: int
-    dp_cp_size: int
-    dp_cp_rank: int
-    intra_dp_cp_size: int
-    intra_dp_cp_rank: int
-    cp_size: int
-    cp_rank: int
-    tp_cp_size: int
-    tp_cp_rank: int
-    ep_size: int
-    ep_rank: int
-    etp_size: int | None
-    etp_rank: int | None
-    etp_ep_size: int
-    etp_ep_rank: int
-    edp_size: int
-    edp_rank: int
-    intra_edp_size: int
-    intra_edp_rank: int
+    def __init__(self, zero_keys: frozenset[Key] = frozenset()) -> None:
+        super().__init__()
+        self.zero_keys = zero_keys
 
-    def __init__(self, mesh: ParallelMesh | None = None) -> None:
+    def __missing__(self, key: Key) -> Any:
+        if key in self.zero_keys and not dist.is_initialized():
+            return 0
+        raise _not_initialized(_WHAT[key])
+
+
+class _Served:
+    """What every getter reads: the tables of the mesh served, under the overrides.
+
+    ``mesh`` is the one reference to the mesh (``None`` before init); the
+    tables are that mesh's own, or :class:`_NotInitialized` stand-ins, with
+    the ``set_*`` overrides laid over the rank and size tables where any is set.
+    """
+
+    __slots__ = ("mesh", "rank_in", "size_of", "group_of", "ranks_of")
+
+    def __init__(self, mesh: ParallelMesh | None, overrides: Mapping[str, int | None]) -> None:
+        layers: dict[str, dict[Key, int]] = {"rank": {}, "size": {}}
+        for name, value in overrides.items():
+            if value is not None:
+                table, keys = _OVERRIDDEN[name]
+                layers[table].update(dict.fromkeys(keys, value))
+        for layer in layers.values():
+            if mesh is None and "tp" in layer:  # megatron-core's etp falls back to the tp override
+                layer.setdefault("etp", layer["tp"])
         self.mesh = mesh
-        self.overrides: dict[str, int | None] = dict.fromkeys(_OVERRIDES)
-        self.vpp_rank: int | None = None
-        self.vpp_size: int | None = None
-        self.embedding_ranks: list[int] | None = None
-        self.position_embedding_ranks: list[int] | None = None
-        self.memory_buffer: GlobalMemoryBuffer | None = None
-        self.symmetric_buffer: GlobalSymmetricMemoryBuffer | None = None
-        self.standalone_groups: list[ProcessGroup] = []
-        self.groups: dict[str, ProcessGroup | None] = {}
-        self.global_ranks: dict[str, list[int] | None] = {}
-        self.hierarchical_cp: list[ProcessGroup] | None = None
-        self.hybrid_dp_cp: dict[int, ProcessGroup] = {}
-        if mesh is not None:
-            self._read_groups(mesh)
-        self.refresh()
-
-    def _read_groups(self, mesh: ParallelMesh) -> None:
-        member_keys = [key for key in mesh.keys() if mesh.has_group(key)]
-        self.groups = {key: mesh.group(key) for key in member_keys}
-        self.global_ranks = {key: list(mesh.ranks(key)) for key in _GLOBAL_RANK_KEYS}
-        levels = families.hierarchical_cp_levels(mesh.keys())
-        self.hierarchical_cp = [mesh.group(level) for level in levels] or None
-        self.hybrid_dp_cp = {
-            size: mesh.group(families.hybrid_dp_cp(size))
-            for size in families.hybrid_sizes(mesh.size("dp-cp"))
-            if families.hybrid_dp_cp(size) in self.groups
-        }
-        pp_ranks = list(mesh.ranks("pp"))
-        for name, attribute in (
-            (families.EMBEDDING, "embedding_ranks"),
-            (families.POSITION_EMBEDDING, "position_embedding_ranks"),
-        ):
-            split = mesh.families[name].split
-            if name in self.groups and split is not None:
-                setattr(self, attribute, list(split(pp_ranks)[0]))
-
-    def refresh(self) -> None:
-        """Recompute every getter's answer from the overrides and the mesh."""
-        mesh, overrides = self.mesh, self.overrides
-        values: dict[str, int | None] = {}
-
-        def size(key: str) -> int | None:
-            return mesh.size(key) if mesh is not None and mesh.has_group(key) else None
-
-        def rank(key: str) -> int | None:
-            return mesh.rank(key) if mesh is not None and mesh.has_group(key) else None
-
-        def first(*candidates: int | None) -> int | None:
-            return next((c for c in candidates if c is not None), None)
-
-        dp_size, dp_rank = overrides["dp_size"], overrides["dp_rank"]
-        values.update(
-            tp_size=first(overrides["tp_size"], size("tp")),
-            tp_rank=first(overrides["tp_rank"], rank("tp")),
-            pp_size=first(overrides["pp_size"], size("pp")),
-            pp_rank=first(overrides["pp_rank"], rank("pp")),
-            dp_size=first(dp_size, size("dp")),
-            dp_rank=first(dp_rank, rank("dp")),
-            dp_cp_size=first(dp_size, size("dp-cp")),
-            dp_cp_rank=first(dp_rank, rank("dp-cp")),
-            intra_dp_cp_size=first(dp_size, size(families.INTRA_DP_CP)),
-            intra_dp_cp_rank=first(dp_rank, rank(families.INTRA_DP_CP)),
-            cp_size=size("cp"),
-            cp_rank=rank("cp"),
-            tp_cp_size=size("tp-cp"),
-            tp_cp_rank=rank("tp-cp"),
-            ep_size=first(overrides["ep_size"], size("ep")),
-            ep_rank=first(overrides["ep_rank"], rank("ep")),
-            etp_ep_size=size("etp-ep"),
-            etp_ep_rank=rank("etp-ep"),
-            edp_size=size("edp"),
-            edp_rank=rank("edp"),
-            intra_edp_size=size(families.INTRA_EDP),
-            intra_edp_rank=rank(families.INTRA_EDP),
-        )
-        for name, value in values.items():
-            if value is None:
-                self.__dict__.pop(name, None)
-            else:
-                self.__dict__[name] = value
-        # megatron-core falls back to the tp overrides (even None) without an etp group.
-        self.etp_size = first(overrides["etp_size"], size("etp") if mesh else overrides["tp_size"])
-        self.etp_rank = first(overrides["etp_rank"], rank("etp") if mesh else overrides["tp_rank"])
-        pp_rank, pp_size = values["pp_rank"], values["pp_size"]
-        for name, value in (
-            ("pp_first", None if pp_rank is None else pp_rank == 0),
-            ("pp_last", None if pp_rank is None or pp_size is None else pp_rank == pp_size - 1),
-        ):
-            if value is None:
-                self.__dict__.pop(name, None)
-            else:
-                self.__dict__[name] = value
+        if mesh is None:
+            self.rank_in = _layered(layers["rank"], _NotInitialized(_ZERO_UNLESS_DISTRIBUTED))
+            self.size_of = _layered(layers["size"], _NotInitialized(_ZERO_UNLESS_DISTRIBUTED))
+            self.group_of: Mapping[Key, ProcessGroup] = _NotInitialized()
+            self.ranks_of: Mapping[Key, tuple[int, ...]] = _NotInitialized()
+        else:
+            self.rank_in = _layered(layers["rank"], mesh.rank_in)
+            self.size_of = _layered(layers["size"], mesh.size_of)
+            self.group_of = mesh.group_of
+            self.ranks_of = mesh.ranks_of
 
 
-_view = _View()
+def _layered(overrides: dict[Key, int], table: dict[Key, int]) -> Mapping[Key, int]:
+    return ChainMap(overrides, table) if overrides else table
+
+
+# The `set_*` overrides, by megatron-core's module-level name: plain values, settable before init.
+_overrides: dict[str, int | None] = dict.fromkeys(_OVERRIDDEN)
+_served = _Served(None, _overrides)
+_vpp_rank: int | None = None
+_vpp_size: int | None = None
+_memory_buffer: GlobalMemoryBuffer | None = None
+_symmetric_buffer: GlobalSymmetricMemoryBuffer | None = None
+
+
+def _serve(mesh: ParallelMesh | None) -> None:
+    global _served
+    _served = _Served(mesh, _overrides)
 
 
 def _not_initialized(what: str) -> NotInitializedError:
@@ -397,32 +385,42 @@ def _not_initialized(what: str) -> NotInitializedError:
     )
 
 
-def _zero_unless_distributed(what: str) -> int:
-    """megatron-core answers 0 when torch.distributed is not initialized."""
-    if not dist.is_initialized():
-        return 0
-    raise _not_initialized(what)
-
-
-def _group(key: str, check_initialized: bool, what: str) -> ProcessGroup | None:
-    group = _view.groups.get(key)
-    if group is None and check_initialized:
+@overload
+def _checked(value: T | None, check_initialized: Literal[True], what: str) -> T: ...
+@overload
+def _checked(value: T | None, check_initialized: bool, what: str) -> T | None: ...
+def _checked(value: T | None, check_initialized: bool, what: str) -> T | None:
+    if value is None and check_initialized:
         raise _not_initialized(what)
-    return group
+    return value
 
 
-def _required_group(key: str, what: str) -> ProcessGroup:
-    group = _view.groups.get(key)
-    if group is None:
-        raise _not_initialized(what)
-    return group
+@overload
+def _group(key: Key, check_initialized: Literal[True] = True) -> ProcessGroup: ...
+@overload
+def _group(key: Key, check_initialized: bool) -> ProcessGroup | None: ...
+def _group(key: Key, check_initialized: bool = True) -> ProcessGroup | None:
+    return _checked(_served.group_of.get(key), check_initialized, _WHAT[key])
 
 
-def _global_ranks(key: str, what: str) -> list[int]:
-    ranks = _view.global_ranks.get(key)
-    if ranks is None:
-        raise _not_initialized(what)
-    return ranks
+def _global_rank_list(key: Key) -> list[int] | None:
+    """megatron-core's list of the caller's group's global ranks, or ``None``."""
+    ranks = _served.ranks_of.get(key)
+    return None if ranks is None else list(ranks)
+
+
+def _partial_without_cp(table: Mapping[Key, int]) -> int:
+    """Partial data parallel without cp: an override, the answer before init, or an error."""
+    try:
+        return table[_PARTIAL_DP]
+    except KeyError:
+        raise ParallelStateError("Partial DP for Optimizer needs to include CP") from None
+
+
+def _virtual_stage(vp_stage: int | None) -> int:
+    if vp_stage is None:
+        raise ParallelStateError("vp_stage must be passed if virtual pipeline is enabled")
+    return vp_stage
 
 
 # -- lifecycle -------------------------------------------------------------------------
@@ -457,9 +455,9 @@ def initialize_model_parallel(
     groups are ``[0, 1], [2, 3], ...`` and the pipelines ``[0, 4, 8, 12], ...``.
     ``distributed_timeout_minutes`` reaches every group.
     """
-    global _view
+    global _vpp_rank, _vpp_size, _memory_buffer
     os.environ.pop("NCCL_COLLNET_ENABLE", None)
-    if _view.mesh is not None:
+    if _served.mesh is not None:
         raise ParallelStateError(
             "model parallel state is already initialized; call destroy_model_parallel() first"
         )
@@ -486,7 +484,7 @@ def initialize_model_parallel(
             f"got pipeline_model_parallel_size={pipeline_model_parallel_size} and "
             f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}"
         )
-    derived = families.megatron_families(
+    derived = families.derived_groups(
         config,
         get_embedding_ranks=get_embedding_ranks,
         get_position_embedding_ranks=get_position_embedding_ranks,
@@ -497,19 +495,14 @@ def initialize_model_parallel(
         create_gloo_process_groups=create_gloo_process_groups,
     )
     options = _group_options(
-        [family.name for family in derived],
+        derived,
         _nccl_configs(nccl_communicator_config_path, high_priority_stream_groups),
         pipeline_model_parallel_comm_backend,
     )
     mesh = init_mesh(
-        order,
-        tp=tensor_model_parallel_size,
-        cp=context_parallel_size,
-        ep=expert_model_parallel_size,
-        etp=expert_tensor_parallel_size,
-        pp=pipeline_model_parallel_size,
+        **config.arguments(),
         timeout=timedelta(minutes=distributed_timeout_minutes),
-        families=derived,
+        derived=derived,
         group_options=options,
         agree_on={
             "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
@@ -524,12 +517,11 @@ def initialize_model_parallel(
         },
     )
     if sharp_group is not None:
-        _enable_sharp(mesh.group(sharp_group) if mesh.has_group(sharp_group) else None)
-    view = _View(mesh)
+        _enable_sharp(mesh.group_of.get(sharp_group))
     if virtual_pipeline_model_parallel_size is not None:
-        view.vpp_rank, view.vpp_size = 0, virtual_pipeline_model_parallel_size
-    view.memory_buffer = GlobalMemoryBuffer()
-    _view = view
+        _vpp_rank, _vpp_size = 0, virtual_pipeline_model_parallel_size
+    _memory_buffer = GlobalMemoryBuffer()
+    _serve(mesh)
     set_mesh(mesh)
     logger.debug("initialized model parallel state: %r", mesh)
 
@@ -542,24 +534,23 @@ def _name_of(function: Callable[..., object] | None) -> str | None:
 
 def destroy_model_parallel() -> None:
     """Destroy the groups and reset every value; safe to call when not initialized."""
-    global _view
-    old, _view = _view, _View()
-    for group in old.standalone_groups:
-        _compat.destroy_group(group)
-    if old.mesh is not None:
-        old.mesh.destroy()
+    global _vpp_rank, _vpp_size, _memory_buffer, _symmetric_buffer
+    mesh = _served.mesh
+    _overrides.update(dict.fromkeys(_overrides))
+    _vpp_rank = _vpp_size = _memory_buffer = _symmetric_buffer = None
+    _serve(None)
+    if mesh is not None:
+        mesh.destroy()
 
 
 def get_mesh() -> ParallelMesh:
     """The :class:`~meshstate.ParallelMesh` behind every getter."""
-    if _view.mesh is None:
-        raise _not_initialized("model parallel state")
-    return _view.mesh
+    return _checked(_served.mesh, True, "model parallel state")
 
 
 def is_initialized() -> bool:
     """Whether ``initialize_model_parallel`` has run (and no destroy since)."""
-    return _view.mesh is not None
+    return _served.mesh is not None
 
 
 def is_unitialized() -> bool:
@@ -570,10 +561,10 @@ def is_unitialized() -> bool:
 
 def model_parallel_is_initialized() -> bool:
     """Whether the model- and data-parallel groups exist."""
-    return _view.mesh is not None
+    return _served.mesh is not None
 
 
-def _check_sharp(use_sharp: bool, sharp_enabled_group: str | None, instances: int) -> str | None:
+def _check_sharp(use_sharp: bool, sharp_enabled_group: str | None, instances: int) -> Key | None:
     if not use_sharp:
         if sharp_enabled_group is not None:
             raise ParallelStateError("sharp_enabled_group is only valid when use_sharp is True")
@@ -596,7 +587,7 @@ def _check_sharp(use_sharp: bool, sharp_enabled_group: str | None, instances: in
             "use_sharp needs lazily created NCCL communicators; do not pass device_id "
             "to init_process_group"
         )
-    return "dp-cp" if group == "dp" else families.INTER_EDP
+    return _DP_CP if group == "dp" else families.INTER_EDP
 
 
 def _enable_sharp(group: ProcessGroup | None) -> None:
@@ -626,12 +617,25 @@ def _nccl_configs(path: str | None, high_priority: list[str] | None) -> dict[str
     return configs
 
 
+def _nccl_keys(pg_name: str, derived: Sequence[DerivedGroup]) -> tuple[Key, ...]:
+    """The declared keys whose groups megatron-core's communicator config ``pg_name`` reaches."""
+    if pg_name == "hcp":
+        return tuple(spec for spec in derived if isinstance(spec.split, Level))
+    if pg_name == "dp_cp":
+        return (_DP_CP,) + tuple(
+            spec for spec in derived
+            if spec.base == _DP_CP and (spec.separate or isinstance(spec.split, Chunks))
+        )
+    declared = set(GROUP_KINDS) | set(derived)
+    return tuple(key for key in _NCCL_CONFIG_KEYS.get(pg_name, ()) if key in declared)
+
+
 def _group_options(
-    family_names: list[str], configs: dict[str, dict[str, Any]], pp_backend: str | None
-) -> dict[str, GroupOptions]:
+    derived: Sequence[DerivedGroup], configs: dict[str, dict[str, Any]], pp_backend: str | None
+) -> dict[Key, GroupOptions]:
     backend = str(dist.get_backend())
     simulated = backend == "fake"
-    options: dict[str, dict[str, Any]] = {}
+    options: dict[Key, dict[str, Any]] = {}
     if configs and "nccl" not in backend and not simulated:
         warnings.warn(
             f"NCCL communicator options {sorted(configs)} have no effect on the {backend} "
@@ -640,14 +644,7 @@ def _group_options(
         )
     elif configs and not simulated:
         for pg_name in configs:
-            keys: tuple[str, ...] = _NCCL_CONFIG_KEYS.get(pg_name, ())
-            if pg_name == "dp_cp":
-                keys = ("dp-cp", families.DP_CP_ALL_GATHER) + tuple(
-                    name for name in family_names if name.startswith("dp-cp:hybrid-")
-                )
-            if pg_name == "hcp":
-                keys = tuple(name for name in family_names if name.startswith("hcp-"))
-            for key in keys:
+            for key in _nccl_keys(pg_name, derived):
                 options.setdefault(key, {})["pg_options"] = get_nccl_options(pg_name, configs)
     if pp_backend not in (None, "nccl", "ucc"):
         raise ParallelStateError(
@@ -663,11 +660,6 @@ def _group_options(
         options.setdefault("pp", {})["backend"] = pp_backend
         if pp_backend == "ucc":
             options["pp"].pop("pg_options", None)
-    for name in family_names:
-        if name.endswith(":gloo"):
-            options.setdefault(name, {})["backend"] = "gloo"
-        if name == families.DP_CP_ALL_GATHER:
-            options.setdefault(name, {})["separate"] = True
     return {key: GroupOptions(**values) for key, values in options.items()}
 
 
@@ -680,7 +672,7 @@ def get_model_parallel_group(check_initialized: Literal[True] = True) -> Process
 def get_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The model-parallel (tensor + pipeline) group of the caller."""
-    return _group("tp-pp", check_initialized, "model parallel group")
+    return _served.group_of[_TP_PP] if check_initialized else _served.group_of.get(_TP_PP)
 
 
 @overload
@@ -689,7 +681,7 @@ def get_tensor_model_parallel_group(check_initialized: Literal[True] = True) -> 
 def get_tensor_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_tensor_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor-model-parallel group of the caller."""
-    return _group("tp", check_initialized, "tensor model parallel group")
+    return _served.group_of["tp"] if check_initialized else _served.group_of.get("tp")
 
 
 @overload
@@ -698,7 +690,7 @@ def get_pipeline_model_parallel_group(check_initialized: Literal[True] = True) -
 def get_pipeline_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_pipeline_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The pipeline-model-parallel group of the caller."""
-    return _group("pp", check_initialized, "pipeline model parallel group")
+    return _served.group_of["pp"] if check_initialized else _served.group_of.get("pp")
 
 
 def get_data_parallel_group(
@@ -711,36 +703,31 @@ def get_data_parallel_group(
     ``partial_data_parallel`` gives the group inside one distributed-optimizer
     instance; ``independent_all_gather`` the separate all-gather communicator.
     """
-    if with_context_parallel:
-        if partial_data_parallel:
-            key = families.INTRA_DP_CP
-        elif independent_all_gather:
-            key = families.DP_CP_ALL_GATHER
-        else:
-            key = "dp-cp"
-    else:
-        if _view.groups.get("dp") is not None and partial_data_parallel:
-            raise ParallelStateError("Partial DP for Optimizer needs to include CP")
-        key = "dp"
-    return _required_group(key, f"data parallel group ({key})")
+    if not with_context_parallel:
+        return _partial_dp_group("dp") if partial_data_parallel else _served.group_of["dp"]
+    if independent_all_gather and not partial_data_parallel:
+        return _group(families.DP_CP_ALL_GATHER)
+    return _served.group_of[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
+
+
+def _partial_dp_group(key: Key) -> ProcessGroup:
+    if key in _served.group_of:
+        raise ParallelStateError("Partial DP for Optimizer needs to include CP")
+    return _group(key)
 
 
 def has_separate_all_gather_group() -> bool:
     """Whether a separate data+context all-gather group was created."""
-    return _view.groups.get(families.DP_CP_ALL_GATHER) is not None
+    return families.DP_CP_ALL_GATHER in _served.group_of
 
 
 def get_data_parallel_group_gloo(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> ProcessGroup:
-    """The gloo copy of the caller's data-parallel group."""
-    if with_context_parallel:
-        key = families.INTRA_DP_CP if partial_data_parallel else "dp-cp"
-    else:
-        if _view.groups.get(families.gloo("dp")) is not None and partial_data_parallel:
-            raise ParallelStateError("Partial DP for Optimizer needs to include CP")
-        key = "dp"
-    return _required_group(families.gloo(key), f"gloo data parallel group ({key})")
+    """The gloo twin of the caller's data-parallel group."""
+    if not with_context_parallel:
+        return _partial_dp_group(_GLOO["dp"]) if partial_data_parallel else _group(_GLOO["dp"])
+    return _group(_GLOO[_INTRA_DP_CP if partial_data_parallel else _DP_CP])
 
 
 @overload
@@ -749,7 +736,7 @@ def get_context_parallel_group(check_initialized: Literal[True] = True) -> Proce
 def get_context_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The context-parallel group of the caller."""
-    return _group("cp", check_initialized, "context parallel group")
+    return _served.group_of["cp"] if check_initialized else _served.group_of.get("cp")
 
 
 @overload
@@ -758,10 +745,7 @@ def get_context_parallel_global_ranks(check_initialized: Literal[True] = True) -
 def get_context_parallel_global_ranks(check_initialized: bool) -> list[int] | None: ...
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int] | None:
     """Global ranks of the caller's context-parallel group."""
-    ranks = _view.global_ranks.get("cp")
-    if ranks is None and check_initialized:
-        raise _not_initialized("context parallel group")
-    return ranks
+    return _checked(_global_rank_list("cp"), check_initialized, _WHAT["cp"])
 
 
 @overload
@@ -776,25 +760,40 @@ def get_hierarchical_context_parallel_groups(
     check_initialized: bool = True,
 ) -> list[ProcessGroup] | None:
     """The caller's hierarchical context-parallel groups, innermost level first."""
-    if _view.hierarchical_cp is None and check_initialized:
-        raise _not_initialized("hierarchical context parallel groups")
-    return _view.hierarchical_cp
+    levels = families.hierarchical_cp_levels(_served.group_of)
+    return _checked(
+        [_served.group_of[level] for level in levels] or None,
+        check_initialized,
+        "hierarchical context parallel groups",
+    )
 
 
 def get_hybrid_data_context_parallel_groups(
     check_initialized: bool = True, group_size: int | None = None
 ) -> ProcessGroup | None:
-    """The caller's hybrid data+context group of ``group_size`` ranks."""
-    if _view.mesh is not None and group_size == _view.dp_cp_size:
-        return _group("dp-cp", check_initialized, "data parallel group with context parallel")
-    if group_size not in _view.hybrid_dp_cp:
-        if not check_initialized and _view.mesh is None:
-            return None
+    """The caller's hybrid data+context group of ``group_size`` ranks (dp-cp's own at its size)."""
+    return _hybrid_group(group_size, check_initialized)
+
+
+def _hybrid_dp_cp_groups() -> dict[int, ProcessGroup]:
+    """megatron-core's ``_HYBRID_DP_CP_GROUPS``: the caller's hybrid data+context groups by size."""
+    return {
+        key.split.size: group
+        for key, group in _served.group_of.items()
+        if isinstance(key, DerivedGroup) and key.base == _DP_CP and isinstance(key.split, Chunks)
+    }
+
+
+def _hybrid_group(size: int | None, check_initialized: bool) -> ProcessGroup | None:
+    if _served.mesh is not None and size == get_data_parallel_world_size(True):
+        return _group(_DP_CP, check_initialized)
+    groups = _hybrid_dp_cp_groups()
+    if size not in groups and (check_initialized or _served.mesh is not None):
         raise AxisError(
-            f"no hybrid data+context group of {group_size} ranks; sizes are "
-            f"{sorted(_view.hybrid_dp_cp)} (initialize with hybrid_context_parallel=True)"
+            f"no hybrid data+context group of {size} ranks; sizes are {sorted(groups)} "
+            "(initialize with hybrid_context_parallel=True)"
         )
-    return _view.hybrid_dp_cp[group_size]
+    return groups.get(size) if size is not None else None
 
 
 @overload
@@ -803,7 +802,7 @@ def get_embedding_group(check_initialized: Literal[True] = True) -> ProcessGroup
 def get_embedding_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The caller's embedding group (first and last stages by default)."""
-    return _group(families.EMBEDDING, check_initialized, "embedding group")
+    return _group(_EMBEDDING, check_initialized)
 
 
 @overload
@@ -812,20 +811,15 @@ def get_position_embedding_group(check_initialized: Literal[True] = True) -> Pro
 def get_position_embedding_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_position_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The caller's position-embedding group (the first stage by default)."""
-    return _group(families.POSITION_EMBEDDING, check_initialized, "position embedding group")
+    return _group(families.POSITION_EMBEDDING, check_initialized)
 
 
 def get_amax_reduction_group(
     with_context_parallel: bool = False, tp_only_amax_red: bool = False
 ) -> ProcessGroup:
     """The FP8 amax reduction group: tensor(+context)(+data) parallel."""
-    key = {
-        (False, False): "tp-dp",
-        (False, True): "tp",
-        (True, False): "tp-dp-cp",
-        (True, True): "tp-cp",
-    }[(bool(with_context_parallel), bool(tp_only_amax_red))]
-    return _required_group(key, "FP8 amax reduction group")
+    with_data = _TP_DP_CP if with_context_parallel else _TP_DP
+    return _group((_TP_CP if with_context_parallel else "tp") if tp_only_amax_red else with_data)
 
 
 @overload
@@ -840,8 +834,8 @@ def get_tensor_and_data_parallel_group(
     check_initialized: bool = True, with_context_parallel: bool = False
 ) -> ProcessGroup | None:
     """The tensor+data (and context, if asked) parallel group of the caller."""
-    key = "tp-dp-cp" if with_context_parallel else "tp-dp"
-    return _group(key, check_initialized, "tensor and data parallel group")
+    key = _TP_DP_CP if with_context_parallel else _TP_DP
+    return _served.group_of[key] if check_initialized else _served.group_of.get(key)
 
 
 @overload
@@ -852,7 +846,7 @@ def get_tensor_and_context_parallel_group(
 def get_tensor_and_context_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor+context parallel group of the caller."""
-    return _group("tp-cp", check_initialized, "tensor and context parallel group")
+    return _served.group_of[_TP_CP] if check_initialized else _served.group_of.get(_TP_CP)
 
 
 @overload
@@ -861,7 +855,7 @@ def get_expert_model_parallel_group(check_initialized: Literal[True] = True) -> 
 def get_expert_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_expert_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-model-parallel group of the caller."""
-    return _group("ep", check_initialized, "expert model parallel group")
+    return _served.group_of["ep"] if check_initialized else _served.group_of.get("ep")
 
 
 @overload
@@ -870,7 +864,7 @@ def get_expert_tensor_parallel_group(check_initialized: Literal[True] = True) ->
 def get_expert_tensor_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_expert_tensor_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-tensor-parallel group of the caller."""
-    return _group("etp", check_initialized, "expert tensor parallel group")
+    return _served.group_of["etp"] if check_initialized else _served.group_of.get("etp")
 
 
 @overload
@@ -885,7 +879,7 @@ def get_expert_tensor_and_model_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The expert tensor+model parallel group of the caller."""
-    return _group("etp-ep", check_initialized, "expert tensor and model parallel group")
+    return _served.group_of[_ETP_EP] if check_initialized else _served.group_of.get(_ETP_EP)
 
 
 @overload
@@ -900,9 +894,7 @@ def get_expert_tensor_model_pipeline_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The expert tensor+model+pipeline parallel group of the caller."""
-    return _group(
-        "etp-ep-pp", check_initialized, "expert tensor-model-pipeline parallel group"
-    )
+    return _served.group_of[_ETP_EP_PP] if check_initialized else _served.group_of.get(_ETP_EP_PP)
 
 
 @overload
@@ -917,8 +909,8 @@ def get_expert_data_parallel_group(
     check_initialized: bool = True, partial_expert_data_parallel: bool = False
 ) -> ProcessGroup | None:
     """The expert data-parallel group of the caller (one optimizer instance's if partial)."""
-    key = families.INTRA_EDP if partial_expert_data_parallel else "edp"
-    return _group(key, check_initialized, "expert data parallel group")
+    key = _INTRA_EDP if partial_expert_data_parallel else "edp"
+    return _served.group_of[key] if check_initialized else _served.group_of.get(key)
 
 
 def get_data_modulo_expert_parallel_group(
@@ -939,9 +931,8 @@ def get_data_modulo_expert_parallel_group(
 def get_expert_data_parallel_group_gloo(
     partial_expert_data_parallel: bool = False,
 ) -> ProcessGroup:
-    """The gloo copy of the caller's expert data-parallel group."""
-    key = families.INTRA_EDP if partial_expert_data_parallel else "edp"
-    return _required_group(families.gloo(key), f"gloo expert data parallel group ({key})")
+    """The gloo twin of the caller's expert data-parallel group."""
+    return _group(_GLOO[_INTRA_EDP if partial_expert_data_parallel else "edp"])
 
 
 @overload
@@ -956,9 +947,8 @@ def get_intra_distributed_optimizer_instance_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """All ranks of the caller's distributed-optimizer instance."""
-    return _group(
-        families.DIST_OPT_INSTANCE, check_initialized, "intra distributed optimizer instance group"
-    )
+    key = families.DIST_OPT_INSTANCE
+    return _served.group_of[key] if check_initialized else _served.group_of.get(key)
 
 
 @overload
@@ -973,219 +963,147 @@ def get_inter_distributed_optimizer_instance_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The caller's peers in the other distributed-optimizer instances."""
-    return _group(
-        families.INTER_EDP,
-        check_initialized,
-        "inter distributed optimizer instance group (needs num_distributed_optimizer_instances > 1)",
-    )
+    return _group(families.INTER_EDP, check_initialized)
 
 
-# -- sizes and ranks (the hot path: one attribute read each) ----------------------------
+# -- sizes and ranks (the hot path: one global, one attribute, one subscript) ------------
 
 
 def get_tensor_model_parallel_world_size() -> int:
     """Size of the caller's tensor-model-parallel group."""
-    try:
-        return _view.tp_size
-    except AttributeError:
-        raise _not_initialized("tensor model parallel group") from None
+    return _served.size_of["tp"]
 
 
 def get_tensor_model_parallel_rank() -> int:
     """The caller's rank in its tensor-model-parallel group."""
-    try:
-        return _view.tp_rank
-    except AttributeError:
-        raise _not_initialized("tensor model parallel group") from None
+    return _served.rank_in["tp"]
 
 
 def get_pipeline_model_parallel_world_size() -> int:
     """Number of pipeline stages."""
-    try:
-        return _view.pp_size
-    except AttributeError:
-        raise _not_initialized("pipeline model parallel group") from None
+    return _served.size_of["pp"]
 
 
 def get_pipeline_model_parallel_rank() -> int:
     """The caller's pipeline stage."""
-    try:
-        return _view.pp_rank
-    except AttributeError:
-        raise _not_initialized("pipeline model parallel group") from None
+    return _served.rank_in["pp"]
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller is the first pipeline stage (and virtual stage 0 if asked)."""
-    try:
-        if ignore_virtual or _view.vpp_size is None:
-            return _view.pp_first
-        if vp_stage is None:
-            raise ParallelStateError("vp_stage must be passed if virtual pipeline is enabled")
-        return vp_stage == 0 and _view.pp_first
-    except AttributeError:
-        raise _not_initialized("pipeline model parallel group") from None
+    if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == 0:
+        return not _served.rank_in["pp"]
+    return False
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller is the last pipeline stage (and last virtual stage if asked)."""
-    try:
-        if ignore_virtual or _view.vpp_size is None:
-            return _view.pp_last
-        if vp_stage is None:
-            raise ParallelStateError("vp_stage must be passed if virtual pipeline is enabled")
-        return vp_stage == _view.vpp_size - 1 and _view.pp_last
-    except AttributeError:
-        raise _not_initialized("pipeline model parallel group") from None
+    if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == _vpp_size - 1:
+        return _served.rank_in["pp"] == _served.size_of["pp"] - 1
+    return False
 
 
 def get_data_parallel_world_size(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> int:
     """Size of the caller's data-parallel group (0 without torch.distributed)."""
-    try:
-        if with_context_parallel:
-            return _view.intra_dp_cp_size if partial_data_parallel else _view.dp_cp_size
-        if partial_data_parallel and _view.overrides["dp_size"] is None and _view.mesh:
-            raise ParallelStateError("Partial DP for Optimizer needs to include CP")
-        return _view.dp_size
-    except AttributeError:
-        return _zero_unless_distributed("data parallel group")
+    if with_context_parallel:
+        return _served.size_of[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
+    return _partial_without_cp(_served.size_of) if partial_data_parallel else _served.size_of["dp"]
 
 
 def get_data_parallel_rank(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> int:
     """The caller's rank in its data-parallel group (0 without torch.distributed)."""
-    try:
-        if with_context_parallel:
-            return _view.intra_dp_cp_rank if partial_data_parallel else _view.dp_cp_rank
-        if partial_data_parallel and _view.overrides["dp_rank"] is None and _view.mesh:
-            raise ParallelStateError("Partial DP for Optimizer needs to include CP")
-        return _view.dp_rank
-    except AttributeError:
-        return _zero_unless_distributed("data parallel group")
+    if with_context_parallel:
+        return _served.rank_in[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
+    return _partial_without_cp(_served.rank_in) if partial_data_parallel else _served.rank_in["dp"]
 
 
 def get_context_parallel_world_size() -> int:
     """Size of the caller's context-parallel group (0 without torch.distributed)."""
-    try:
-        return _view.cp_size
-    except AttributeError:
-        return _zero_unless_distributed("context parallel group")
+    return _served.size_of["cp"]
 
 
 def get_context_parallel_rank() -> int:
     """The caller's rank in its context-parallel group (0 without torch.distributed)."""
-    try:
-        return _view.cp_rank
-    except AttributeError:
-        return _zero_unless_distributed("context parallel group")
+    return _served.rank_in["cp"]
 
 
 def get_tensor_and_context_parallel_world_size() -> int:
     """Size of the caller's tensor+context group (0 without torch.distributed)."""
-    try:
-        return _view.tp_cp_size
-    except AttributeError:
-        return _zero_unless_distributed("tensor and context parallel group")
+    return _served.size_of[_TP_CP]
 
 
 def get_tensor_and_context_parallel_rank() -> int:
     """The caller's rank in its tensor+context group (0 without torch.distributed)."""
-    try:
-        return _view.tp_cp_rank
-    except AttributeError:
-        return _zero_unless_distributed("tensor and context parallel group")
+    return _served.rank_in[_TP_CP]
 
 
 def get_expert_model_parallel_world_size() -> int:
     """Size of the caller's expert-model-parallel group (0 without torch.distributed)."""
-    try:
-        return _view.ep_size
-    except AttributeError:
-        return _zero_unless_distributed("expert model parallel group")
+    return _served.size_of["ep"]
 
 
 def get_expert_model_parallel_rank() -> int:
     """The caller's rank in its expert-model-parallel group (0 without torch.distributed)."""
-    try:
-        return _view.ep_rank
-    except AttributeError:
-        return _zero_unless_distributed("expert model parallel group")
+    return _served.rank_in["ep"]
 
 
 def get_expert_tensor_parallel_world_size() -> int | None:
     """Size of the caller's expert-tensor group; before init, the tp override (maybe None)."""
-    return _view.etp_size
+    return _served.size_of.get("etp")
 
 
 def get_expert_tensor_parallel_rank() -> int | None:
     """The caller's expert-tensor rank; before init, the tp rank override (maybe None)."""
-    return _view.etp_rank
+    return _served.rank_in.get("etp")
 
 
 def get_expert_tensor_and_model_parallel_world_size() -> int:
     """Size of the caller's expert tensor+model group (0 without torch.distributed)."""
-    try:
-        return _view.etp_ep_size
-    except AttributeError:
-        return _zero_unless_distributed("expert tensor and model parallel group")
+    return _served.size_of[_ETP_EP]
 
 
 def get_expert_tensor_and_model_parallel_rank() -> int:
     """The caller's rank in its expert tensor+model group (0 without torch.distributed)."""
-    try:
-        return _view.etp_ep_rank
-    except AttributeError:
-        return _zero_unless_distributed("expert tensor and model parallel group")
+    return _served.rank_in[_ETP_EP]
 
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
     """Size of the caller's expert data-parallel group (0 without torch.distributed)."""
-    try:
-        return _view.intra_edp_size if partial_expert_data_parallel else _view.edp_size
-    except AttributeError:
-        return _zero_unless_distributed("expert data parallel group")
+    return _served.size_of[_INTRA_EDP if partial_expert_data_parallel else "edp"]
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
     """The caller's rank in its expert data-parallel group (0 without torch.distributed)."""
-    try:
-        return _view.intra_edp_rank if partial_expert_data_parallel else _view.edp_rank
-    except AttributeError:
-        return _zero_unless_distributed("expert data parallel group")
+    return _served.rank_in[_INTRA_EDP if partial_expert_data_parallel else "edp"]
 
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
     """The current virtual pipeline stage, or ``None`` without interleaving."""
-    return _view.vpp_rank
+    return _vpp_rank
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
     """Virtual pipeline stages per rank, or ``None`` without interleaving."""
-    return _view.vpp_size
+    return _vpp_size
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller holds word embeddings (at ``vp_stage`` if not ignoring virtual)."""
-    ranks = _view.embedding_ranks
-    rank = dist.get_rank() if ranks is not None else -1
-    if ranks is None or rank not in ranks:
-        return False
-    if ignore_virtual:
-        return True
-    if rank == ranks[0]:
+    ranks = _served.ranks_of.get(_EMBEDDING)
+    if ranks is None or ignore_virtual or ranks[0] != dist.get_rank() != ranks[-1]:
+        return ranks is not None
+    if dist.get_rank() == ranks[0]:
         return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if rank == ranks[-1]:
-        return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    return True
+    return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
 
 
 def is_rank_in_position_embedding_group() -> bool:
     """Whether the caller holds position embeddings."""
-    ranks = _view.position_embedding_ranks
-    return ranks is not None and dist.get_rank() in ranks
+    return families.POSITION_EMBEDDING in _served.ranks_of
 
 
 # -- global ranks ----------------------------------------------------------------------
@@ -1193,46 +1111,44 @@ def is_rank_in_position_embedding_group() -> bool:
 
 def get_tensor_model_parallel_src_rank() -> int:
     """Global rank of the first member of the caller's tensor-parallel group."""
-    return _global_ranks("tp", "tensor model parallel group")[0]
+    return _served.ranks_of["tp"][0]
 
 
 def get_model_parallel_src_rank() -> int:
     """Global rank of the first member of the caller's model-parallel group."""
-    return _global_ranks("tp-pp", "model parallel group")[0]
+    return _served.ranks_of[_TP_PP][0]
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """Global rank of the first member of the caller's data-parallel group."""
-    key = "dp-cp" if with_context_parallel else "dp"
-    return _global_ranks(key, "data parallel group")[0]
+    return _served.ranks_of[_DP_CP if with_context_parallel else "dp"][0]
 
 
 def get_expert_model_parallel_src_rank() -> int:
     """Global rank of the first member of the caller's expert-parallel group."""
-    return _global_ranks("ep", "expert model parallel group")[0]
+    return _served.ranks_of["ep"][0]
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
     """Global rank of the first stage of the caller's pipeline."""
-    return _global_ranks("pp", "pipeline parallel group")[0]
+    return _served.ranks_of["pp"][0]
 
 
 def get_pipeline_model_parallel_last_rank() -> int:
     """Global rank of the last stage of the caller's pipeline."""
-    ranks = _global_ranks("pp", "pipeline parallel group")
-    return ranks[get_pipeline_model_parallel_world_size() - 1]
+    return _served.ranks_of["pp"][get_pipeline_model_parallel_world_size() - 1]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
     """Global rank of the next stage of the caller's pipeline (wrapping around)."""
-    ranks = _global_ranks("pp", "pipeline parallel group")
-    return ranks[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
+    stages = _served.ranks_of["pp"]
+    return stages[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     """Global rank of the previous stage of the caller's pipeline (wrapping around)."""
-    ranks = _global_ranks("pp", "pipeline parallel group")
-    return ranks[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
+    stages = _served.ranks_of["pp"]
+    return stages[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
 
 
 def get_all_ranks() -> str:
@@ -1250,70 +1166,72 @@ def get_all_ranks() -> str:
 # -- overrides -------------------------------------------------------------------------
 
 
-def _set_override(name: str, value: int | None) -> None:
-    _view.overrides[name] = value
-    _view.refresh()
+def _override(name: str, value: int | None) -> None:
+    _overrides[name] = value
+    _serve(_served.mesh)
 
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
     """Override the tensor-model-parallel size the getters report."""
-    _set_override("tp_size", world_size)
+    _override("_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", world_size)
 
 
 def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
     """Override the pipeline-model-parallel size the getters report."""
-    _set_override("pp_size", world_size)
+    _override("_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", world_size)
 
 
 def set_tensor_model_parallel_rank(rank: int | None) -> None:
     """Override the tensor-model-parallel rank the getters report."""
-    _set_override("tp_rank", rank)
+    _override("_MPU_TENSOR_MODEL_PARALLEL_RANK", rank)
 
 
 def set_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Override the pipeline-model-parallel rank the getters report."""
-    _set_override("pp_rank", rank)
+    _override("_MPU_PIPELINE_MODEL_PARALLEL_RANK", rank)
 
 
 def set_data_parallel_rank(rank: int | None) -> None:
     """Override the data-parallel rank the getters report."""
-    _set_override("dp_rank", rank)
+    _override("_MPU_DATA_PARALLEL_RANK", rank)
 
 
 def set_expert_model_parallel_world_size(world_size: int | None) -> None:
     """Override the expert-model-parallel size the getters report."""
-    _set_override("ep_size", world_size)
+    _override("_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE", world_size)
 
 
 def set_expert_model_parallel_rank(rank: int | None) -> None:
     """Override the expert-model-parallel rank the getters report."""
-    _set_override("ep_rank", rank)
+    _override("_MPU_EXPERT_MODEL_PARALLEL_RANK", rank)
 
 
 def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
     """Override the expert-tensor-parallel size the getters report."""
-    _set_override("etp_size", world_size)
+    _override("_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE", world_size)
 
 
 def set_expert_tensor_parallel_rank(rank: int | None) -> None:
     """Override the expert-tensor-parallel rank the getters report."""
-    _set_override("etp_rank", rank)
+    _override("_MPU_EXPERT_TENSOR_PARALLEL_RANK", rank)
 
 
 def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
     """Set the number of virtual pipeline stages per rank."""
-    _view.vpp_size = world_size
+    global _vpp_size
+    _vpp_size = world_size
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Deprecated: pass ``vp_stage`` to the stage queries instead."""
+    global _vpp_rank
     warnings.warn(
         "set_virtual_pipeline_model_parallel_rank in global scope is deprecated. "
         "Pass vp_stage explicitly to is_pipeline_first_stage, is_pipeline_last_stage, etc.",
         DeprecationWarning,
         stacklevel=2,
     )
-    _view.vpp_rank = rank
+    _vpp_rank = rank
 
 
 # -- memory buffers --------------------------------------------------------------------
@@ -1321,45 +1239,50 @@ def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
 
 def _set_global_memory_buffer() -> None:
     """Create the global memory buffer (``initialize_model_parallel`` does)."""
-    if _view.memory_buffer is not None:
+    global _memory_buffer
+    if _memory_buffer is not None:
         raise ParallelStateError("global memory buffer is already initialized")
-    _view.memory_buffer = GlobalMemoryBuffer()
+    _memory_buffer = GlobalMemoryBuffer()
 
 
 def _set_global_symmetric_memory_buffer() -> None:
     """Create the symmetric memory buffer over the tensor-parallel group."""
-    if _view.symmetric_buffer is not None:
+    global _symmetric_buffer
+    if _symmetric_buffer is not None:
         raise ParallelStateError("global symmetric memory buffer is already initialized")
-    _view.symmetric_buffer = GlobalSymmetricMemoryBuffer(
+    _symmetric_buffer = GlobalSymmetricMemoryBuffer(
         size_in_mb=256, process_group=get_tensor_model_parallel_group()
     )
 
 
 def get_global_memory_buffer() -> GlobalMemoryBuffer:
     """The global memory buffer."""
-    if _view.memory_buffer is None:
-        raise _not_initialized("global memory buffer")
-    return _view.memory_buffer
+    return _checked(_memory_buffer, True, "global memory buffer")
 
 
 def get_global_symmetric_memory_buffer() -> GlobalSymmetricMemoryBuffer:
     """The global symmetric memory buffer."""
-    if _view.symmetric_buffer is None:
-        raise _not_initialized("global symmetric memory buffer")
-    return _view.symmetric_buffer
+    return _checked(_symmetric_buffer, True, "global symmetric memory buffer")
 
 
 def destroy_global_memory_buffer() -> None:
     """Drop the global memory buffer."""
-    _view.memory_buffer = None
+    global _memory_buffer
+    _memory_buffer = None
 
 
 def destroy_global_symmetric_memory_buffer() -> None:
     """Drop the global symmetric memory buffer."""
-    _view.symmetric_buffer = None
+    global _symmetric_buffer
+    _symmetric_buffer = None
 
 
 # -- group creation and rank arithmetic, as megatron-core exposes them ------------------
+
+
+def _owner() -> ProcessGroupSet | None:
+    """Where groups made outside the mesh go so that destroy ends them: the mesh's set."""
+    return None if _served.mesh is None else _served.mesh.process_groups
 
 
 def create_group(
@@ -1373,18 +1296,16 @@ def create_group(
     """Create one process group of ``ranks`` (every rank of the world by default).
 
     Every rank calls it with the same ``ranks``; ranks outside get ``None``.
-    The group is destroyed by ``destroy_model_parallel``.
+    Once initialised, the group is destroyed by ``destroy_model_parallel``.
     """
-    members = sorted(ranks) if ranks is not None else list(range(dist.get_world_size()))
-    mine = tuple(members) if dist.get_rank() in members else None
-    created = create_process_groups(
-        [GroupSpec(group_desc or "group", mine, lambda: [members])],
+    return create_group_family(
+        [range(dist.get_world_size()) if ranks is None else ranks],
+        description=group_desc or "group",
         backend=backend,
         timeout=timeout,
         pg_options=pg_options,
+        owner=_owner(),
     )
-    _view.standalone_groups.extend(created.owned)
-    return created.by_name.get(group_desc or "group")
 
 
 def create_hierarchical_groups(
@@ -1400,22 +1321,24 @@ def create_hierarchical_groups(
 
     Level ``i`` groups ranks ``prod(sizes[:i])`` apart. Every rank calls it.
     """
-    levels = hierarchical_levels(ranks, hierarchical_group_sizes)
+    try:
+        levels = hierarchical_levels(ranks, hierarchical_group_sizes)
+    except ConfigError as error:
+        raise ParallelStateError(str(error)) from None
     per_level = pg_options if isinstance(pg_options, list) else [pg_options] * len(levels)
     groups: list[ProcessGroup] = []
     gloo_groups: list[ProcessGroup | None] = []
     for level, parts in enumerate(levels):
-        mine = next((tuple(part) for part in parts if rank in part), None)
         name = f"HIERARCHICAL_{group_desc}_L{level}"
-        every_part: Callable[[], list[list[int]]] = partial(list, parts)
-        specs = [GroupSpec(name, mine, every_part, GroupOptions(pg_options=per_level[level]))]
-        if create_gloo_process_groups:
-            specs.append(GroupSpec(f"{name}:gloo", mine, every_part, GroupOptions(backend="gloo")))
-        created = create_process_groups(specs, timeout=timeout)
-        _view.standalone_groups.extend(created.owned)
-        if mine is not None:
-            groups.append(created.by_name[name])
-            gloo_groups.append(created.by_name.get(f"{name}:gloo"))
+        group = create_group_family(
+            parts, description=name, timeout=timeout, pg_options=per_level[level], owner=_owner()
+        )
+        gloo_group = create_group_family(
+            parts, description=f"{name}_GLOO", backend="gloo", timeout=timeout, owner=_owner()
+        ) if create_gloo_process_groups else None
+        if group is not None:
+            groups.append(group)
+            gloo_groups.append(gloo_group)
     return groups, gloo_groups
 
 
@@ -1423,18 +1346,16 @@ def create_hybrid_dp_cp_groups(
     rank: int, ranks: list[int], pg_options: Any
 ) -> dict[int, ProcessGroup]:
     """Create hybrid data+context groups of every power-of-two size below ``len(ranks)``."""
-    result: dict[int, ProcessGroup] = {}
-    for size in families.hybrid_sizes(len(ranks)):
-        parts = [ranks[start : start + size] for start in range(0, len(ranks), size)]
-        mine = next((tuple(sorted(part)) for part in parts if rank in part), None)
-        created = create_process_groups(
-            [GroupSpec(f"HYBRID_DP_CP_GROUP_{size}", mine, partial(list, parts))],
+    created = {
+        size: create_group_family(
+            Chunks(size).parts(ranks),
+            description=f"HYBRID_DP_CP_GROUP_{size}",
             pg_options=pg_options,
+            owner=_owner(),
         )
-        _view.standalone_groups.extend(created.owned)
-        if mine is not None:
-            result[size] = created.by_name[f"HYBRID_DP_CP_GROUP_{size}"]
-    return result
+        for size in families.hybrid_sizes(len(ranks))
+    }
+    return {size: group for size, group in created.items() if group is not None}
 
 
 def update_pg_timeout(timeout: timedelta, pg: ProcessGroup | None = None) -> None:
@@ -1544,7 +1465,7 @@ class RankGenerator:
         return [name in tokens for name in ordered]
 
     def get_ranks(self, token: str) -> list[list[int]]:
-        """Every group of the axes in ``token`` (e.g. ``"tp-dp"``), megatron-core's order."""
+        """Every group of the axes in ``token`` (e.g. ``_TP_DP``), megatron-core's order."""
         mask = self.get_mask(self.order, token)
         names = [name for name, keep in zip(self._grid.axes, mask) if keep]
         groups: list[list[int]] = self._grid.groups(self._grid.mesh_order(names)).tolist()
@@ -1555,74 +1476,72 @@ class RankGenerator:
 
 
 def _process_group_list() -> list[ProcessGroup | None] | None:
-    if _view.mesh is None:
+    """megatron-core's ``_global_process_group_list``: ``None`` (the default group), then ours."""
+    mesh = _served.mesh
+    if mesh is None:
         return None
-    distinct: list[ProcessGroup | None] = [None]
-    for group in list(_view.groups.values()) + _view.standalone_groups:
-        if group is not None and all(group is not seen for seen in distinct):
-            distinct.append(group)
-    return distinct
+    return [None, *dict.fromkeys([*mesh.group_of.values(), *mesh.process_groups.owned])]
 
 
-def _override(name: str) -> int | None:
-    return _view.overrides[name]
-
-
-def _gloo_group(key: str) -> ProcessGroup | None:
-    return _view.groups.get(families.gloo(key))
-
-
-_MODULE_NAMES: dict[str, Callable[[], Any]] = {
-    "_TENSOR_MODEL_PARALLEL_GROUP": lambda: _view.groups.get("tp"),
-    "_PIPELINE_MODEL_PARALLEL_GROUP": lambda: _view.groups.get("pp"),
-    "_MODEL_PARALLEL_GROUP": lambda: _view.groups.get("tp-pp"),
-    "_EMBEDDING_GROUP": lambda: _view.groups.get(families.EMBEDDING),
-    "_POSITION_EMBEDDING_GROUP": lambda: _view.groups.get(families.POSITION_EMBEDDING),
-    "_DATA_PARALLEL_GROUP": lambda: _view.groups.get("dp"),
-    "_DATA_PARALLEL_GROUP_GLOO": lambda: _gloo_group("dp"),
-    "_TENSOR_AND_DATA_PARALLEL_GROUP": lambda: _view.groups.get("tp-dp"),
-    "_EXPERT_MODEL_PARALLEL_GROUP": lambda: _view.groups.get("ep"),
-    "_EXPERT_TENSOR_PARALLEL_GROUP": lambda: _view.groups.get("etp"),
-    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": lambda: _view.groups.get("etp-ep"),
-    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": lambda: _view.groups.get("etp-ep-pp"),
-    "_EXPERT_DATA_PARALLEL_GROUP": lambda: _view.groups.get("edp"),
-    "_EXPERT_DATA_PARALLEL_GROUP_GLOO": lambda: _gloo_group("edp"),
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": lambda: _view.groups.get(families.INTRA_EDP),
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": lambda: _gloo_group(families.INTRA_EDP),
-    "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": lambda: _view.groups.get(families.INTER_EDP),
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": lambda: _view.vpp_rank,
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": lambda: _view.vpp_size,
-    "_EMBEDDING_GLOBAL_RANKS": lambda: _view.embedding_ranks,
-    "_POSITION_EMBEDDING_GLOBAL_RANKS": lambda: _view.position_embedding_ranks,
-    "_PIPELINE_GLOBAL_RANKS": lambda: _view.global_ranks.get("pp"),
-    "_DATA_PARALLEL_GLOBAL_RANKS": lambda: _view.global_ranks.get("dp"),
-    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": lambda: _view.global_ranks.get("tp"),
-    "_EXPERT_MODEL_PARALLEL_RANKS": lambda: _view.global_ranks.get("ep"),
-    "_MODEL_PARALLEL_GLOBAL_RANKS": lambda: _view.global_ranks.get("tp-pp"),
-    "_CONTEXT_PARALLEL_GROUP": lambda: _view.groups.get("cp"),
-    "_CONTEXT_PARALLEL_GLOBAL_RANKS": lambda: _view.global_ranks.get("cp"),
-    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": lambda: _view.hierarchical_cp,
-    "_HYBRID_DP_CP_GROUPS": lambda: _view.hybrid_dp_cp,
-    "_DATA_PARALLEL_GROUP_WITH_CP": lambda: _view.groups.get("dp-cp"),
-    "_DATA_PARALLEL_GROUP_WITH_CP_AG": lambda: _view.groups.get(families.DP_CP_ALL_GATHER),
-    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": lambda: _gloo_group("dp-cp"),
-    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": lambda: _view.global_ranks.get("dp-cp"),
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": lambda: _view.groups.get(families.INTRA_DP_CP),
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": lambda: _gloo_group(families.INTRA_DP_CP),
-    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": lambda: _view.groups.get("tp-cp"),
-    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": lambda: _view.groups.get("tp-dp-cp"),
-    "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": lambda: _view.groups.get(families.DIST_OPT_INSTANCE),
-    "_GLOBAL_MEMORY_BUFFER": lambda: _view.memory_buffer,
-    "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": lambda: _view.symmetric_buffer,
+# Module-level names -> the key of the group they hold, or of the global ranks.
+_GROUP_NAMES: dict[str, Key] = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "_PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "_MODEL_PARALLEL_GROUP": _TP_PP,
+    "_EMBEDDING_GROUP": _EMBEDDING,
+    "_POSITION_EMBEDDING_GROUP": families.POSITION_EMBEDDING,
+    "_DATA_PARALLEL_GROUP": "dp",
+    "_DATA_PARALLEL_GROUP_GLOO": _GLOO["dp"],
+    "_TENSOR_AND_DATA_PARALLEL_GROUP": _TP_DP,
+    "_EXPERT_MODEL_PARALLEL_GROUP": "ep",
+    "_EXPERT_TENSOR_PARALLEL_GROUP": "etp",
+    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": _ETP_EP,
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": _ETP_EP_PP,
+    "_EXPERT_DATA_PARALLEL_GROUP": "edp",
+    "_EXPERT_DATA_PARALLEL_GROUP_GLOO": _GLOO["edp"],
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": _INTRA_EDP,
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": _GLOO[_INTRA_EDP],
+    "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": families.INTER_EDP,
+    "_CONTEXT_PARALLEL_GROUP": "cp",
+    "_DATA_PARALLEL_GROUP_WITH_CP": _DP_CP,
+    "_DATA_PARALLEL_GROUP_WITH_CP_AG": families.DP_CP_ALL_GATHER,
+    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": _GLOO[_DP_CP],
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": _INTRA_DP_CP,
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": _GLOO[_INTRA_DP_CP],
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": _TP_CP,
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": _TP_DP_CP,
+    "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": families.DIST_OPT_INSTANCE,
+}
+_RANKS_NAMES: dict[str, Key] = {
+    "_EMBEDDING_GLOBAL_RANKS": _EMBEDDING,
+    "_POSITION_EMBEDDING_GLOBAL_RANKS": families.POSITION_EMBEDDING,
+    "_PIPELINE_GLOBAL_RANKS": "pp",
+    "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp",
+    "_EXPERT_MODEL_PARALLEL_RANKS": "ep",
+    "_MODEL_PARALLEL_GLOBAL_RANKS": _TP_PP,
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": _DP_CP,
+}
+_VALUE_NAMES: dict[str, Callable[[], Any]] = {
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": partial(get_hierarchical_context_parallel_groups, False),
+    "_HYBRID_DP_CP_GROUPS": _hybrid_dp_cp_groups,
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": lambda: _vpp_rank,
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": lambda: _vpp_size,
+    "_GLOBAL_MEMORY_BUFFER": lambda: _memory_buffer,
+    "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": lambda: _symmetric_buffer,
     "_global_process_group_list": _process_group_list,
-    **{
-        module_name: partial(_override, name) for name, module_name in _OVERRIDES.items()
-    },
 }
 
 
 def __getattr__(name: str) -> Any:
-    """megatron-core's module-level state names, read from the current mesh."""
-    if name in _MODULE_NAMES:
-        return _MODULE_NAMES[name]()
+    """megatron-core's module-level state names, read from the mesh served."""
+    if name in _GROUP_NAMES:
+        return _served.group_of.get(_GROUP_NAMES[name])
+    if name in _RANKS_NAMES:
+        return _global_rank_list(_RANKS_NAMES[name])
+    if name in _overrides:
+        return _overrides[name]
+    if name in _VALUE_NAMES:
+        return _VALUE_NAMES[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

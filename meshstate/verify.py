@@ -46,7 +46,7 @@ def verify_mesh(mesh: ParallelMesh) -> list[KindCheck]:
         if mesh.device_type == "cuda"
         else torch.device("cpu")
     )
-    return [_check_kind(mesh, key, device) for key in mesh.keys()]
+    return [_check_kind(mesh, key, device) for key in mesh.kinds]
 
 
 def _check_kind(mesh: ParallelMesh, key: str, device: torch.device) -> KindCheck:

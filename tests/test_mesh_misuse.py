@@ -18,15 +18,18 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import meshstate
-from meshstate import GROUP_KINDS, GroupFamily
+from meshstate import GROUP_KINDS, DerivedGroup, Pick
 from meshstate import parallel_state as mpu
 from meshstate.errors import NotInitializedError, WrongMeshError
+
+
+EMBEDDING = DerivedGroup("pp", Pick("embedding", list))
 
 
 @pytest.fixture
 def mesh():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mesh = meshstate.init_mesh(joint_groups=["cp-pp"], families=[GroupFamily("embedding", "pp")])
+    mesh = meshstate.init_mesh(joint_groups=["cp-pp"], derived=[EMBEDDING])
     yield mesh
     mesh.destroy()
     dist.destroy_process_group()
@@ -34,7 +37,7 @@ def mesh():
 
 def test_in_len_and_iter_follow_keys(mesh):
     keys = mesh.keys()
-    assert keys == GROUP_KINDS + ("cp-pp", "embedding")
+    assert keys == GROUP_KINDS + ("cp-pp", EMBEDDING)
     assert tuple(mesh) == keys and len(mesh) == len(keys)
     assert all(key in mesh for key in keys)
 
@@ -131,7 +134,7 @@ USES = {
     "last_rank": lambda m: m.last_rank("pp"),
     "is_first": lambda m: m.is_first("pp"),
     "is_last": lambda m: m.is_last("pp"),
-    "axis_group": lambda m: m.axis_group("embedding"),
+    "axis_group": lambda m: m.axis_group(EMBEDDING),
     "ordered": lambda m: m.ordered(("cp", "dp")),
     "has_group": lambda m: m.has_group("tp"),
     "coordinate": lambda m: m.coordinate,
