@@ -3,9 +3,19 @@
 A :class:`LocalWorld` starts N worker processes once and reuses them: each
 ``run`` gives every worker a fresh default process group (gloo on CPU, NCCL
 when there is a GPU per rank), calls the function, destroys the groups and
-returns the results by rank. A rank that raises is reported with its
-traceback; ranks that do not finish in time end the run with an error naming
-them, and the workers are stopped (``meshstate.testing`` starts new ones).
+returns the results by rank.
+
+When a run goes wrong the error explains it: a failure raised the same way on
+several ranks is shown once with those ranks (``ranks 0-3: AssertionError:
+…``), a rank that does not finish is shown with its Python stack, an argument
+that cannot be sent to the workers is named before anything starts. Every line
+a worker prints carries its rank (``[rank 3] …``).
+
+Each worker leads its own process group (its own session), so a terminal's
+Ctrl-C reaches only the calling process, which kills the groups on every way
+out: ``close``, an interrupted ``run``, SIGTERM (the handler then chains to the
+one it replaced) and interpreter exit. A worker whose parent dies, even by
+SIGKILL, kills its group itself.
 
 :func:`fake_world` instead simulates one rank of a large world in the calling
 process on torch's fake backend (collectives move no data).
@@ -23,21 +33,34 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import faulthandler
 import importlib
 import inspect
+import io
+import itertools
 import multiprocessing
 import os
 import queue
+import selectors
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from multiprocessing.reduction import ForkingPickler
+from types import FrameType
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -48,14 +71,17 @@ from meshstate.errors import MeshStateError
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 # After one rank fails, how long the others get to report before the world is torn down.
 _FAILURE_GRACE_SECONDS = 5.0
+# How long unfinished ranks get to write their stacks; how often a worker looks for its parent.
+_STACK_WAIT_SECONDS = 2.0
+_PARENT_POLL_SECONDS = 0.5
 
 
 class RankFailure(MeshStateError, RuntimeError):
-    """One or more ranks raised; the message holds each one's traceback."""
+    """One or more ranks raised or died; the message holds each distinct traceback."""
 
 
 class RankTimeout(MeshStateError, TimeoutError):
-    """Some ranks did not finish in time; the message names them."""
+    """Some ranks did not finish in time; the message names them and shows their stacks."""
 
 
 def default_backend(world_size: int) -> str:
@@ -98,14 +124,62 @@ def _free_port() -> int:
         return port
 
 
+def _dumps(value: object) -> bytes:
+    """Pickle as a multiprocessing queue would, but here, so a failure is seen at once."""
+    return bytes(ForkingPickler.dumps(value))
+
+
+def _describe_ranks(ranks: Collection[int]) -> str:
+    """``"rank 3"``, ``"ranks 0-3"``, ``"ranks 0, 2, 5-7"``."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and spans[-1][1] == rank - 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    listed = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {listed}" if len(ranks) == 1 else f"ranks {listed}"
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Kill this worker's process group as soon as its parent is gone (even by SIGKILL)."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_SECONDS)
+    os.killpg(0, signal.SIGKILL)
+
+
+def _redirect(pipe: Connection, fd: int, stream: TextIO) -> None:
+    """Send ``fd`` (and C++ code writing to it) into ``pipe``, line by line."""
+    os.dup2(pipe.fileno(), fd)
+    pipe.close()
+    if isinstance(stream, io.TextIOWrapper):
+        stream.reconfigure(line_buffering=True)
+
+
+def _summary(error: BaseException) -> str:
+    """``"AssertionError: first line of the message"``."""
+    message = str(error).partition("\n")[0]
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
 def _worker_main(
     rank: int,
     world_size: int,
     backend: str,
     port: int,
+    parent_pid: int,
+    stack_path: str,
+    stdout: Connection,
+    stderr: Connection,
     tasks: multiprocessing.Queue[Any],
     results: multiprocessing.Queue[Any],
 ) -> None:
+    os.setsid()  # one killable group, out of reach of the terminal's Ctrl-C
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    _redirect(stdout, 1, sys.stdout)
+    _redirect(stderr, 2, sys.stderr)
+    stack_file = open(stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -114,9 +188,11 @@ def _worker_main(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    results.put((0, rank, ("ok", _dumps(None))))  # task 0: started
     while (task := tasks.get()) is not None:
-        task_id, function, args, kwargs, timeout = task
+        task_id, payload = task
         try:
+            function, args, kwargs, timeout = ForkingPickler.loads(payload)
             dist.init_process_group(
                 backend,
                 store=PrefixStore(f"task{task_id}", store),
@@ -124,23 +200,156 @@ def _worker_main(
                 world_size=world_size,
                 timeout=timeout,
             )
-            outcome: tuple[str, Any] = ("ok", function.resolve()(*args, **kwargs))
-        except BaseException:
-            outcome = ("error", traceback.format_exc())
+            value = function.resolve()(*args, **kwargs)
+            outcome: tuple[str, Any] = ("ok", _dumps(value))
+        except BaseException as error:
+            outcome = ("error", (_summary(error), traceback.format_exc()))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        results.put((task_id, rank, outcome))
+
+
+class _OutputRelay:
+    """Copies the workers' stdout and stderr to this process's, each line prefixed ``[rank N] ``.
+
+    A thread copies output as it arrives; :meth:`drain` copies what is already
+    written, so a run's output is out before the run returns.
+    """
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._pump, daemon=True, name="meshstate-output")
+
+    def add(self, rank: int, pipe: Connection, fd: int) -> None:
+        """Relay ``pipe`` (one of a worker's streams) to this process's ``fd``."""
+        os.set_blocking(pipe.fileno(), False)
+        self._selector.register(pipe.fileno(), selectors.EVENT_READ,
+                                _Stream(f"[rank {rank}] ".encode(), pipe, fd))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Copy every complete line the workers have written so far."""
+        with self._lock:
+            for key in list(self._selector.get_map().values()):
+                key.data.copy()
+
+    def close(self) -> None:
+        """Wait briefly for the last lines of workers that have exited."""
+        if self._thread.is_alive():
+            self._thread.join(timeout=_STACK_WAIT_SECONDS)
+
+    def _pump(self) -> None:
+        while self._selector.get_map():
+            for key, _ in self._selector.select(timeout=_PARENT_POLL_SECONDS):
+                with self._lock:
+                    if not key.data.copy():
+                        self._selector.unregister(key.fd)
+                        key.data.pipe.close()
+
+
+@dataclass
+class _Stream:
+    """One worker stream being relayed: its prefix, pipe, destination and unfinished line."""
+
+    prefix: bytes
+    pipe: Connection
+    fd: int
+    pending: bytes = b""
+
+    def copy(self) -> bool:
+        """Copy the complete lines the pipe holds; False at its end (the last line goes too)."""
+        data, is_open = self.pending, True
+        while True:
+            try:
+                chunk = os.read(self.pipe.fileno(), 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                is_open = False
+                data += b"\n" if data else b""
+                break
+            data += chunk
+        *lines, self.pending = data.split(b"\n")
+        out = b"".join(self.prefix + line + b"\n" for line in lines)
+        with contextlib.suppress(OSError):  # a closed stdout: keep draining, drop the output
+            while out:
+                out = out[os.write(self.fd, out):]
+        return is_open
+
+
+def _main_thread_stack(dump: str) -> str:
+    """The frames of a worker's own code in its faulthandler dump, innermost first."""
+    for block in dump.split("\n\n"):
+        frames = block.strip("\n").splitlines()[1:]
+        if any(frame.endswith(" in _worker_main") for frame in frames):
+            own = itertools.takewhile(lambda frame: not frame.endswith(" in _worker_main"), frames)
+            return "\n".join(own)
+    return dump.strip() or "(no stack: the worker did not answer)"
+
+
+def _unsendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Which argument fails to pickle, e.g. ``"argument 'lock' (a _thread.lock)"``."""
+    named = [(f"positional argument {i}", value) for i, value in enumerate(args)]
+    named += [(f"argument {name!r}", value) for name, value in kwargs.items()]
+    for name, value in named:
         try:
-            results.put((task_id, rank, outcome))
+            _dumps(value)
         except Exception:
-            results.put((task_id, rank, ("error", traceback.format_exc())))
+            return f"{name} (a {type(value).__module__}.{type(value).__qualname__})"
+    return "its arguments"
+
+
+def _report(
+    name: str,
+    world_size: int,
+    timeout: timedelta,
+    failures: dict[int, tuple[str, str]],
+    exits: dict[int, int | None],
+    stacks: dict[int, str],
+) -> RankFailure | RankTimeout:
+    """One error for a run that went wrong; identical tracebacks and stacks are shown once."""
+    problems, sections = [], []
+    if failures:
+        problems.append(f"{_describe_ranks(failures)} raised")
+        by_failure: dict[tuple[str, str], list[int]] = {}
+        for rank, failure in sorted(failures.items()):
+            by_failure.setdefault(failure, []).append(rank)
+        sections += [
+            f"--- {_describe_ranks(ranks)}: {summary} ---\n{text.rstrip()}"
+            for (summary, text), ranks in by_failure.items()
+        ]
+    if exits:
+        codes = ", ".join(str(code) for code in sorted(set(exits.values()), key=str))
+        plural = "es" if len(exits) > 1 else ""
+        problems.append(
+            f"the worker process{plural} of {_describe_ranks(exits)} exited "
+            f"(exit code {codes}); see the output above"
+        )
+    if stacks:
+        within = "" if failures or exits else f" within {timeout.total_seconds():g} s"
+        problems.append(f"{_describe_ranks(stacks)} of {world_size} did not finish{within}")
+        by_stack: dict[str, list[int]] = {}
+        for rank, stack in sorted(stacks.items()):
+            by_stack.setdefault(stack, []).append(rank)
+        sections += [
+            f"--- {_describe_ranks(ranks)} stack (most recent call first) ---\n{stack}"
+            for stack, ranks in by_stack.items()
+        ]
+    message = "\n".join([f"{name}: {'; '.join(problems)}", *sections])
+    return RankFailure(message) if failures or exits else RankTimeout(message)
 
 
 class LocalWorld:
     """``world_size`` worker processes that run functions as one distributed world.
 
     ``backend`` defaults to NCCL when there is a GPU per rank, else gloo.
-    ``timeout`` bounds each ``run`` and every collective inside it.
+    ``timeout`` bounds the start-up, each ``run`` and every collective inside it.
     """
 
     def __init__(
@@ -164,17 +373,42 @@ class LocalWorld:
         self._tasks: list[multiprocessing.Queue[Any]] = []
         self._workers: list[BaseProcess] = []
         self._task_counter = 0
-        for rank in range(world_size):
-            tasks: multiprocessing.Queue[Any] = self._context.Queue()
-            worker = self._context.Process(
-                target=_worker_main,
-                args=(rank, world_size, self.backend, self._port, tasks, self._results),
-                daemon=True,
-                name=f"meshstate-rank{rank}",
-            )
-            worker.start()
-            self._tasks.append(tasks)
-            self._workers.append(worker)
+        self._stack_dir = tempfile.mkdtemp(prefix="meshstate-stacks-")
+        self._relay = _OutputRelay()
+        _install_sigterm_handler()
+        _running.add(self)
+        pipes = [(self._context.Pipe(duplex=False), self._context.Pipe(duplex=False))
+                 for _ in range(world_size)]
+        for rank, ((out_reader, _), (err_reader, _)) in enumerate(pipes):
+            self._relay.add(rank, out_reader, 1)
+            self._relay.add(rank, err_reader, 2)
+        self._relay.start()
+        try:
+            try:
+                for rank, ((_, out_writer), (_, err_writer)) in enumerate(pipes):
+                    self._start_worker(rank, out_writer, err_writer)
+            finally:
+                for (_, out_writer), (_, err_writer) in pipes:
+                    out_writer.close()
+                    err_writer.close()
+        except BaseException:
+            self._kill()
+            raise
+        self._execute(f"starting {world_size} workers", 0, timeout, [])
+
+    def _start_worker(self, rank: int, stdout: Connection, stderr: Connection) -> None:
+        open(self._stack_path(rank), "w").close()  # there before the worker writes its stack
+        tasks: multiprocessing.Queue[Any] = self._context.Queue()
+        worker = self._context.Process(
+            target=_worker_main,
+            args=(rank, self.world_size, self.backend, self._port, os.getpid(),
+                  self._stack_path(rank), stdout, stderr, tasks, self._results),
+            daemon=True,
+            name=f"meshstate-rank{rank}",
+        )
+        worker.start()
+        self._tasks.append(tasks)
+        self._workers.append(worker)
 
     @property
     def alive(self) -> bool:
@@ -191,17 +425,52 @@ class LocalWorld:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results by rank.
 
         ``fn`` must be a module-level function and its arguments and result
-        picklable. Raises :class:`RankFailure` if a rank raises and
-        :class:`RankTimeout` if ranks do not finish within ``timeout``.
+        picklable. Raises :class:`RankFailure` if a rank raises or dies and
+        :class:`RankTimeout` if ranks do not finish within ``timeout``. If the
+        run is interrupted (Ctrl-C, a signal), the workers are killed.
         """
         if not self.alive:
             raise MeshStateError("this LocalWorld is closed; start a new one")
         timeout = timeout or self.timeout
-        reference = _FunctionRef.of(fn)
+        task = (_FunctionRef.of(fn), args, kwargs, timeout)
+        try:
+            payloads = [_dumps(task) for _ in self._workers]
+        except Exception as error:
+            raise MeshStateError(
+                f"{fn.__qualname__}: {_unsendable(args, kwargs)} cannot be sent to the "
+                f"worker processes: {error}"
+            ) from None
         self._task_counter += 1
-        task_id = self._task_counter
-        for tasks in self._tasks:
-            tasks.put((task_id, reference, args, kwargs, timeout))
+        return self._execute(fn.__qualname__, self._task_counter, timeout, payloads)
+
+    def _execute(
+        self, name: str, task_id: int, timeout: timedelta, payloads: list[bytes]
+    ) -> list[Any]:
+        """Send each rank its payload as task ``task_id``; return the results by rank.
+
+        If the outcome is not a result on every rank, raise the report on ``name``.
+        """
+        try:
+            for tasks, payload in zip(self._tasks, payloads):
+                tasks.put((task_id, payload))
+            outcomes = self._collect(task_id, timeout)
+            self._relay.drain()
+            missing = [rank for rank in range(self.world_size) if rank not in outcomes]
+            exits = {rank: self._workers[rank].exitcode for rank in missing
+                     if not self._workers[rank].is_alive()}
+            stacks = self._stacks([rank for rank in missing if rank not in exits])
+        except BaseException:  # interrupted: the workers are mid-task
+            self._kill()
+            raise
+        if missing:
+            self._kill()
+        failures = {rank: value for rank, (kind, value) in outcomes.items() if kind == "error"}
+        if failures or missing:
+            raise _report(name, self.world_size, timeout, failures, exits, stacks)
+        return [ForkingPickler.loads(outcomes[rank][1]) for rank in range(self.world_size)]
+
+    def _collect(self, task_id: int, timeout: timedelta) -> dict[int, tuple[str, Any]]:
+        """Each rank's outcome of ``task_id``: until all are in, time is up or a worker dies."""
         outcomes: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout.total_seconds()
         while len(outcomes) < self.world_size:
@@ -217,32 +486,30 @@ class LocalWorld:
                 continue
             if done_id == task_id:
                 outcomes[rank] = outcome
-        missing = [rank for rank in range(self.world_size) if rank not in outcomes]
-        failures = {r: text for r, (kind, text) in sorted(outcomes.items()) if kind == "error"}
-        exits = {
-            rank: worker.exitcode
-            for rank, worker in enumerate(self._workers)
-            if rank in missing and not worker.is_alive()
-        }
-        if missing:
-            self._kill()
-        if exits:
-            raise RankFailure(
-                f"{fn.__qualname__}: the worker processes of ranks {sorted(exits)} exited "
-                f"(exit codes {sorted(set(exits.values()), key=str)}); see their output above"
-            )
-        if failures:
-            details = "\n".join(f"--- rank {r} ---\n{text}" for r, text in failures.items())
-            unfinished = f"; ranks {missing} did not finish" if missing else ""
-            raise RankFailure(
-                f"{fn.__qualname__} failed on ranks {sorted(failures)}{unfinished}\n{details}"
-            )
-        if missing:
-            raise RankTimeout(
-                f"{fn.__qualname__}: ranks {missing} of {self.world_size} did not finish "
-                f"within {timeout.total_seconds():g} s"
-            )
-        return [outcomes[rank][1] for rank in range(self.world_size)]
+        return outcomes
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.txt")
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Ask the workers of ``ranks`` for their Python stacks (faulthandler, on SIGUSR1)."""
+        for rank in ranks:
+            pid = self._workers[rank].pid
+            if pid is not None:
+                os.kill(pid, signal.SIGUSR1)
+        sizes: dict[int, int] = {}
+        deadline = time.monotonic() + _STACK_WAIT_SECONDS
+        while ranks and time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = {rank: os.path.getsize(self._stack_path(rank)) for rank in ranks}
+            if all(now.values()) and now == sizes:
+                break
+            sizes = now
+        stacks = {}
+        for rank in ranks:
+            with open(self._stack_path(rank)) as dump:
+                stacks[rank] = _main_thread_stack(dump.read())
+        return stacks
 
     def close(self) -> None:
         """Stop the workers, giving them a few seconds to exit; safe to call twice."""
@@ -254,19 +521,71 @@ class LocalWorld:
             worker.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill()
 
-    def _kill(self) -> None:
+    def _signal_kill(self) -> None:
+        """SIGKILL every worker and its process group; safe inside a signal handler."""
         for worker in self._workers:
-            if worker.is_alive():
-                worker.kill()
+            if worker.pid is None or worker.exitcode is not None:
+                continue  # not started, or exited and reaped: its pid may be another's now
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(ProcessLookupError):
+                    kill(worker.pid, signal.SIGKILL)
+
+    def _kill(self) -> None:
+        self._signal_kill()
+        for worker in self._workers:
             worker.join()
         self._workers.clear()
         self._tasks.clear()
+        self._relay.close()
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
+        _running.discard(self)
 
     def __enter__(self) -> LocalWorld:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# Worlds with workers, for the exit paths that no ``with`` block covers.
+_running: set[LocalWorld] = set()
+_previous_sigterm_handler: Callable[[int, FrameType | None], Any] | int | None = None
+
+
+def _kill_running_worlds() -> None:
+    for world in list(_running):
+        world._kill()
+
+
+atexit.register(_kill_running_worlds)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Kill every world's workers, then do what SIGTERM did before (by default: die of it)."""
+    for world in list(_running):
+        world._signal_kill()
+    if callable(_previous_sigterm_handler):
+        _previous_sigterm_handler(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_sigterm_handler() -> None:
+    """Put :func:`_on_sigterm` in front of the SIGTERM handler, once, from the main thread.
+
+    An ignored SIGTERM, or one handled outside Python, stays as it is.
+    """
+    global _previous_sigterm_handler
+    if _previous_sigterm_handler is not None:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current in (signal.SIG_IGN, None):
+        return
+    _previous_sigterm_handler = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def run_local(

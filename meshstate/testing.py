@@ -2,10 +2,13 @@
 
 ``@distributed(world_size=8)`` runs a pytest test body on 8 local ranks: gloo on
 CPU, NCCL when there is a GPU per rank. The worker processes are started once
-per world size and reused by later tests, so a suite stays fast; a failing rank
-is reported with its traceback, and a hung run ends in a timeout naming the
-ranks that did not finish. ``fake_world`` simulates one rank of a large world
-in the calling process with torch's fake backend (collectives do nothing).
+per world size and reused by later tests, so a suite stays fast. A failure is
+shown once with the ranks that raised it (``ranks 0-3: AssertionError: …``), a
+hung run ends in a timeout that shows each unfinished rank's stack, a fixture
+that cannot be sent to the workers fails at once, and worker output lines start
+with ``[rank N]``. Ctrl-C, SIGTERM or the death of pytest takes the workers down.
+``fake_world`` simulates one rank of a large world in the calling process with
+torch's fake backend (collectives do nothing).
 
 Example::
 
@@ -27,6 +30,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from meshstate.errors import MeshStateError
 from meshstate.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend, fake_world
 
 __all__ = ["close_pooled_worlds", "distributed", "fake_world", "local_world"]
@@ -75,12 +79,14 @@ def distributed(
     def decorate(body: _F) -> _F:
         @functools.wraps(body)
         def run_on_ranks(*args: Any, **kwargs: Any) -> None:
-            __tracebackhide__ = True
-            if backend == "nccl" and torch.cuda.device_count() < world_size:
-                import pytest
+            import pytest
 
+            if backend == "nccl" and torch.cuda.device_count() < world_size:
                 pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-            local_world(world_size, backend).run(body, *args, timeout=timeout, **kwargs)
+            try:
+                local_world(world_size, backend).run(body, *args, timeout=timeout, **kwargs)
+            except MeshStateError as error:  # the report says it all; the harness's frames do not
+                raise pytest.fail.Exception(str(error), pytrace=False) from None
 
         return cast(_F, run_on_ranks)
 

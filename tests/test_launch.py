@@ -40,19 +40,17 @@ def test_results_failures_and_timeouts():
         with pytest.raises(RankFailure) as failed:
             world.run(rank_one_raises)
         message = str(failed.value)
-        assert message.startswith("rank_one_raises failed on ranks [1]\n--- rank 1 ---\nTraceback")
-        assert "ValueError: rank 1 disagrees" in message
+        assert message.startswith("rank_one_raises: rank 1 raised\n"
+                                  "--- rank 1: ValueError: rank 1 disagrees ---\nTraceback")
         assert world.run(world_size_and_rank) == [(2, 0), (2, 1)]   # still usable
-        started = time.monotonic()
-        with pytest.raises(RankTimeout, match=r"rank_one_hangs: ranks \[1\] of 2 did not finish within 2 s"):
+        with pytest.raises(RankTimeout, match="rank_one_hangs: rank 1 of 2 did not finish within 2 s"):
             world.run(rank_one_hangs, timeout=timedelta(seconds=2))
-        assert time.monotonic() - started < 10
-        assert not world.alive
+        assert not world.alive   # a timed-out world is torn down
 
 
 def test_a_crashed_worker_is_reported_and_the_pool_replaced():
     world = local_world(2)
-    with pytest.raises(RankFailure, match=r"worker processes of ranks \[1\] exited \(exit codes \[3\]\)"):
+    with pytest.raises(RankFailure, match=r"worker process of rank 1 exited \(exit code 3\)"):
         world.run(rank_one_exits)
     assert local_world(2) is not world
     assert local_world(2).run(world_size_and_rank) == [(2, 0), (2, 1)]

@@ -1,0 +1,135 @@
+"""The harness explains failures and leaves no process behind.
+
+One 4-rank world serves the first tests; the hang comes last because it ends that world.
+The signal tests run pytest in a subprocess on a generated test file and signal it mid-test.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from meshstate.errors import MeshStateError
+from meshstate.launch import RankFailure, RankTimeout
+from meshstate.testing import local_world
+from harness_bodies import (
+    all_ranks_assert,
+    low_and_high_ranks_disagree,
+    say_hello,
+    takes_anything,
+    wait_forever_on_rank_two,
+)
+
+
+def test_one_failure_on_every_rank_is_reported_once():
+    with pytest.raises(RankFailure) as failed:
+        local_world(4).run(all_ranks_assert)
+    message = str(failed.value)
+    assert message.startswith("all_ranks_assert: ranks 0-3 raised\n"
+                              "--- ranks 0-3: AssertionError: no rank is negative ---\n")
+    assert message.count("Traceback (most recent call last)") == 1
+
+
+def test_distinct_failures_are_reported_once_each():
+    with pytest.raises(RankFailure) as failed:
+        local_world(4).run(low_and_high_ranks_disagree)
+    message = str(failed.value)
+    assert "--- ranks 0-1: ValueError: low ---" in message
+    assert "--- ranks 2-3: ValueError: high ---" in message
+    assert message.count("Traceback (most recent call last)") == 2
+
+
+def test_worker_output_carries_its_rank_and_workers_have_their_own_group(capfd):
+    groups = local_world(4).run(say_hello)
+    out, err = capfd.readouterr()
+    for rank in range(4):
+        assert f"[rank {rank}] hello from {rank}\n" in out
+        assert f"[rank {rank}] fd 2 of {rank}\n" in err
+    assert os.getpgrp() not in groups
+
+
+def test_an_argument_that_cannot_reach_the_workers_fails_at_once():
+    world = local_world(4)
+    with pytest.raises(MeshStateError, match=r"takes_anything: argument 'value' \(a _thread.lock\) "
+                                             r"cannot be sent to the worker processes"):
+        world.run(takes_anything, value=threading.Lock())
+    with pytest.raises(MeshStateError, match=r"positional argument 0 \(a builtins.function\)"):
+        world.run(takes_anything, lambda: None)
+    assert world.run(takes_anything, value=Path("/tmp")) == [True] * 4
+
+
+def test_a_hung_rank_is_reported_with_its_stack():
+    with pytest.raises(RankTimeout) as hung:
+        local_world(4).run(wait_forever_on_rank_two, timeout=timedelta(seconds=3))
+    message = str(hung.value)
+    assert message.startswith("wait_forever_on_rank_two: rank 2 of 4 did not finish within 3 s\n"
+                              "--- rank 2 stack (most recent call first) ---\n")
+    assert "harness_bodies.py" in message and " in wait_forever_on_rank_two" in message
+
+
+SLEEPING_TEST = """
+from meshstate.testing import distributed
+from harness_bodies import record_pid_then_sleep
+
+@distributed(world_size=2)
+def test_sleeps():
+    record_pid_then_sleep()
+"""
+
+
+def _running_workers(pid_dir):
+    """The workers that recorded their pid in ``pid_dir`` and still run (not zombies)."""
+    marker = f"MESHSTATE_PID_DIR={pid_dir}\0".encode()
+    running = []
+    for path in pid_dir.iterdir():
+        try:
+            if marker in Path(f"/proc/{path.name}/environ").read_bytes():  # empty for a zombie
+                running.append(int(path.name))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return running
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_signalled_test_run_leaves_no_worker(tmp_path, how):
+    """SIGTERM to pytest, Ctrl-C in its terminal (SIGINT to its process group), SIGKILL."""
+    (tmp_path / "test_sleeper.py").write_text(textwrap.dedent(SLEEPING_TEST))
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    env = dict(os.environ, MESHSTATE_PID_DIR=str(pid_dir),
+               PYTHONPATH=os.pathsep.join(str(p) for p in Path(__file__).parents[:2]))
+    pytest_run = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sleeper.py"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pid_dir.iterdir())) < 2:
+            assert pytest_run.poll() is None, pytest_run.communicate()[0].decode()
+            assert time.monotonic() < deadline, "the workers did not start within 120 s"
+            time.sleep(0.2)
+        if how == "SIGINT":
+            os.killpg(pytest_run.pid, signal.SIGINT)
+        else:
+            os.kill(pytest_run.pid, getattr(signal, how))
+        output = pytest_run.communicate(timeout=60)[0].decode()
+        expected_status = {"SIGTERM": -signal.SIGTERM, "SIGINT": pytest.ExitCode.INTERRUPTED,
+                           "SIGKILL": -signal.SIGKILL}[how]
+        assert pytest_run.returncode == expected_status, output
+        deadline = time.monotonic() + 10
+        while _running_workers(pid_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running_workers(pid_dir)
+    finally:
+        if pytest_run.poll() is None:
+            os.killpg(pytest_run.pid, signal.SIGKILL)
+        for pid in _running_workers(pid_dir):
+            os.kill(pid, signal.SIGKILL)
