@@ -44,11 +44,9 @@ import multiprocessing
 import os
 import queue
 import selectors
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -168,9 +166,9 @@ def _worker_main(
     backend: str,
     port: int,
     parent_pid: int,
-    stack_path: str,
     stdout: Connection,
     stderr: Connection,
+    stacks: Connection,
     tasks: multiprocessing.Queue[Any],
     results: multiprocessing.Queue[Any],
 ) -> None:
@@ -178,8 +176,7 @@ def _worker_main(
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     _redirect(stdout, 1, sys.stdout)
     _redirect(stderr, 2, sys.stderr)
-    stack_file = open(stack_path, "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks.fileno(), all_threads=True)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -264,23 +261,29 @@ class _Stream:
 
     def copy(self) -> bool:
         """Copy the complete lines the pipe holds; False at its end (the last line goes too)."""
-        data, is_open = self.pending, True
-        while True:
-            try:
-                chunk = os.read(self.pipe.fileno(), 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                is_open = False
-                data += b"\n" if data else b""
-                break
-            data += chunk
+        new, is_open = _read_available(self.pipe.fileno())
+        data = self.pending + new
+        if data and not is_open:
+            data += b"\n"
         *lines, self.pending = data.split(b"\n")
         out = b"".join(self.prefix + line + b"\n" for line in lines)
         with contextlib.suppress(OSError):  # a closed stdout: keep draining, drop the output
             while out:
                 out = out[os.write(self.fd, out):]
         return is_open
+
+
+def _read_available(fd: int) -> tuple[bytes, bool]:
+    """What the non-blocking pipe ``fd`` holds now; False once every writer has closed it."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return data, True
+        if not chunk:
+            return data, False
+        data += chunk
 
 
 def _main_thread_stack(dump: str) -> str:
@@ -373,36 +376,37 @@ class LocalWorld:
         self._tasks: list[multiprocessing.Queue[Any]] = []
         self._workers: list[BaseProcess] = []
         self._task_counter = 0
-        self._stack_dir = tempfile.mkdtemp(prefix="meshstate-stacks-")
+        self._stack_readers: list[Connection] = []
         self._relay = _OutputRelay()
         _install_sigterm_handler()
         _running.add(self)
-        pipes = [(self._context.Pipe(duplex=False), self._context.Pipe(duplex=False))
-                 for _ in range(world_size)]
-        for rank, ((out_reader, _), (err_reader, _)) in enumerate(pipes):
+        pipes = [[self._context.Pipe(duplex=False) for _ in range(3)] for _ in range(world_size)]
+        for rank, ((out_reader, _), (err_reader, _), (stack_reader, _)) in enumerate(pipes):
             self._relay.add(rank, out_reader, 1)
             self._relay.add(rank, err_reader, 2)
+            os.set_blocking(stack_reader.fileno(), False)
+            self._stack_readers.append(stack_reader)
         self._relay.start()
         try:
             try:
-                for rank, ((_, out_writer), (_, err_writer)) in enumerate(pipes):
-                    self._start_worker(rank, out_writer, err_writer)
+                for rank, ((_, stdout), (_, stderr), (_, stacks)) in enumerate(pipes):
+                    self._start_worker(rank, stdout, stderr, stacks)
             finally:
-                for (_, out_writer), (_, err_writer) in pipes:
-                    out_writer.close()
-                    err_writer.close()
+                for _, writer in itertools.chain(*pipes):
+                    writer.close()
         except BaseException:
             self._kill()
             raise
         self._execute(f"starting {world_size} workers", 0, timeout, [])
 
-    def _start_worker(self, rank: int, stdout: Connection, stderr: Connection) -> None:
-        open(self._stack_path(rank), "w").close()  # there before the worker writes its stack
+    def _start_worker(
+        self, rank: int, stdout: Connection, stderr: Connection, stacks: Connection
+    ) -> None:
         tasks: multiprocessing.Queue[Any] = self._context.Queue()
         worker = self._context.Process(
             target=_worker_main,
             args=(rank, self.world_size, self.backend, self._port, os.getpid(),
-                  self._stack_path(rank), stdout, stderr, tasks, self._results),
+                  stdout, stderr, stacks, tasks, self._results),
             daemon=True,
             name=f"meshstate-rank{rank}",
         )
@@ -488,28 +492,23 @@ class LocalWorld:
                 outcomes[rank] = outcome
         return outcomes
 
-    def _stack_path(self, rank: int) -> str:
-        return os.path.join(self._stack_dir, f"rank{rank}.txt")
-
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask the workers of ``ranks`` for their Python stacks (faulthandler, on SIGUSR1)."""
         for rank in ranks:
             pid = self._workers[rank].pid
             if pid is not None:
                 os.kill(pid, signal.SIGUSR1)
-        sizes: dict[int, int] = {}
+        dumps = dict.fromkeys(ranks, b"")
         deadline = time.monotonic() + _STACK_WAIT_SECONDS
         while ranks and time.monotonic() < deadline:
             time.sleep(0.05)
-            now = {rank: os.path.getsize(self._stack_path(rank)) for rank in ranks}
-            if all(now.values()) and now == sizes:
+            news = {rank: _read_available(self._stack_readers[rank].fileno())[0] for rank in ranks}
+            if all(dumps.values()) and not any(news.values()):
                 break
-            sizes = now
-        stacks = {}
-        for rank in ranks:
-            with open(self._stack_path(rank)) as dump:
-                stacks[rank] = _main_thread_stack(dump.read())
-        return stacks
+            for rank, new in news.items():
+                dumps[rank] += new
+        return {rank: _main_thread_stack(dump.decode(errors="replace"))
+                for rank, dump in dumps.items()}
 
     def close(self) -> None:
         """Stop the workers, giving them a few seconds to exit; safe to call twice."""
@@ -537,7 +536,8 @@ class LocalWorld:
         self._workers.clear()
         self._tasks.clear()
         self._relay.close()
-        shutil.rmtree(self._stack_dir, ignore_errors=True)
+        for reader in self._stack_readers:
+            reader.close()
         _running.discard(self)
 
     def __enter__(self) -> LocalWorld:
