@@ -141,7 +141,7 @@ class ParallelMesh:
         self._device_meshes: dict[tuple[str, ...], DeviceMesh] = {}
 
     def keys(self) -> tuple[Key, ...]:
-        """Every group key: Megatron's kinds, declared joint groups, then derived groups."""
+        """Every group key: the kinds, the declared joint groups, then the derived groups."""
         return self.kinds + self.derived
 
     def __contains__(self, key: object) -> bool:
@@ -544,7 +544,7 @@ def init_mesh(
 def _declared_keys(
     layout: ParallelLayout, joint_groups: Sequence[str], derived: Sequence[DerivedGroup]
 ) -> tuple[tuple[str, ...], tuple[DerivedGroup, ...]]:
-    """Megatron's kinds with the joint groups, and the derived groups, spelled canonically."""
+    """The kinds with the joint groups, and the derived groups, spelled canonically."""
     joints = dict.fromkeys(map(layout.canonical, joint_groups))
     kinds = GROUP_KINDS + tuple(key for key in joints if key not in GROUP_KINDS)
     declared: list[DerivedGroup] = []

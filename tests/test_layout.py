@@ -7,7 +7,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from meshstate import AxisError, ConfigError, Grid, MeshConfig, ParallelLayout
-from meshstate.layout import GROUP_KINDS
+from meshstate.layout import (
+    GROUP_KINDS,
+    Chunks,
+    DerivedGroup,
+    Instances,
+    Level,
+    Pick,
+    spellings,
+)
 
 from conftest import megatron_groups
 
@@ -167,3 +175,74 @@ def test_grid_errors(axes, sizes, message):
     with pytest.raises(ConfigError) as raised:
         Grid(axes, sizes)
     assert str(raised.value) == message
+
+
+# 16 ranks, tp=2 cp=2, so dp=4: rank 0's data+context group is 0, 2, 4, ..., 14 (cp fastest).
+DERIVED = [
+    (DerivedGroup("dp-cp", Chunks(2)), [[0, 2], [4, 6], [8, 10], [12, 14]]),
+    (DerivedGroup("dp-cp", Instances(2)), [[0, 2, 4, 6], [8, 10, 12, 14]]),
+    (DerivedGroup("dp-cp", Instances(2, inter=True)), [[0, 8], [2, 10], [4, 12], [6, 14]]),
+    (DerivedGroup("dp-cp", Level(0, (2, 4))), [[0, 2], [4, 6], [8, 10], [12, 14]]),
+    (DerivedGroup("dp-cp", Level(1, (2, 4))), [[0, 4, 8, 12], [2, 6, 10, 14]]),
+    (DerivedGroup("dp-cp", backend="gloo"), [[0, 2, 4, 6, 8, 10, 12, 14]]),
+]
+
+
+@pytest.mark.parametrize("spec, rank0_groups", DERIVED, ids=[str(spec) for spec, _ in DERIVED])
+def test_derived_groups_carve_the_base_group(spec, rank0_groups):
+    layout = ParallelLayout(MeshConfig(16, tp=2, cp=2))
+    every = layout.every_group(spec)
+    assert every[: len(rank0_groups)] == rank0_groups
+    assert sorted(rank for group in every for rank in group) == list(range(16))
+    for group in rank0_groups:
+        assert all(layout.members(rank, spec) == tuple(group) for rank in group)
+
+
+def test_a_pick_leaves_the_other_ranks_without_a_group():
+    layout = ParallelLayout(MeshConfig(8, pp=4))
+    ends = DerivedGroup("pp", Pick("ends", lambda stages: [stages[-1], stages[0]]))
+    assert layout.every_group(ends) == [[0, 6], [1, 7]]
+    assert (layout.members(6, ends), layout.members(2, ends)) == ((0, 6), None)
+
+
+def test_derived_groups_compare_by_what_tells_them_apart_in_one_mesh():
+    assert DerivedGroup("cp", Level(1, (2, 2))) == DerivedGroup("cp", Level(1))
+    assert hash(DerivedGroup("edp", Instances(4))) == hash(DerivedGroup("edp", Instances()))
+    assert DerivedGroup("pp", Pick("first", min)) == DerivedGroup("pp", Pick("first"))
+    assert len({
+        DerivedGroup("cp", Level(0)), DerivedGroup("cp", Level(1)), DerivedGroup("dp-cp", Chunks(2)),
+        DerivedGroup("dp-cp", Chunks(4)), DerivedGroup("edp", Instances(inter=True)),
+        DerivedGroup("dp", backend="gloo"), DerivedGroup("dp", separate=True),
+    }) == 7
+    assert [str(spec) for spec, _ in DERIVED] == [
+        "dp-cp/chunks of 2", "dp-cp/intra-instance of 2", "dp-cp/inter-instance of 2",
+        "dp-cp/level 0 of 2x4", "dp-cp/level 1 of 2x4", "dp-cp[gloo]",
+    ]
+    assert str(DerivedGroup(("edp", "pp"), Instances(2), backend="gloo")) == (
+        "(edp, pp)/intra-instance of 2[gloo]")
+    assert spellings(DerivedGroup("cp-dp", Chunks(2))) == [
+        DerivedGroup("cp-dp", Chunks(2)), DerivedGroup("dp-cp", Chunks(2))]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (DerivedGroup("dp-cp", Chunks(3)), "8 ranks do not split into chunks of 3"),
+        (DerivedGroup("dp-cp", Instances(3)), "8 ranks do not split into intra-instance of 3"),
+        (DerivedGroup("dp-cp", Level(0, (2, 2))),
+         "hierarchical sizes [2, 2] multiply to 4, not to the 8 ranks they split"),
+        (DerivedGroup("dp", Pick("none", lambda ranks: [])),
+         "pick 'none' chose [] from [0, 4, 8, 12]; it must choose distinct ranks of that group, "
+         "at least one"),
+        (DerivedGroup("dp", Pick("lookup only")), "pick 'lookup only' has no ranks_of function"),
+    ],
+)
+def test_derived_group_errors_name_the_numbers(spec, message):
+    with pytest.raises(ConfigError) as raised:
+        ParallelLayout(MeshConfig(16, tp=2, cp=2)).members(0, spec)
+    assert str(raised.value) == message
+
+
+def test_a_derived_group_must_derive_something():
+    with pytest.raises(ConfigError, match="derives nothing from its base"):
+        DerivedGroup("dp")

@@ -8,7 +8,7 @@ from torch.distributed import distributed_c10d as c10d
 
 import meshstate
 from meshstate import AxisError, ConfigError, MeshConfig, MeshStateError
-from meshstate.layout import GROUP_KINDS
+from meshstate.layout import GROUP_KINDS, Chunks, DerivedGroup, Level, Pick
 from meshstate.testing import fake_world
 
 from conftest import megatron_groups
@@ -197,3 +197,55 @@ def test_init_mesh_without_a_world_or_torchrun_says_what_to_do(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(MeshStateError, match="torch.distributed is not initialized"):
         meshstate.init_mesh(tp=2)
+
+
+# 16 ranks, tp=2 cp=4, so dp=2. Rank 5: cp group 1, 3, 5, 7; data+context group 1, 3, ..., 15.
+INNER, OUTER = DerivedGroup("cp", Level(0, (2, 2))), DerivedGroup("cp", Level(1, (2, 2)))
+QUARTERS = DerivedGroup("cp-dp", Chunks(4))
+FIRST = DerivedGroup("dp", Pick("first", lambda ranks: ranks[:1]))
+
+
+def test_derived_groups_are_asked_for_by_value():
+    with fake_world(5, 16):
+        mesh = meshstate.init_mesh(tp=2, cp=4, derived=[INNER, OUTER, QUARTERS, FIRST])
+        assert mesh.keys()[len(GROUP_KINDS):] == (INNER, OUTER, DerivedGroup("dp-cp", Chunks(4)), FIRST)
+        for spec, ranks in [(INNER, [5, 7]), (OUTER, [1, 5]), (QUARTERS, [1, 3, 5, 7]), (FIRST, [5])]:
+            assert list(mesh.ranks(spec)) == ranks, spec
+            assert mesh.rank(spec) == ranks.index(5) and mesh.size(spec) == len(ranks)
+            assert dist.get_process_group_ranks(mesh.group(spec)) == ranks
+        # A lookup value needs only what tells the groups apart; any spelling of its base works.
+        assert mesh.group(DerivedGroup("cp", Level(1))) is mesh.group(OUTER)
+        assert mesh.group(DerivedGroup("dp-cp", Chunks(4))) is mesh.group(QUARTERS)
+        # The same ranks are the same process group: a quarter of dp-cp is rank 5's cp group.
+        assert mesh.group(QUARTERS) is mesh.group("cp")
+        assert mesh.rank_in[INNER] == 0 and mesh.size_of["cp-tp"] == mesh.size("tp-cp") == 8
+        with pytest.raises(AxisError) as raised:
+            mesh.group(DerivedGroup("cp", Level(2)))
+        assert str(raised.value).startswith("mesh has no group 'cp/level 2'; valid keys are tp, cp")
+        mesh.destroy()
+    with fake_world(13, 16):
+        mesh = meshstate.init_mesh(tp=2, cp=4, derived=[FIRST])
+        assert FIRST in mesh and not mesh.has_group(FIRST)
+        with pytest.raises(MeshStateError, match="rank 13 is in no 'dp/first' group"):
+            mesh.ranks(FIRST)
+        mesh.destroy()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(derived=[INNER, DerivedGroup("cp", Level(0, (4, 1)))]),
+         "derived group 'cp/level 0 of 4x1' is declared twice"),
+        (dict(derived=["cp"]), "derived takes DerivedGroup values, got 'cp'"),
+        (dict(group_options={OUTER: meshstate.GroupOptions(backend="gloo")}),
+         "group_options names ['cp/level 1 of 2x2'], which are not keys of the mesh: tp, cp, dp, "
+         "pp, tp-cp, dp-cp, tp-dp, tp-dp-cp, tp-pp, ep, etp, etp-ep, etp-ep-pp, edp"),
+    ],
+)
+def test_bad_derived_declarations_fail_before_any_group_exists(kwargs, message):
+    with fake_world(0, 16):
+        before = live_group_count()
+        with pytest.raises(ConfigError) as raised:
+            meshstate.init_mesh(tp=2, cp=4, **kwargs)
+        assert str(raised.value) == message
+        assert live_group_count() == before

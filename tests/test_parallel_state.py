@@ -309,6 +309,21 @@ def test_overrides_equal_megatron():
         assert ours._MPU_DATA_PARALLEL_RANK is None and ours._TENSOR_MODEL_PARALLEL_GROUP is None
 
 
+def test_overrides_set_before_init_outlive_it_as_in_megatron():
+    with fake_world(3, 8):
+        for module in (megatron, ours):
+            module.destroy_model_parallel()
+            module.set_tensor_model_parallel_rank(7)
+            module.set_data_parallel_rank(2)
+        megatron.initialize_model_parallel(2, 2, create_gloo_process_groups=False)
+        ours.initialize_model_parallel(2, 2, create_gloo_process_groups=False)
+        assert ours.get_tensor_model_parallel_rank() == megatron.get_tensor_model_parallel_rank() == 7
+        assert snapshot(ours) == snapshot(megatron)
+        reset_megatron()
+        ours.destroy_model_parallel()
+        assert ours._MPU_TENSOR_MODEL_PARALLEL_RANK is None
+
+
 def test_rank_generator_and_masked_groups_equal_megatron():
     for kwargs in [dict(tp=2, ep=1, dp=3, pp=2, cp=2, order="tp-cp-ep-dp-pp"),
                    dict(tp=2, ep=4, dp=2, pp=2, cp=1, order="tp-ep-dp-pp", rank_offset=8),
