@@ -37,7 +37,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from meshstate import _compat
 from meshstate import parallel_state as mpu
-from meshstate.config import MeshConfig
+from meshstate.config import MeshConfig, check_positive_int
+from meshstate.errors import ConfigError
 from meshstate.launch import LocalWorld, default_backend, fake_world
 from meshstate.layout import GROUP_KINDS, ParallelLayout
 from meshstate.mesh import init_mesh
@@ -50,6 +51,9 @@ APPROACHES = (INIT_MESH, PARALLEL_STATE, MEGATRON, DEVICE_MESH)
 GETTERS = ("tp rank", "tp size", "first stage", "dp-cp size")
 PROCESS_SIZES = dict(tp=2, cp=2, pp=2, ep=2, etp=1)
 """The layout timed on real local processes unless told otherwise."""
+MAX_SIMULATED_WORLD = 2**20
+"""The largest world one rank is simulated in: torch's DeviceMesh and megatron-core keep
+world-sized rank maps, and megatron-core's init takes about a minute at this size."""
 
 
 @dataclass(frozen=True)
@@ -295,10 +299,16 @@ def run(
     process_world_sizes: Sequence[int] = (8, 16),
     process_sizes: dict[str, Any] | None = None,
     with_megatron: bool = True,
+    progress: Callable[[str], object] = lambda message: None,
 ) -> Report:
-    """Measure every approach; see the module docstring."""
-    for world_size in world_sizes:
-        MeshConfig(world_size, **sizes)
+    """Measure every approach; see the module docstring.
+
+    Every argument is checked before anything is measured; ``progress`` is told
+    each world size and approach as it starts.
+    """
+    process_sizes = process_sizes or dict(PROCESS_SIZES)
+    _check_worlds(world_sizes, sizes, rank, process_world_sizes, process_sizes)
+    check_positive_int("repeats", repeats)
     report = Report(machine=machine(), config={"world_sizes": list(world_sizes), **sizes})
     approaches = [a for a in APPROACHES if a != MEGATRON or (with_megatron and megatron_available())]
     if MEGATRON in approaches:
@@ -309,22 +319,58 @@ def run(
         report.notes.append("megatron-core is left out (not installed, or --without-megatron)")
     for world_size in world_sizes:
         config = MeshConfig(world_size, **sizes)
-        measured_rank = world_size // 2 + 1 if rank is None else rank
+        measured_rank = _default_rank(world_size) if rank is None else rank
         for approach in approaches:
+            progress(f"world {world_size}, rank {measured_rank}: {approach}")
             report.rows.append(measure(config, approach, measured_rank, repeats))
-    process_sizes = process_sizes or dict(PROCESS_SIZES)
-    for world_size in process_world_sizes:
-        MeshConfig(world_size, **process_sizes)
     report.process_config = dict(process_sizes)
     for world_size in process_world_sizes:
         backend = default_backend(world_size)
+        progress(f"starting {world_size} local ranks ({backend})")
         with LocalWorld(world_size, backend=backend) as world:
             for approach in approaches:
+                progress(f"{world_size} local ranks: {approach}")
                 seconds = world.run(time_init_on_rank, approach, process_sizes)
                 report.process_rows.append(ProcessRow(world_size, backend, approach, max(seconds)))
     if process_world_sizes and not torch.cuda.is_available():
         report.notes.append("no GPU here: the NCCL path (and split_group) was not measured")
     return report
+
+
+def _default_rank(world_size: int) -> int:
+    """The rank measured unless told otherwise: past the middle, so neither first nor last
+    of most groups; the last rank of a world too small for that.
+
+    Example: ``_default_rank(1024) == 513``, ``_default_rank(2) == 1``.
+    """
+    return min(world_size // 2 + 1, world_size - 1)
+
+
+def _check_worlds(
+    world_sizes: Sequence[int],
+    sizes: dict[str, Any],
+    rank: int | None,
+    process_world_sizes: Sequence[int],
+    process_sizes: dict[str, Any],
+) -> None:
+    """Raise ConfigError for any world that cannot be measured, before measuring any."""
+    if not world_sizes:
+        raise ConfigError("bench needs at least one simulated world size")
+    for world_size in world_sizes:
+        MeshConfig(world_size, **sizes)
+        if world_size > MAX_SIMULATED_WORLD:
+            raise ConfigError(
+                f"simulated world size {world_size} is above {MAX_SIMULATED_WORLD}, the most "
+                "one process can simulate (DeviceMesh and megatron-core hold world-sized maps)"
+            )
+        if rank is not None and not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is outside 0..{world_size - 1}")
+    for world_size in process_world_sizes:
+        try:
+            MeshConfig(world_size, **process_sizes)
+        except ConfigError as error:
+            layout = " ".join(f"{name}={size}" for name, size in process_sizes.items())
+            raise ConfigError(f"local processes ({layout}): {error}") from None
 
 
 def machine() -> dict[str, Any]:

@@ -75,7 +75,7 @@ def test_plan_table(capsys):
          "meshstate plan: error: --rank 8 is outside 0..7"),
         (["plan"], "meshstate plan: error: the following arguments are required: --world-size"),
         (["check", "--world-size", "6", "--tp", "4"],
-         "meshstate check: error: world size 6 is not divisible by tp*cp*pp = 4*2*2 = 16"),
+         "meshstate check: error: world size 6 is not divisible by tp*cp*pp = 4*1*1 = 4"),
         (["launch"], "meshstate: error: argument command: invalid choice: 'launch' "
                      "(choose from 'plan', 'check', 'bench')"),
     ],
@@ -87,9 +87,13 @@ def test_bad_input_exits_2_with_one_line(args, message):
     assert result.stderr.splitlines() == [message]
 
 
-def test_check_default_spawns_8_ranks_and_verifies_every_kind():
-    result = run_cli("check")
+def test_check_spawns_8_ranks_and_verifies_every_kind():
+    result = run_cli("check", "--tp", "2", "--cp", "2", "--pp", "2", "--ep", "2", "--etp", "1",
+                     "--verbose")
     assert result.returncode == 0, result.stderr
+    phases = [line.rpartition("meshstate check: ")[2] for line in result.stderr.splitlines()]
+    assert phases == ["starting 8 local ranks (gloo)", "8 ranks ready; building the mesh",
+                      "verifying every group kind with collectives"]
     lines = result.stdout.splitlines()
     assert lines[0] == (
         "meshstate check: 8 ranks (gloo), order tp-cp-ep-dp-pp, "
@@ -116,7 +120,7 @@ def test_check_summary_reports_failed_ranks():
 def test_check_under_torchrun_uses_the_launched_ranks():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "-m", "meshstate", "check", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2"],
+         "-m", "meshstate", "check", "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
