@@ -26,12 +26,13 @@ import torch.distributed as dist
 
 from meshstate import megatron_groups as families
 from meshstate.errors import ConfigError
+from meshstate.layout import Key
 from meshstate.mesh import ParallelMesh, current_mesh
 
 ProcessGroup = dist.ProcessGroup
 
 # field -> mesh key, and the key to use when the mesh lacks the first one.
-_FIELD_KEYS: dict[str, tuple[str, ...]] = {
+_FIELD_KEYS: dict[str, tuple[Key, ...]] = {
     "tp": ("tp",),
     "pp": ("pp",),
     "mp": ("tp-pp",),
