@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -294,24 +294,11 @@ class ParallelMesh:
         self._device_meshes.clear()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
-        # Drop every group and view; what a destroyed mesh is asked for goes to __getattr__.
+        # Drop every group and view; every later use raises (see _DestroyedMesh).
         kept = {"config": self.config, "global_rank": self.global_rank}
         self.__dict__.clear()
         self.__dict__.update(kept, _destroyed_at=destroyed_at)
-
-    if not TYPE_CHECKING:  # hidden from mypy, which keeps checking attribute names
-
-        def __getattr__(self, name: str) -> object:
-            if self.__dict__.get("_destroyed_at") is not None and not name.startswith("__"):
-                raise self._destroyed_error()
-            if name in _DEVICE_MESH_ATTRIBUTES:
-                raise WrongMeshError(
-                    f"a ParallelMesh is not a torch DeviceMesh (it has no {name!r}); pass one "
-                    'of its DeviceMeshes: mesh.dense, mesh.expert or a slice such as mesh["dp-cp"]'
-                )
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
-            )
+        self.__class__ = _DestroyedMesh
 
     def __enter__(self) -> ParallelMesh:
         """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
@@ -400,10 +387,45 @@ class ParallelMesh:
         return view
 
 
+class _DestroyedMesh(ParallelMesh):
+    """A :class:`ParallelMesh` after ``destroy()``: every use names where it was destroyed.
+
+    Its own class, so a live mesh keeps Python's fast attribute reads.
+    """
+
+    if not TYPE_CHECKING:  # hidden from mypy, which keeps checking attribute names
+
+        def __getattribute__(self, name: str) -> object:
+            if name in _ANSWERED_AFTER_DESTROY:
+                return object.__getattribute__(self, name)
+            raise object.__getattribute__(self, "_destroyed_error")()
+
+
+_ANSWERED_AFTER_DESTROY = frozenset(
+    {"__class__", "__dict__", "config", "global_rank", "destroy", "_destroyed_at", "_destroyed_error"}
+)
+
+
+def _not_a_device_mesh(name: str) -> property:
+    def refuse(mesh: ParallelMesh) -> NoReturn:
+        raise WrongMeshError(
+            f"a ParallelMesh is not a torch DeviceMesh (it has no {name!r}); pass one "
+            'of its DeviceMeshes: mesh.dense, mesh.expert or a slice such as mesh["dp-cp"]'
+        )
+
+    return property(refuse)
+
+
+# What a DeviceMesh has and a ParallelMesh lacks: asking a ParallelMesh for one is a mix-up
+# (torch's fully_shard given a ParallelMesh). WrongMeshError is an AttributeError, so
+# hasattr() stays False.
+_INSTANCE_ATTRIBUTES = {"device_type"}
+for _name in sorted(set(dir(DeviceMesh)) - set(dir(ParallelMesh)) - _INSTANCE_ATTRIBUTES):
+    if not _name.startswith("__"):
+        setattr(ParallelMesh, _name, _not_a_device_mesh(_name))
+
 _current_mesh: ParallelMesh | None = None
 _entered_meshes: list[ParallelMesh] = []
-# What a DeviceMesh has and a ParallelMesh lacks: asking a ParallelMesh for one is a mix-up.
-_DEVICE_MESH_ATTRIBUTES = frozenset(name for name in dir(DeviceMesh) if not name.startswith("__"))
 
 
 def _first_caller_outside_meshstate() -> str:

@@ -10,8 +10,8 @@ Legacy code switches by changing one import::
 
 Every function has megatron-core 0.16's name, parameters, defaults and values.
 ``initialize_model_parallel`` builds one :class:`~meshstate.ParallelMesh`
-(``get_mesh()``) and the module keeps a single reference to it, ``_served``;
-every getter asks that mesh's tables (``mesh.rank_in["tp"]``), with the
+(``get_mesh()``) and the module keeps references to it and its tables only;
+every getter asks those tables (``mesh.rank_in["tp"]``), with the
 ``set_*`` overrides laid over them. Before init, and after
 ``destroy_model_parallel``, the tables are stand-ins that raise megatron-core's
 errors, so no answer outlives its mesh. Only the values megatron-core itself
@@ -329,36 +329,36 @@ class _NotInitialized(dict[Key, Any]):
         raise _not_initialized(_WHAT[key])
 
 
-class _Served:
-    """What every getter reads: the tables of the mesh served, under the overrides.
+def _tables(
+    mesh: ParallelMesh | None, overrides: Mapping[str, int | None]
+) -> tuple[Mapping[Key, int], Mapping[Key, int], Mapping[Key, ProcessGroup], Mapping[Key, tuple[int, ...]]]:
+    """The rank, size, group and member tables of ``mesh``, under the overrides.
 
-    ``mesh`` is the one reference to the mesh (``None`` before init); the
-    tables are that mesh's own, or :class:`_NotInitialized` stand-ins, with
-    the ``set_*`` overrides laid over the rank and size tables where any is set.
+    The tables are the mesh's own (``mesh.rank_in``, ...) or, before init,
+    :class:`_NotInitialized` stand-ins; the ``set_*`` overrides are laid over
+    the rank and size tables where any is set.
     """
-
-    __slots__ = ("mesh", "rank_in", "size_of", "group_of", "ranks_of")
-
-    def __init__(self, mesh: ParallelMesh | None, overrides: Mapping[str, int | None]) -> None:
-        layers: dict[str, dict[Key, int]] = {"rank": {}, "size": {}}
-        for name, value in overrides.items():
-            if value is not None:
-                table, keys = _OVERRIDDEN[name]
-                layers[table].update(dict.fromkeys(keys, value))
-        for layer in layers.values():
-            if mesh is None and "tp" in layer:  # megatron-core's etp falls back to the tp override
-                layer.setdefault("etp", layer["tp"])
-        self.mesh = mesh
-        if mesh is None:
-            self.rank_in = _layered(layers["rank"], _NotInitialized(_ZERO_UNLESS_DISTRIBUTED))
-            self.size_of = _layered(layers["size"], _NotInitialized(_ZERO_UNLESS_DISTRIBUTED))
-            self.group_of: Mapping[Key, ProcessGroup] = _NotInitialized()
-            self.ranks_of: Mapping[Key, tuple[int, ...]] = _NotInitialized()
-        else:
-            self.rank_in = _layered(layers["rank"], mesh.rank_in)
-            self.size_of = _layered(layers["size"], mesh.size_of)
-            self.group_of = mesh.group_of
-            self.ranks_of = mesh.ranks_of
+    layers: dict[str, dict[Key, int]] = {"rank": {}, "size": {}}
+    for name, value in overrides.items():
+        if value is not None:
+            table, keys = _OVERRIDDEN[name]
+            layers[table].update(dict.fromkeys(keys, value))
+    for layer in layers.values():
+        if mesh is None and "tp" in layer:  # megatron-core's etp falls back to the tp override
+            layer.setdefault("etp", layer["tp"])
+    if mesh is None:
+        return (
+            _layered(layers["rank"], _NotInitialized(_ZERO_UNLESS_DISTRIBUTED)),
+            _layered(layers["size"], _NotInitialized(_ZERO_UNLESS_DISTRIBUTED)),
+            _NotInitialized(),
+            _NotInitialized(),
+        )
+    return (
+        _layered(layers["rank"], mesh.rank_in),
+        _layered(layers["size"], mesh.size_of),
+        mesh.group_of,
+        mesh.ranks_of,
+    )
 
 
 def _layered(overrides: dict[Key, int], table: dict[Key, int]) -> Mapping[Key, int]:
@@ -367,7 +367,9 @@ def _layered(overrides: dict[Key, int], table: dict[Key, int]) -> Mapping[Key, i
 
 # The `set_*` overrides, by megatron-core's module-level name: plain values, settable before init.
 _overrides: dict[str, int | None] = dict.fromkeys(_OVERRIDDEN)
-_served = _Served(None, _overrides)
+# The mesh served and its tables: references to the mesh's own state, rebound together.
+_mesh: ParallelMesh | None = None
+_rank_in, _size_of, _group_of, _ranks_of = _tables(None, _overrides)
 _vpp_rank: int | None = None
 _vpp_size: int | None = None
 _memory_buffer: GlobalMemoryBuffer | None = None
@@ -375,8 +377,9 @@ _symmetric_buffer: GlobalSymmetricMemoryBuffer | None = None
 
 
 def _serve(mesh: ParallelMesh | None) -> None:
-    global _served
-    _served = _Served(mesh, _overrides)
+    global _mesh, _rank_in, _size_of, _group_of, _ranks_of
+    _mesh = mesh
+    _rank_in, _size_of, _group_of, _ranks_of = _tables(mesh, _overrides)
 
 
 def _not_initialized(what: str) -> NotInitializedError:
@@ -400,12 +403,12 @@ def _group(key: Key, check_initialized: Literal[True] = True) -> ProcessGroup: .
 @overload
 def _group(key: Key, check_initialized: bool) -> ProcessGroup | None: ...
 def _group(key: Key, check_initialized: bool = True) -> ProcessGroup | None:
-    return _checked(_served.group_of.get(key), check_initialized, _WHAT[key])
+    return _checked(_group_of.get(key), check_initialized, _WHAT[key])
 
 
 def _global_rank_list(key: Key) -> list[int] | None:
     """megatron-core's list of the caller's group's global ranks, or ``None``."""
-    ranks = _served.ranks_of.get(key)
+    ranks = _ranks_of.get(key)
     return None if ranks is None else list(ranks)
 
 
@@ -457,7 +460,7 @@ def initialize_model_parallel(
     """
     global _vpp_rank, _vpp_size, _memory_buffer
     os.environ.pop("NCCL_COLLNET_ENABLE", None)
-    if _served.mesh is not None:
+    if _mesh is not None:
         raise ParallelStateError(
             "model parallel state is already initialized; call destroy_model_parallel() first"
         )
@@ -535,7 +538,7 @@ def _name_of(function: Callable[..., object] | None) -> str | None:
 def destroy_model_parallel() -> None:
     """Destroy the groups and reset every value; safe to call when not initialized."""
     global _vpp_rank, _vpp_size, _memory_buffer, _symmetric_buffer
-    mesh = _served.mesh
+    mesh = _mesh
     _overrides.update(dict.fromkeys(_overrides))
     _vpp_rank = _vpp_size = _memory_buffer = _symmetric_buffer = None
     _serve(None)
@@ -545,12 +548,12 @@ def destroy_model_parallel() -> None:
 
 def get_mesh() -> ParallelMesh:
     """The :class:`~meshstate.ParallelMesh` behind every getter."""
-    return _checked(_served.mesh, True, "model parallel state")
+    return _checked(_mesh, True, "model parallel state")
 
 
 def is_initialized() -> bool:
     """Whether ``initialize_model_parallel`` has run (and no destroy since)."""
-    return _served.mesh is not None
+    return _mesh is not None
 
 
 def is_unitialized() -> bool:
@@ -561,7 +564,7 @@ def is_unitialized() -> bool:
 
 def model_parallel_is_initialized() -> bool:
     """Whether the model- and data-parallel groups exist."""
-    return _served.mesh is not None
+    return _mesh is not None
 
 
 def _check_sharp(use_sharp: bool, sharp_enabled_group: str | None, instances: int) -> Key | None:
@@ -672,7 +675,7 @@ def get_model_parallel_group(check_initialized: Literal[True] = True) -> Process
 def get_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The model-parallel (tensor + pipeline) group of the caller."""
-    return _served.group_of[_TP_PP] if check_initialized else _served.group_of.get(_TP_PP)
+    return _group_of[_TP_PP] if check_initialized else _group_of.get(_TP_PP)
 
 
 @overload
@@ -681,7 +684,7 @@ def get_tensor_model_parallel_group(check_initialized: Literal[True] = True) -> 
 def get_tensor_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_tensor_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor-model-parallel group of the caller."""
-    return _served.group_of["tp"] if check_initialized else _served.group_of.get("tp")
+    return _group_of["tp"] if check_initialized else _group_of.get("tp")
 
 
 @overload
@@ -690,7 +693,7 @@ def get_pipeline_model_parallel_group(check_initialized: Literal[True] = True) -
 def get_pipeline_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_pipeline_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The pipeline-model-parallel group of the caller."""
-    return _served.group_of["pp"] if check_initialized else _served.group_of.get("pp")
+    return _group_of["pp"] if check_initialized else _group_of.get("pp")
 
 
 def get_data_parallel_group(
@@ -704,21 +707,21 @@ def get_data_parallel_group(
     instance; ``independent_all_gather`` the separate all-gather communicator.
     """
     if not with_context_parallel:
-        return _partial_dp_group("dp") if partial_data_parallel else _served.group_of["dp"]
+        return _partial_dp_group("dp") if partial_data_parallel else _group_of["dp"]
     if independent_all_gather and not partial_data_parallel:
         return _group(families.DP_CP_ALL_GATHER)
-    return _served.group_of[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
+    return _group_of[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
 
 
 def _partial_dp_group(key: Key) -> ProcessGroup:
-    if key in _served.group_of:
+    if key in _group_of:
         raise ParallelStateError("Partial DP for Optimizer needs to include CP")
     return _group(key)
 
 
 def has_separate_all_gather_group() -> bool:
     """Whether a separate data+context all-gather group was created."""
-    return families.DP_CP_ALL_GATHER in _served.group_of
+    return families.DP_CP_ALL_GATHER in _group_of
 
 
 def get_data_parallel_group_gloo(
@@ -736,7 +739,7 @@ def get_context_parallel_group(check_initialized: Literal[True] = True) -> Proce
 def get_context_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The context-parallel group of the caller."""
-    return _served.group_of["cp"] if check_initialized else _served.group_of.get("cp")
+    return _group_of["cp"] if check_initialized else _group_of.get("cp")
 
 
 @overload
@@ -760,9 +763,9 @@ def get_hierarchical_context_parallel_groups(
     check_initialized: bool = True,
 ) -> list[ProcessGroup] | None:
     """The caller's hierarchical context-parallel groups, innermost level first."""
-    levels = families.hierarchical_cp_levels(_served.group_of)
+    levels = families.hierarchical_cp_levels(_group_of)
     return _checked(
-        [_served.group_of[level] for level in levels] or None,
+        [_group_of[level] for level in levels] or None,
         check_initialized,
         "hierarchical context parallel groups",
     )
@@ -779,16 +782,16 @@ def _hybrid_dp_cp_groups() -> dict[int, ProcessGroup]:
     """megatron-core's ``_HYBRID_DP_CP_GROUPS``: the caller's hybrid data+context groups by size."""
     return {
         key.split.size: group
-        for key, group in _served.group_of.items()
+        for key, group in _group_of.items()
         if isinstance(key, DerivedGroup) and key.base == _DP_CP and isinstance(key.split, Chunks)
     }
 
 
 def _hybrid_group(size: int | None, check_initialized: bool) -> ProcessGroup | None:
-    if _served.mesh is not None and size == get_data_parallel_world_size(True):
+    if _mesh is not None and size == get_data_parallel_world_size(True):
         return _group(_DP_CP, check_initialized)
     groups = _hybrid_dp_cp_groups()
-    if size not in groups and (check_initialized or _served.mesh is not None):
+    if size not in groups and (check_initialized or _mesh is not None):
         raise AxisError(
             f"no hybrid data+context group of {size} ranks; sizes are {sorted(groups)} "
             "(initialize with hybrid_context_parallel=True)"
@@ -835,7 +838,7 @@ def get_tensor_and_data_parallel_group(
 ) -> ProcessGroup | None:
     """The tensor+data (and context, if asked) parallel group of the caller."""
     key = _TP_DP_CP if with_context_parallel else _TP_DP
-    return _served.group_of[key] if check_initialized else _served.group_of.get(key)
+    return _group_of[key] if check_initialized else _group_of.get(key)
 
 
 @overload
@@ -846,7 +849,7 @@ def get_tensor_and_context_parallel_group(
 def get_tensor_and_context_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor+context parallel group of the caller."""
-    return _served.group_of[_TP_CP] if check_initialized else _served.group_of.get(_TP_CP)
+    return _group_of[_TP_CP] if check_initialized else _group_of.get(_TP_CP)
 
 
 @overload
@@ -855,7 +858,7 @@ def get_expert_model_parallel_group(check_initialized: Literal[True] = True) -> 
 def get_expert_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_expert_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-model-parallel group of the caller."""
-    return _served.group_of["ep"] if check_initialized else _served.group_of.get("ep")
+    return _group_of["ep"] if check_initialized else _group_of.get("ep")
 
 
 @overload
@@ -864,7 +867,7 @@ def get_expert_tensor_parallel_group(check_initialized: Literal[True] = True) ->
 def get_expert_tensor_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_expert_tensor_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-tensor-parallel group of the caller."""
-    return _served.group_of["etp"] if check_initialized else _served.group_of.get("etp")
+    return _group_of["etp"] if check_initialized else _group_of.get("etp")
 
 
 @overload
@@ -879,7 +882,7 @@ def get_expert_tensor_and_model_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The expert tensor+model parallel group of the caller."""
-    return _served.group_of[_ETP_EP] if check_initialized else _served.group_of.get(_ETP_EP)
+    return _group_of[_ETP_EP] if check_initialized else _group_of.get(_ETP_EP)
 
 
 @overload
@@ -894,7 +897,7 @@ def get_expert_tensor_model_pipeline_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The expert tensor+model+pipeline parallel group of the caller."""
-    return _served.group_of[_ETP_EP_PP] if check_initialized else _served.group_of.get(_ETP_EP_PP)
+    return _group_of[_ETP_EP_PP] if check_initialized else _group_of.get(_ETP_EP_PP)
 
 
 @overload
@@ -910,7 +913,7 @@ def get_expert_data_parallel_group(
 ) -> ProcessGroup | None:
     """The expert data-parallel group of the caller (one optimizer instance's if partial)."""
     key = _INTRA_EDP if partial_expert_data_parallel else "edp"
-    return _served.group_of[key] if check_initialized else _served.group_of.get(key)
+    return _group_of[key] if check_initialized else _group_of.get(key)
 
 
 def get_data_modulo_expert_parallel_group(
@@ -948,7 +951,7 @@ def get_intra_distributed_optimizer_instance_group(
 ) -> ProcessGroup | None:
     """All ranks of the caller's distributed-optimizer instance."""
     key = families.DIST_OPT_INSTANCE
-    return _served.group_of[key] if check_initialized else _served.group_of.get(key)
+    return _group_of[key] if check_initialized else _group_of.get(key)
 
 
 @overload
@@ -971,35 +974,35 @@ def get_inter_distributed_optimizer_instance_group(
 
 def get_tensor_model_parallel_world_size() -> int:
     """Size of the caller's tensor-model-parallel group."""
-    return _served.size_of["tp"]
+    return _size_of["tp"]
 
 
 def get_tensor_model_parallel_rank() -> int:
     """The caller's rank in its tensor-model-parallel group."""
-    return _served.rank_in["tp"]
+    return _rank_in["tp"]
 
 
 def get_pipeline_model_parallel_world_size() -> int:
     """Number of pipeline stages."""
-    return _served.size_of["pp"]
+    return _size_of["pp"]
 
 
 def get_pipeline_model_parallel_rank() -> int:
     """The caller's pipeline stage."""
-    return _served.rank_in["pp"]
+    return _rank_in["pp"]
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller is the first pipeline stage (and virtual stage 0 if asked)."""
     if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == 0:
-        return not _served.rank_in["pp"]
+        return not _rank_in["pp"]
     return False
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller is the last pipeline stage (and last virtual stage if asked)."""
     if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == _vpp_size - 1:
-        return _served.rank_in["pp"] == _served.size_of["pp"] - 1
+        return _rank_in["pp"] == _size_of["pp"] - 1
     return False
 
 
@@ -1008,8 +1011,8 @@ def get_data_parallel_world_size(
 ) -> int:
     """Size of the caller's data-parallel group (0 without torch.distributed)."""
     if with_context_parallel:
-        return _served.size_of[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
-    return _partial_without_cp(_served.size_of) if partial_data_parallel else _served.size_of["dp"]
+        return _size_of[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
+    return _partial_without_cp(_size_of) if partial_data_parallel else _size_of["dp"]
 
 
 def get_data_parallel_rank(
@@ -1017,68 +1020,68 @@ def get_data_parallel_rank(
 ) -> int:
     """The caller's rank in its data-parallel group (0 without torch.distributed)."""
     if with_context_parallel:
-        return _served.rank_in[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
-    return _partial_without_cp(_served.rank_in) if partial_data_parallel else _served.rank_in["dp"]
+        return _rank_in[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
+    return _partial_without_cp(_rank_in) if partial_data_parallel else _rank_in["dp"]
 
 
 def get_context_parallel_world_size() -> int:
     """Size of the caller's context-parallel group (0 without torch.distributed)."""
-    return _served.size_of["cp"]
+    return _size_of["cp"]
 
 
 def get_context_parallel_rank() -> int:
     """The caller's rank in its context-parallel group (0 without torch.distributed)."""
-    return _served.rank_in["cp"]
+    return _rank_in["cp"]
 
 
 def get_tensor_and_context_parallel_world_size() -> int:
     """Size of the caller's tensor+context group (0 without torch.distributed)."""
-    return _served.size_of[_TP_CP]
+    return _size_of[_TP_CP]
 
 
 def get_tensor_and_context_parallel_rank() -> int:
     """The caller's rank in its tensor+context group (0 without torch.distributed)."""
-    return _served.rank_in[_TP_CP]
+    return _rank_in[_TP_CP]
 
 
 def get_expert_model_parallel_world_size() -> int:
     """Size of the caller's expert-model-parallel group (0 without torch.distributed)."""
-    return _served.size_of["ep"]
+    return _size_of["ep"]
 
 
 def get_expert_model_parallel_rank() -> int:
     """The caller's rank in its expert-model-parallel group (0 without torch.distributed)."""
-    return _served.rank_in["ep"]
+    return _rank_in["ep"]
 
 
 def get_expert_tensor_parallel_world_size() -> int | None:
     """Size of the caller's expert-tensor group; before init, the tp override (maybe None)."""
-    return _served.size_of.get("etp")
+    return _size_of.get("etp")
 
 
 def get_expert_tensor_parallel_rank() -> int | None:
     """The caller's expert-tensor rank; before init, the tp rank override (maybe None)."""
-    return _served.rank_in.get("etp")
+    return _rank_in.get("etp")
 
 
 def get_expert_tensor_and_model_parallel_world_size() -> int:
     """Size of the caller's expert tensor+model group (0 without torch.distributed)."""
-    return _served.size_of[_ETP_EP]
+    return _size_of[_ETP_EP]
 
 
 def get_expert_tensor_and_model_parallel_rank() -> int:
     """The caller's rank in its expert tensor+model group (0 without torch.distributed)."""
-    return _served.rank_in[_ETP_EP]
+    return _rank_in[_ETP_EP]
 
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
     """Size of the caller's expert data-parallel group (0 without torch.distributed)."""
-    return _served.size_of[_INTRA_EDP if partial_expert_data_parallel else "edp"]
+    return _size_of[_INTRA_EDP if partial_expert_data_parallel else "edp"]
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
     """The caller's rank in its expert data-parallel group (0 without torch.distributed)."""
-    return _served.rank_in[_INTRA_EDP if partial_expert_data_parallel else "edp"]
+    return _rank_in[_INTRA_EDP if partial_expert_data_parallel else "edp"]
 
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
@@ -1093,7 +1096,7 @@ def get_virtual_pipeline_model_parallel_world_size() -> int | None:
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller holds word embeddings (at ``vp_stage`` if not ignoring virtual)."""
-    ranks = _served.ranks_of.get(_EMBEDDING)
+    ranks = _ranks_of.get(_EMBEDDING)
     if ranks is None or ignore_virtual or ranks[0] != dist.get_rank() != ranks[-1]:
         return ranks is not None
     if dist.get_rank() == ranks[0]:
@@ -1103,7 +1106,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
 
 def is_rank_in_position_embedding_group() -> bool:
     """Whether the caller holds position embeddings."""
-    return families.POSITION_EMBEDDING in _served.ranks_of
+    return families.POSITION_EMBEDDING in _ranks_of
 
 
 # -- global ranks ----------------------------------------------------------------------
@@ -1111,43 +1114,43 @@ def is_rank_in_position_embedding_group() -> bool:
 
 def get_tensor_model_parallel_src_rank() -> int:
     """Global rank of the first member of the caller's tensor-parallel group."""
-    return _served.ranks_of["tp"][0]
+    return _ranks_of["tp"][0]
 
 
 def get_model_parallel_src_rank() -> int:
     """Global rank of the first member of the caller's model-parallel group."""
-    return _served.ranks_of[_TP_PP][0]
+    return _ranks_of[_TP_PP][0]
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """Global rank of the first member of the caller's data-parallel group."""
-    return _served.ranks_of[_DP_CP if with_context_parallel else "dp"][0]
+    return _ranks_of[_DP_CP if with_context_parallel else "dp"][0]
 
 
 def get_expert_model_parallel_src_rank() -> int:
     """Global rank of the first member of the caller's expert-parallel group."""
-    return _served.ranks_of["ep"][0]
+    return _ranks_of["ep"][0]
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
     """Global rank of the first stage of the caller's pipeline."""
-    return _served.ranks_of["pp"][0]
+    return _ranks_of["pp"][0]
 
 
 def get_pipeline_model_parallel_last_rank() -> int:
     """Global rank of the last stage of the caller's pipeline."""
-    return _served.ranks_of["pp"][get_pipeline_model_parallel_world_size() - 1]
+    return _ranks_of["pp"][get_pipeline_model_parallel_world_size() - 1]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
     """Global rank of the next stage of the caller's pipeline (wrapping around)."""
-    stages = _served.ranks_of["pp"]
+    stages = _ranks_of["pp"]
     return stages[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     """Global rank of the previous stage of the caller's pipeline (wrapping around)."""
-    stages = _served.ranks_of["pp"]
+    stages = _ranks_of["pp"]
     return stages[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
 
 
@@ -1168,7 +1171,7 @@ def get_all_ranks() -> str:
 
 def _override(name: str, value: int | None) -> None:
     _overrides[name] = value
-    _serve(_served.mesh)
+    _serve(_mesh)
 
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
@@ -1282,7 +1285,7 @@ def destroy_global_symmetric_memory_buffer() -> None:
 
 def _owner() -> ProcessGroupSet | None:
     """Where groups made outside the mesh go so that destroy ends them: the mesh's set."""
-    return None if _served.mesh is None else _served.mesh.process_groups
+    return None if _mesh is None else _mesh.process_groups
 
 
 def create_group(
@@ -1477,7 +1480,7 @@ class RankGenerator:
 
 def _process_group_list() -> list[ProcessGroup | None] | None:
     """megatron-core's ``_global_process_group_list``: ``None`` (the default group), then ours."""
-    mesh = _served.mesh
+    mesh = _mesh
     if mesh is None:
         return None
     return [None, *dict.fromkeys([*mesh.group_of.values(), *mesh.process_groups.owned])]
@@ -1537,7 +1540,7 @@ _VALUE_NAMES: dict[str, Callable[[], Any]] = {
 def __getattr__(name: str) -> Any:
     """megatron-core's module-level state names, read from the mesh served."""
     if name in _GROUP_NAMES:
-        return _served.group_of.get(_GROUP_NAMES[name])
+        return _group_of.get(_GROUP_NAMES[name])
     if name in _RANKS_NAMES:
         return _global_rank_list(_RANKS_NAMES[name])
     if name in _overrides:
