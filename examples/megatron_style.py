@@ -1,4 +1,4 @@
-"""A Megatron-style training step written against ``meshstate.parallel_state``.
+"""A Megatron-style training step written against ``meshstate.megatron.parallel_state``.
 
 A two-stage pipeline (pp=2) of tensor-parallel MLP blocks (tp=2), trained with
 data parallelism over the rest of the world (dp=2 on 8 ranks). Everything it
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshstate import parallel_state as mpu
+from meshstate.megatron import parallel_state as mpu
 
 IN, HIDDEN, OUT, BATCH, STEPS, LR = 8, 16, 4, 16, 5, 0.1
 

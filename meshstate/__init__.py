@@ -10,104 +10,53 @@ Example (``torchrun --nproc-per-node 8``)::
     mesh["dp", "cp"]        # 2-D DeviceMesh for FSDP2's HSDP
     mesh.group("tp-cp")     # the joint tensor+context group
 
-Legacy Megatron code: ``from meshstate import parallel_state as mpu``.
+Legacy Megatron code: ``from meshstate.megatron import parallel_state as mpu``.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from meshstate.collectives import (
-    all_gather,
-    all_to_all,
-    axis_index,
-    axis_size,
-    pmax,
-    pmean,
-    pmin,
-    ppermute,
-    psum,
-    psum_scatter,
-)
-from meshstate.config import DEFAULT_ORDER, MeshConfig
-from meshstate.errors import (
-    AxisError,
-    ConfigError,
-    MeshStateError,
-    NotInitializedError,
-    ParallelStateError,
-)
-from meshstate.groups import GroupOptions
-from meshstate.hyper_comm_grid import HyperCommGrid
-from meshstate.layout import (
-    GROUP_KINDS,
-    Chunks,
-    DerivedGroup,
-    Grid,
-    Instances,
-    Level,
-    ParallelLayout,
-    Pick,
-)
-from meshstate.mesh import (
-    AxisGroup,
-    OrderedGroup,
-    ParallelMesh,
-    current_mesh,
-    init_mesh,
-    set_mesh,
-)
-from meshstate.process_groups import ProcessGroupCollection
-
 if TYPE_CHECKING:
-    from meshstate.sharding import NamedSharding, P, distribute, to_placements
+    from meshstate.jax.collectives import all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter
+    from meshstate.core.config import DEFAULT_ORDER, MeshConfig
+    from meshstate.core.errors import AxisError, ConfigError, MeshStateError, NotInitializedError, ParallelStateError, WrongMeshError
+    from meshstate.core.groups import GroupOptions
+    from meshstate.megatron.hyper_comm_grid import HyperCommGrid
+    from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Grid, Instances, Level, ParallelLayout, Pick
+    from meshstate.core.mesh import AxisGroup, OrderedGroup, ParallelMesh, current_mesh, init_mesh, set_mesh
+    from meshstate.megatron.process_groups import ProcessGroupCollection
+    from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
 
-_SHARDING_NAMES = ("NamedSharding", "P", "distribute", "to_placements")
+# Every public name and the module that defines it. Nothing is imported until a name is
+# first used (PEP 562), so `import meshstate` costs no torch import; tools that pull heavy
+# optional packages (the benchmark imports megatron-core) are never loaded by it.
+_HOME: dict[str, str] = {
+    **dict.fromkeys(('all_gather', 'all_to_all', 'axis_index', 'axis_size', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter'), "meshstate.jax.collectives"),
+    **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.core.config"),
+    **dict.fromkeys(('AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'ParallelStateError', 'WrongMeshError'), "meshstate.core.errors"),
+    **dict.fromkeys(('GroupOptions',), "meshstate.core.groups"),
+    **dict.fromkeys(('HyperCommGrid',), "meshstate.megatron.hyper_comm_grid"),
+    **dict.fromkeys(('GROUP_KINDS', 'Chunks', 'DerivedGroup', 'Grid', 'Instances', 'Level', 'ParallelLayout', 'Pick'), "meshstate.core.layout"),
+    **dict.fromkeys(('AxisGroup', 'OrderedGroup', 'ParallelMesh', 'current_mesh', 'init_mesh', 'set_mesh'), "meshstate.core.mesh"),
+    **dict.fromkeys(('ProcessGroupCollection',), "meshstate.megatron.process_groups"),
+    **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
+}
+_SUBMODULES = frozenset({"core", "jax", "megatron", "testing", "tools", "parallel_state", "topology"})
 
 
 def __getattr__(name: str) -> Any:
-    # DTensor is a heavy import; code that never shards tensors does not pay for it.
-    if name in _SHARDING_NAMES:
-        from meshstate import sharding
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"meshstate.{name}")
+    else:
+        raise AttributeError(f"module 'meshstate' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return getattr(sharding, name)
-    raise AttributeError(f"module 'meshstate' has no attribute {name!r}")
 
-__all__ = [
-    "DEFAULT_ORDER",
-    "GROUP_KINDS",
-    "AxisError",
-    "AxisGroup",
-    "ConfigError",
-    "Chunks",
-    "DerivedGroup",
-    "Grid",
-    "GroupOptions",
-    "HyperCommGrid",
-    "Instances",
-    "Level",
-    "MeshConfig",
-    "MeshStateError",
-    "NamedSharding",
-    "NotInitializedError",
-    "OrderedGroup",
-    "P",
-    "ParallelLayout",
-    "ParallelMesh",
-    "ParallelStateError",
-    "Pick",
-    "ProcessGroupCollection",
-    "all_gather",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "current_mesh",
-    "distribute",
-    "init_mesh",
-    "pmax",
-    "pmean",
-    "pmin",
-    "ppermute",
-    "psum",
-    "psum_scatter",
-    "set_mesh",
-    "to_placements",
-]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
+
+
+__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'WrongMeshError', 'all_gather', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'set_mesh', 'to_placements']

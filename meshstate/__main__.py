@@ -1,6 +1,6 @@
 """``python -m meshstate``: the same as the ``meshstate`` command."""
 
-from meshstate.cli import main
+from meshstate.tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from meshstate import bench
-from meshstate.cli import main
+from meshstate.tools import bench
+from meshstate.tools.cli import main
 
 SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
 

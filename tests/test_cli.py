@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from meshstate.cli import main
-from meshstate.layout import GROUP_KINDS
-from meshstate.verify import KindCheck, format_summary, summarize
+from meshstate.tools.cli import main
+from meshstate.core.layout import GROUP_KINDS
+from meshstate.tools.verify import KindCheck, format_summary, summarize
 
 from conftest import megatron_groups
 from test_layout import TABLE

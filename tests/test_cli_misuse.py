@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from meshstate import bench, cli
-from meshstate.cli import LocalCapacity, main
+from meshstate.tools import bench, cli
+from meshstate.tools.cli import LocalCapacity, main
 
 GIB = 2**30
 

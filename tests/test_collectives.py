@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import meshstate
-from meshstate import collectives as lax
-from meshstate.errors import AxisError, ConfigError, NotInitializedError
+from meshstate.jax import collectives as lax
+from meshstate.core.errors import AxisError, ConfigError, NotInitializedError
 from meshstate.testing import distributed, fake_world
 
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch.distributed import distributed_c10d as c10d
 
 import meshstate
-from meshstate import parallel_state as mpu
-from meshstate.cli import main
-from meshstate.errors import (
+from meshstate.megatron import parallel_state as mpu
+from meshstate.tools.cli import main
+from meshstate.core.errors import (
     ConfigError,
     ConfigMismatchError,
     MeshStateError,

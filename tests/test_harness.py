@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from meshstate.errors import MeshStateError
-from meshstate.launch import RankFailure, RankTimeout
+from meshstate.core.errors import MeshStateError
+from meshstate.testing.launch import RankFailure, RankTimeout
 from meshstate.testing import local_world
 from harness_bodies import (
     all_ranks_assert,

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from meshstate import AxisError, ConfigError, MeshConfig, MeshStateError, ParallelLayout
-from meshstate.hyper_comm_grid import DimError, GridSizeError, GroupKeyError, HyperCommGrid
-from meshstate.layout import DENSE_KINDS
+from meshstate.megatron.hyper_comm_grid import DimError, GridSizeError, GroupKeyError, HyperCommGrid
+from meshstate.core.layout import DENSE_KINDS
 from meshstate.testing import distributed, fake_world
 
 SEED_SHAPE = [2, 3, 4, 5]
@@ -221,7 +221,7 @@ def test_dim_sets_with_the_same_ranks_share_a_group_when_options_match(no_world_
         assert live_group_count() - before == 3
 
         assert grid.get_pg(["tp", "cp"]) is tp_group and grid.get_pg("tp") is tp_group
-        # The whole world without options is the default group, as meshstate.groups makes it.
+        # The whole world without options is the default group, as meshstate.core.groups makes it.
         assert grid.create_pg(["tp", "cp", "pp", "dp"]) is dist.group.WORLD
 
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from meshstate.launch import LocalWorld, RankFailure, RankTimeout
+from meshstate.testing.launch import LocalWorld, RankFailure, RankTimeout
 from meshstate.testing import local_world
 
 

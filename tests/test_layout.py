@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from meshstate import AxisError, ConfigError, Grid, MeshConfig, ParallelLayout
-from meshstate.layout import (
+from meshstate.core.layout import (
     GROUP_KINDS,
     Chunks,
     DerivedGroup,

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import meshstate
-from meshstate import parallel_state as meshstate_parallel_state
-from meshstate.launch import LocalWorld
+from meshstate.megatron import parallel_state as meshstate_parallel_state
+from meshstate.testing.launch import LocalWorld
 from meshstate.megatron import install, uninstall
 
 WORLD_SIZE = 4
@@ -226,7 +226,7 @@ def test_install_rebinds_user_modules_not_meshstate_and_uninstall_restores_only_
     user_module = type(sys)("training_script")       # `from megatron.core import parallel_state`
     user_module.mpu = megatron_parallel_state
     user_module.get_rank = megatron_parallel_state.get_tensor_model_parallel_rank
-    user_module.chosen = meshstate_parallel_state     # `from meshstate import parallel_state`
+    user_module.chosen = meshstate_parallel_state     # `from meshstate.megatron import parallel_state`
     own_module = type(sys)("meshstate.probe")          # meshstate keeps megatron-core's as is
     own_module.mpu = megatron_parallel_state
     sys.modules.update({"training_script": user_module, "meshstate.probe": own_module})

@@ -8,7 +8,7 @@ from torch.distributed import distributed_c10d as c10d
 
 import meshstate
 from meshstate import AxisError, ConfigError, MeshConfig, MeshStateError
-from meshstate.layout import GROUP_KINDS, Chunks, DerivedGroup, Level, Pick
+from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Level, Pick
 from meshstate.testing import fake_world
 
 from conftest import megatron_groups

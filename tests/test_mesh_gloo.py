@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 import meshstate
-from meshstate.layout import GROUP_KINDS
+from meshstate.core.layout import GROUP_KINDS
 from meshstate.testing import distributed
-from meshstate.verify import verify_mesh
+from meshstate.tools.verify import verify_mesh
 
 CONFIGS = [
     dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1),  # expert, etp=1

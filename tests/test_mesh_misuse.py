@@ -19,8 +19,8 @@ from torch.distributed.fsdp import fully_shard
 
 import meshstate
 from meshstate import GROUP_KINDS, DerivedGroup, Pick
-from meshstate import parallel_state as mpu
-from meshstate.errors import NotInitializedError, WrongMeshError
+from meshstate.megatron import parallel_state as mpu
+from meshstate.core.errors import NotInitializedError, WrongMeshError
 
 
 EMBEDDING = DerivedGroup("pp", Pick("embedding", list))

@@ -1,4 +1,4 @@
-"""meshstate.parallel_state against megatron-core's, getter by getter, rank by rank.
+"""meshstate.megatron.parallel_state against megatron-core's, getter by getter, rank by rank.
 
 Both run in this process on torch's fake backend; group objects compare by
 their ranks. megatron-core is the oracle.
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshstate import parallel_state as ours
-from meshstate.errors import NotInitializedError, ParallelStateError
+from meshstate.megatron import parallel_state as ours
+from meshstate.core.errors import NotInitializedError, ParallelStateError
 from meshstate.testing import fake_world
 
 with warnings.catch_warnings():
@@ -377,7 +377,7 @@ def test_memory_buffer_works_on_cpu():
 def test_process_group_collection_equals_megatron():
     from megatron.core.process_groups_config import ProcessGroupCollection as Theirs
 
-    from meshstate.process_groups import ProcessGroupCollection
+    from meshstate.megatron.process_groups import ProcessGroupCollection
 
     kwargs = dict(tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
                   expert_model_parallel_size=2, expert_tensor_parallel_size=1,
@@ -399,7 +399,7 @@ def test_process_group_collection_equals_megatron():
 
 def test_process_group_collection_from_a_plain_mesh():
     import meshstate
-    from meshstate.process_groups import ProcessGroupCollection
+    from meshstate.megatron.process_groups import ProcessGroupCollection
 
     with fake_world(5, 8):
         mesh = meshstate.init_mesh(tp=2, pp=2)

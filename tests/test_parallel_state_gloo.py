@@ -1,4 +1,4 @@
-"""meshstate.parallel_state on 8 real gloo ranks: collectives, destroy, re-init."""
+"""meshstate.megatron.parallel_state on 8 real gloo ranks: collectives, destroy, re-init."""
 
 from datetime import timedelta
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshstate import parallel_state as mpu
+from meshstate.megatron import parallel_state as mpu
 from meshstate.testing import distributed
 
 CONFIGS = [

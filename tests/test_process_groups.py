@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch.distributed as dist
 
-from meshstate import parallel_state as ours
-from meshstate.errors import ConfigError
-from meshstate.process_groups import ProcessGroupCollection
+from meshstate.megatron import parallel_state as ours
+from meshstate.core.errors import ConfigError
+from meshstate.megatron.process_groups import ProcessGroupCollection
 from meshstate.testing import fake_world
 
 with warnings.catch_warnings():

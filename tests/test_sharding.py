@@ -17,8 +17,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import meshstate
-from meshstate.errors import AxisError, ConfigError
-from meshstate.sharding import NamedSharding, P, distribute, to_placements
+from meshstate.core.errors import AxisError, ConfigError
+from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
 from meshstate.testing import distributed, fake_world
 
 GLOBAL_SHAPE = (48, 24, 24)  # every dim divides by the largest mesh (2*3*2 = 12) and by 8

@@ -11,11 +11,12 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from meshstate import AxisError, ConfigError, Grid, MeshConfig, MeshStateError, ParallelLayout
-from meshstate import _compat, topology
-from meshstate.cli import main
-from meshstate.layout import GROUP_KINDS
+from meshstate.core import compat as _compat
+from meshstate.tools import topology
+from meshstate.tools.cli import main
+from meshstate.core.layout import GROUP_KINDS
 from meshstate.testing import fake_world
-from meshstate.topology import (
+from meshstate.tools.topology import (
     HybridGrid,
     NodeCrossingWarning,
     check_ranks_per_node,

@@ -4,7 +4,7 @@ Example::
 
     import meshstate.megatron
     meshstate.megatron.install()    # before or after megatron-core is imported
-    from megatron.core import parallel_state   # now meshstate.parallel_state
+    from megatron.core import parallel_state   # now meshstate.megatron.parallel_state
 """
 
 from meshstate.megatron.install import install, uninstall

@@ -34,9 +34,9 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
-from meshstate import parallel_state
-from meshstate.hyper_comm_grid import HyperCommGrid
-from meshstate.process_groups import ProcessGroupCollection
+from meshstate.megatron import parallel_state
+from meshstate.megatron.hyper_comm_grid import HyperCommGrid
+from meshstate.megatron.process_groups import ProcessGroupCollection
 
 __all__ = ["install", "uninstall"]
 
@@ -54,7 +54,7 @@ def install() -> None:
     ``ProcessGroupCollection`` meshstate's for every importer; a second call does nothing.
 
     Example: ``install(); from megatron.core import parallel_state as mpu`` gives
-    ``meshstate.parallel_state``, so ``mpu.get_mesh()`` works.
+    ``meshstate.megatron.parallel_state``, so ``mpu.get_mesh()`` works.
     """
     if _active_hook() is not None:
         return

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshstate.errors import ConfigError
-from meshstate.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.core.errors import ConfigError
+from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
 
 Axes = str | tuple[str, ...]
 

@@ -3,7 +3,7 @@
 Nothing here touches ``torch.distributed``. A :class:`Grid` lays ranks out on
 named axes with the first axis fastest-varying, the convention of Megatron's
 order string; a :class:`ParallelLayout` holds the dense view (tp, cp, dp, pp)
-and the expert view (etp, ep, edp, pp) of one :class:`~meshstate.config.MeshConfig`;
+and the expert view (etp, ep, edp, pp) of one :class:`~meshstate.core.config.MeshConfig`;
 a :class:`DerivedGroup` describes, by value, a group carved out of the groups of
 a key (a hierarchical level, an instance, a gloo twin, ...).
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 import einops
 import torch
 
-from meshstate.config import MeshConfig
-from meshstate.errors import AxisError, ConfigError
+from meshstate.core.config import MeshConfig
+from meshstate.core.errors import AxisError, ConfigError
 
 DENSE_AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("etp", "ep", "edp", "pp")

@@ -38,8 +38,8 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
-from meshstate import _compat
-from meshstate.errors import AxisError, ConfigError, WrongMeshError
+from meshstate.core import compat as _compat
+from meshstate.core.errors import AxisError, ConfigError, WrongMeshError
 
 __all__ = ["NamedSharding", "P", "distribute", "to_placements"]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshstate.errors import MeshStateError
-from meshstate.mesh import ParallelMesh
+from meshstate.core.errors import MeshStateError
+from meshstate.core.mesh import ParallelMesh
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,12 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+# Store, TCPStore and PrefixStore are public as torch.distributed.TCPStore & co., but
+# torch does not declare them exported there, so a strict type check sees only these
+# torch._C names; switch when torch lists them in torch.distributed.__all__.
+from torch._C._distributed_c10d import PrefixStore as PrefixStore
 from torch._C._distributed_c10d import Store
+from torch._C._distributed_c10d import TCPStore as TCPStore
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
@@ -239,3 +244,33 @@ def mesh_copies(device_mesh: DeviceMesh) -> torch.Tensor:
     """
     every_copy = device_mesh._layout.remap_to_tensor(device_mesh._rank_map)
     return every_copy.reshape(-1, *device_mesh.shape)
+
+
+def fake_store() -> Store:
+    """A store for torch's ``fake`` backend, which simulates a rank of a large world.
+
+    Uses ``torch.testing._internal.distributed.fake_pg.FakeStore``; torch has no public
+    name for it yet.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    store: Store = FakeStore()
+    return store
+
+
+def flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dims flattened into one named ``name``, as torch itself does it.
+
+    Creates the flattened dim's groups for every rank of the world (the
+    benchmark's peer measures exactly that). Uses ``DeviceMesh._flatten``,
+    which torch has not made public yet.
+    """
+    return mesh._flatten(name)
+
+
+def unflatten(mesh: DeviceMesh, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A 1-D ``mesh`` split into dims of ``shape`` named ``names``.
+
+    Uses ``DeviceMesh._unflatten``, which torch has not made public yet.
+    """
+    return mesh._unflatten(0, shape, names)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TypedDict
 
-from meshstate.errors import ConfigError
+from meshstate.core.errors import ConfigError
 
 ORDER_AXES = ("tp", "cp", "ep", "dp", "pp")
 """Axis names an order string may contain (Megatron's tokens)."""
@@ -84,7 +84,7 @@ class MeshConfig:
         >>> MeshConfig(12, tp=2, pp=8)
         Traceback (most recent call last):
         ...
-        meshstate.errors.ConfigError: world size 12 is not divisible by tp*cp*pp = 2*1*8 = 16
+        meshstate.core.errors.ConfigError: world size 12 is not divisible by tp*cp*pp = 2*1*8 = 16
     """
 
     world_size: int

@@ -3,8 +3,8 @@
 ``HyperCommGrid(shape, dim_names)`` names the dims of a grid of ranks, the first
 dim fastest-varying as in a Megatron order string; ``create_pg(dims)`` creates the
 process groups over some of those dims, once per dim set, and ``get_pg(dims)``
-returns them later. The rank arithmetic is :class:`meshstate.layout.Grid`, and
-the groups are created by :func:`meshstate.groups.create_group_family`.
+returns them later. The rank arithmetic is :class:`meshstate.core.layout.Grid`, and
+the groups are created by :func:`meshstate.core.groups.create_group_family`.
 
 Example (8 ranks)::
 
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshstate.errors import AxisError, ConfigError, MeshStateError
-from meshstate.groups import create_group_family
-from meshstate.layout import Grid
+from meshstate.core.errors import AxisError, ConfigError, MeshStateError
+from meshstate.core.groups import create_group_family
+from meshstate.core.layout import Grid
 
 __all__ = ["DimError", "GridSizeError", "GroupKeyError", "HyperCommGrid"]
 
@@ -43,7 +43,7 @@ class GridSizeError(MeshStateError, RuntimeError):
 class DimError(AxisError, ValueError):
     """A dim list naming a dim the grid does not have, naming one twice, or empty.
 
-    An :class:`~meshstate.errors.AxisError` (so a ``KeyError``) and, as
+    An :class:`~meshstate.core.errors.AxisError` (so a ``KeyError``) and, as
     megatron-core's lookup of an unknown dim in a list raises, a ``ValueError``.
     """
 
@@ -154,7 +154,7 @@ class HyperCommGrid:
         the same groups; asked for with the same ``timeout`` and the same
         ``pg_options`` object, they share one process group, named by the
         first call's ``group_desc``. Groups are made as
-        :func:`~meshstate.groups.create_group_family` makes them: a group of
+        :func:`~meshstate.core.groups.create_group_family` makes them: a group of
         the whole world without options is the default group itself.
 
         Args:

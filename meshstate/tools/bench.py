@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from meshstate import _compat
-from meshstate import parallel_state as mpu
-from meshstate.config import MeshConfig, check_positive_int
-from meshstate.errors import ConfigError
-from meshstate.launch import LocalWorld, default_backend, fake_world
-from meshstate.layout import GROUP_KINDS, ParallelLayout
-from meshstate.mesh import init_mesh
+from meshstate.core import compat as _compat
+from meshstate.megatron import parallel_state as mpu
+from meshstate.core.config import MeshConfig, check_positive_int
+from meshstate.core.errors import ConfigError
+from meshstate.testing.launch import LocalWorld, default_backend, fake_world
+from meshstate.core.layout import GROUP_KINDS, ParallelLayout
+from meshstate.core.mesh import init_mesh
 
 INIT_MESH = "meshstate init_mesh"
 PARALLEL_STATE = "meshstate parallel_state"
@@ -174,12 +174,12 @@ def _build_device_mesh(config: MeshConfig) -> _Built:
     for key in GROUP_KINDS:
         _, grid, axes = layout.resolve(key)
         if "-" in key and grid is layout.dense:
-            flattened[key] = dense[axes]._flatten(key)
-    expert = dense._flatten("world")._unflatten(
-        0, layout.expert.mesh_shape, layout.expert.mesh_axes
+            flattened[key] = _compat.flatten(dense[axes], key)
+    expert = _compat.unflatten(
+        _compat.flatten(dense, "world"), layout.expert.mesh_shape, layout.expert.mesh_axes
     )
     for key in ("etp-ep", "etp-ep-pp"):
-        flattened[key] = expert[layout.resolve(key)[2]]._flatten(key)
+        flattened[key] = _compat.flatten(expert[layout.resolve(key)[2]], key)
     tp, pp, dp_cp = dense["tp"], dense["pp"], flattened["dp-cp"]
     return _Built(
         {

@@ -30,8 +30,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from meshstate.errors import MeshStateError
-from meshstate.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend, fake_world
+from meshstate.core.errors import MeshStateError
+from meshstate.testing.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend, fake_world
 
 __all__ = ["close_pooled_worlds", "distributed", "fake_world", "local_world"]
 

@@ -5,9 +5,9 @@ different flag and one node that never came up. :func:`agree` runs first in
 every mesh build: each rank posts its config to the default group's store and
 waits, within the timeout, until all ranks have. Then either every rank holds
 the same config and the build goes on, or every rank raises the same
-:class:`~meshstate.errors.ConfigMismatchError` naming the ranks and fields that
+:class:`~meshstate.core.errors.ConfigMismatchError` naming the ranks and fields that
 differ; ranks that never arrive end it with a
-:class:`~meshstate.errors.MeshTimeoutError` naming them. The store traffic per
+:class:`~meshstate.core.errors.MeshTimeoutError` naming them. The store traffic per
 rank is constant; only the error paths read every rank's entry.
 
 On torch's fake backend there is no one to agree with, so nothing is checked.
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshstate import _compat
-from meshstate.errors import ConfigMismatchError, MeshTimeoutError
+from meshstate.core import compat as _compat
+from meshstate.core.errors import ConfigMismatchError, MeshTimeoutError
 
 _PREFIX = "meshstate/agree"
 _LISTED = 16  # ranks named in a message before "and N more"

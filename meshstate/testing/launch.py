@@ -62,9 +62,9 @@ from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from meshstate.errors import MeshStateError
+from meshstate.core import compat as _compat
+from meshstate.core.errors import MeshStateError
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 # After one rank fails, how long the others get to report before the world is torn down.
@@ -184,7 +184,7 @@ def _worker_main(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store = _compat.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     results.put((0, rank, ("ok", _dumps(None))))  # task 0: started
     while (task := tasks.get()) is not None:
         task_id, payload = task
@@ -192,7 +192,7 @@ def _worker_main(
             function, args, kwargs, timeout = ForkingPickler.loads(payload)
             dist.init_process_group(
                 backend,
-                store=PrefixStore(f"task{task_id}", store),
+                store=_compat.PrefixStore(f"task{task_id}", store),
                 rank=rank,
                 world_size=world_size,
                 timeout=timeout,
@@ -369,7 +369,7 @@ class LocalWorld:
         self.timeout = timeout
         self._context = multiprocessing.get_context("spawn")
         self._port = _free_port()
-        self._store = TCPStore(
+        self._store = _compat.TCPStore(
             "127.0.0.1", self._port, is_master=True, wait_for_workers=False
         )
         self._results: multiprocessing.Queue[Any] = self._context.Queue()
@@ -610,9 +610,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
     Example: ``with fake_world(5, 131072): meshstate.init_mesh(tp=8)``.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=_compat.fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

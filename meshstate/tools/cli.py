@@ -34,14 +34,14 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from meshstate import bench
-from meshstate.config import DEFAULT_ORDER, MeshConfig
-from meshstate.errors import ConfigError, MeshStateError
-from meshstate.launch import RankFailure, RankTimeout, default_backend, run_local
-from meshstate.layout import GROUP_KINDS, Grid, ParallelLayout
-from meshstate.mesh import init_mesh
-from meshstate.topology import LocalityReport, NodeCrossingWarning, locality_report
-from meshstate.verify import KindCheck, format_summary, summarize, verify_mesh
+from meshstate.tools import bench
+from meshstate.core.config import DEFAULT_ORDER, MeshConfig
+from meshstate.core.errors import ConfigError, MeshStateError
+from meshstate.testing.launch import RankFailure, RankTimeout, default_backend, run_local
+from meshstate.core.layout import GROUP_KINDS, Grid, ParallelLayout
+from meshstate.core.mesh import init_mesh
+from meshstate.tools.topology import LocalityReport, NodeCrossingWarning, locality_report
+from meshstate.tools.verify import KindCheck, format_summary, summarize, verify_mesh
 
 EXIT_MISMATCH = 1
 EXIT_BAD_INPUT = 2

@@ -1,4 +1,4 @@
-"""Megatron's derived groups as :class:`~meshstate.layout.DerivedGroup` values.
+"""Megatron's derived groups as :class:`~meshstate.core.layout.DerivedGroup` values.
 
 Pure: no process groups here. Besides the axis kinds, megatron-core's
 ``initialize_model_parallel`` builds groups carved out of them: embedding and
@@ -11,8 +11,8 @@ with megatron-core's rank arithmetic, for the façades to pass to
 
 Example::
 
-    >>> from meshstate.config import MeshConfig
-    >>> from meshstate.layout import ParallelLayout
+    >>> from meshstate.core.config import MeshConfig
+    >>> from meshstate.core.layout import ParallelLayout
     >>> derived = derived_groups(MeshConfig(8, pp=4))
     >>> derived[0] == EMBEDDING
     True
@@ -27,9 +27,9 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from meshstate.config import MeshConfig
-from meshstate.errors import ParallelStateError
-from meshstate.layout import Chunks, DerivedGroup, Instances, Key, Level, Pick
+from meshstate.core.config import MeshConfig
+from meshstate.core.errors import ParallelStateError
+from meshstate.core.layout import Chunks, DerivedGroup, Instances, Key, Level, Pick
 
 EMBEDDING = DerivedGroup("pp", Pick("embedding"))
 POSITION_EMBEDDING = DerivedGroup("pp", Pick("position-embedding"))

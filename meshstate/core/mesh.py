@@ -1,7 +1,7 @@
 """The mesh: one object holding a rank's process groups and named DeviceMeshes.
 
 ``init_mesh`` validates the config, creates the groups this rank belongs to
-(see :mod:`meshstate.groups`) and assembles from them the dense ``DeviceMesh``
+(see :mod:`meshstate.core.groups`) and assembles from them the dense ``DeviceMesh``
 (dims outer to inner: the order string reversed), the expert ``DeviceMesh`` and
 the flattened 1-D meshes of Megatron's joint groups. Creating groups takes every
 rank, so it all happens inside ``init_mesh``; slicing and flattening a mesh
@@ -15,6 +15,7 @@ import inspect
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from functools import partial
 from datetime import timedelta
@@ -24,18 +25,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshstate import _compat
-from meshstate.agreement import agree
-from meshstate.config import DEFAULT_ORDER, MeshConfig
-from meshstate.errors import (
+from meshstate.core import compat as _compat
+from meshstate.core.agreement import agree
+from meshstate.core.config import DEFAULT_ORDER, MeshConfig
+from meshstate.core.errors import (
     AxisError,
     ConfigError,
     MeshStateError,
     NotInitializedError,
     WrongMeshError,
 )
-from meshstate.groups import GroupOptions, GroupSpec, ProcessGroupSet, create_process_groups
-from meshstate.layout import (
+from meshstate.core.groups import GroupOptions, GroupSpec, ProcessGroupSet, create_process_groups
+from meshstate.core.layout import (
     DENSE_AXES,
     EXPERT_AXES,
     GROUP_KINDS,
@@ -80,7 +81,7 @@ class ParallelMesh:
 
     Build one with :func:`init_mesh`. Keys name one axis (``"tp"``), a
     Megatron joint group (``"dp-cp"``; a set, so ``"cp-dp"`` is the same) or a
-    :class:`~meshstate.layout.DerivedGroup` declared at init; ``in``, ``len``
+    :class:`~meshstate.core.layout.DerivedGroup` declared at init; ``in``, ``len``
     and iteration follow :meth:`keys`. Every query reads a table made at init:
     ``rank_in``, ``size_of``, ``group_of`` and ``ranks_of`` map every spelling of
     every key whose group holds the calling rank to its answer.
@@ -276,18 +277,16 @@ class ParallelMesh:
         """Destroy the process groups this mesh created; safe to call twice.
 
         A destroyed mesh stops being the current mesh, and every later use of it
-        raises :class:`~meshstate.errors.NotInitializedError` naming the line
+        raises :class:`~meshstate.core.errors.NotInitializedError` naming the line
         that destroyed it. The default process group goes too if
         :func:`init_mesh` initialised it.
         """
-        global _current_mesh
         if self._destroyed_at is not None:
             return
         destroyed_at = _first_caller_outside_meshstate()
-        if _current_mesh is self:
-            _current_mesh = None
-        while self in _entered_meshes:
-            _entered_meshes.remove(self)
+        if _set_mesh.get() is self:
+            _set_mesh.set(None)
+        _entered_meshes.set(tuple(mesh for mesh in _entered_meshes.get() if mesh is not self))
         self.process_groups.destroy()
         if self._device_meshes:
             _compat.forget_sharding_decisions()
@@ -304,12 +303,13 @@ class ParallelMesh:
         """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
         if self._destroyed_at is not None:
             raise self._destroyed_error()
-        _entered_meshes.append(self)
+        _entered_meshes.set((*_entered_meshes.get(), self))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if _entered_meshes and _entered_meshes[-1] is self:
-            _entered_meshes.pop()
+        entered = _entered_meshes.get()
+        if entered and entered[-1] is self:
+            _entered_meshes.set(entered[:-1])
 
     def __repr__(self) -> str:
         sizes = " ".join(f"{name}={size}" for name, size in self.config.sizes().items())
@@ -424,8 +424,12 @@ for _name in sorted(set(dir(DeviceMesh)) - set(dir(ParallelMesh)) - _INSTANCE_AT
     if not _name.startswith("__"):
         setattr(ParallelMesh, _name, _not_a_device_mesh(_name))
 
-_current_mesh: ParallelMesh | None = None
-_entered_meshes: list[ParallelMesh] = []
+# The current mesh is per thread and per asyncio task (contextvars), as in JAX: what
+# set_mesh() set in this context, under the meshes of the `with mesh:` blocks entered in it.
+_set_mesh: ContextVar[ParallelMesh | None] = ContextVar("meshstate_set_mesh", default=None)
+_entered_meshes: ContextVar[tuple[ParallelMesh, ...]] = ContextVar(
+    "meshstate_entered_meshes", default=()
+)
 
 
 def _first_caller_outside_meshstate() -> str:
@@ -455,27 +459,31 @@ def require_parallel_mesh(mesh: object, where: str) -> ParallelMesh:
 def set_mesh(mesh: ParallelMesh | None) -> None:
     """Make ``mesh`` the current mesh outside any ``with mesh:`` block (``None`` clears it).
 
+    Like ``with mesh:``, it holds for the calling thread or asyncio task (a
+    ``contextvars`` value): a new thread starts with no current mesh.
+
     Example::
 
         meshstate.set_mesh(meshstate.init_mesh(tp=2))
         meshstate.current_mesh().size("tp")   # 2
     """
-    global _current_mesh
-    _current_mesh = None if mesh is None else require_parallel_mesh(mesh, "set_mesh()")
+    _set_mesh.set(None if mesh is None else require_parallel_mesh(mesh, "set_mesh()"))
 
 
 def current_mesh() -> ParallelMesh:
     """The innermost mesh of a ``with mesh:`` block, else the one :func:`set_mesh` set.
 
+    Both are per thread and per asyncio task; a destroyed mesh is never current.
     ``initialize_model_parallel`` sets its mesh too.
     """
-    mesh = _entered_meshes[-1] if _entered_meshes else _current_mesh
-    if mesh is None:
-        raise NotInitializedError(
-            "there is no current mesh; call meshstate.set_mesh(mesh) or use `with mesh:` on the "
-            "ParallelMesh from meshstate.init_mesh (a torch DeviceMesh's `with` does not count)"
-        )
-    return mesh
+    for mesh in reversed((_set_mesh.get(), *_entered_meshes.get())):
+        if mesh is not None and not isinstance(mesh, _DestroyedMesh):
+            return mesh
+    raise NotInitializedError(
+        "there is no current mesh in this thread; call meshstate.set_mesh(mesh) or use "
+        "`with mesh:` on the ParallelMesh from meshstate.init_mesh (a torch DeviceMesh's "
+        "`with` does not count)"
+    )
 
 
 def init_mesh(
@@ -502,15 +510,15 @@ def init_mesh(
     and ``timeout`` reach every group created; ``device_type`` defaults to
     ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise. ``joint_groups``
     declares joint groups beyond Megatron's (e.g. ``"cp-pp"``); ``derived``
-    adds groups carved out of them (:class:`~meshstate.layout.DerivedGroup`
+    adds groups carved out of them (:class:`~meshstate.core.layout.DerivedGroup`
     values, e.g. the hierarchical levels of ``cp``); ``group_options`` sets
     backend and options per key.
 
     First every rank agrees on these arguments (and ``agree_on``, for callers
     with more to agree on) through the store, within ``timeout`` (torch's
     default when ``None``): a rank with different arguments makes every rank
-    raise :class:`~meshstate.errors.ConfigMismatchError`, a rank that never
-    arrives a :class:`~meshstate.errors.MeshTimeoutError` naming it.
+    raise :class:`~meshstate.core.errors.ConfigMismatchError`, a rank that never
+    arrives a :class:`~meshstate.core.errors.MeshTimeoutError` naming it.
 
     Example (``torchrun --nproc-per-node 8``)::
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, fields
 
 import torch.distributed as dist
 
-from meshstate import megatron_groups as families
-from meshstate.errors import ConfigError
-from meshstate.layout import Key
-from meshstate.mesh import ParallelMesh, current_mesh
+from meshstate.megatron import derived as families
+from meshstate.core.errors import ConfigError
+from meshstate.core.layout import Key
+from meshstate.core.mesh import ParallelMesh, current_mesh
 
 ProcessGroup = dist.ProcessGroup
 

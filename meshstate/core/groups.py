@@ -25,9 +25,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshstate import _compat
-from meshstate.errors import MeshStateError, MeshTimeoutError
-from meshstate.layout import Key
+from meshstate.core import compat as _compat
+from meshstate.core.errors import MeshStateError, MeshTimeoutError
+from meshstate.core.layout import Key
 
 _build_counter = itertools.count()
 
@@ -91,7 +91,7 @@ def create_process_groups(
     order. ``backend``, ``timeout`` and ``pg_options`` (backend options such as
     ``ProcessGroupNCCL.Options``) reach every group created, unless a spec's
     own options say otherwise. ``build_id`` (the same on every rank, e.g. from
-    :func:`meshstate.agreement.agree`) names the groups; without it a count of
+    :func:`meshstate.core.agreement.agree`) names the groups; without it a count of
     this process's builds does. If a group cannot be created, the groups
     created so far are destroyed.
 

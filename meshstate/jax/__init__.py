@@ -1,0 +1,1 @@
+"""JAX's programming model over a mesh: partition specs, placements, named collectives."""

@@ -1,0 +1,1 @@
+"""The ``meshstate`` command and what only it needs (verification, locality, the benchmark)."""
