@@ -67,6 +67,7 @@ from meshstate.core import compat as _compat
 from meshstate.core.errors import MeshStateError
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 # After one rank fails, how long the others get to report before the world is torn down.
 _FAILURE_GRACE_SECONDS = 5.0
 # How long unfinished ranks get to write their stacks; how often a worker looks for its parent.
@@ -172,6 +173,7 @@ def _worker_main(
     tasks: multiprocessing.Queue[Any],
     results: multiprocessing.Queue[Any],
 ) -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while its parent started it
     os.setsid()  # one killable group, out of reach of the terminal's Ctrl-C
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     _redirect(stdout, 1, sys.stdout)
@@ -410,9 +412,15 @@ class LocalWorld:
             daemon=True,
             name=f"meshstate-rank{rank}",
         )
-        worker.start()
-        self._tasks.append(tasks)
-        self._workers.append(worker)
+        # A Ctrl-C or SIGTERM waits until the worker is started and recorded, so the cleanup
+        # it triggers kills it rather than leaving it half-started.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            worker.start()
+            self._tasks.append(tasks)
+            self._workers.append(worker)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
     @property
     def alive(self) -> bool:
