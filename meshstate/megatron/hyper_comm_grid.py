@@ -6,13 +6,18 @@ process groups over some of those dims, once per dim set, and ``get_pg(dims)``
 returns them later. The rank arithmetic is :class:`meshstate.core.layout.Grid`, and
 the groups are created by :func:`meshstate.core.groups.create_group_family`.
 
-Example (8 ranks)::
+Example, as rank 5 of 8 (simulated here with torch's fake backend)::
 
-    >>> grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
-    >>> grid.get_rank_enum(["dp", "tp"])
+    >>> import torch.distributed as dist
+    >>> from meshstate.testing import fake_world
+    >>> with fake_world(5, 8):
+    ...     grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
+    ...     print(grid.get_rank_enum(["dp", "tp"]))
+    ...     dp_tp_group = grid.create_pg(["tp", "dp"])
+    ...     print(dist.get_process_group_ranks(dp_tp_group))
+    ...     print(grid.get_pg(["dp", "tp"]) is dp_tp_group)
     [[0, 1, 4, 5], [2, 3, 6, 7]]
-    >>> dp_tp_group = grid.create_pg(["tp", "dp"])   # on rank 5: ranks 0, 1, 4, 5
-    >>> grid.get_pg(["dp", "tp"]) is dp_tp_group
+    [0, 1, 4, 5]
     True
 """
 
@@ -85,10 +90,14 @@ class HyperCommGrid:
         rank_offset: First global rank of the grid.
         backend: Backend of the groups; ``None`` for the default group's.
 
-    Example (on ranks 4 to 7 of 8)::
+    Example, the grid on ranks 4 to 7 of 8, as rank 5::
 
-        >>> grid = HyperCommGrid([2, 2], ["tp", "dp"], rank_offset=4)
-        >>> grid.create_pg("dp")    # on rank 5: the group of ranks 5 and 7
+        >>> import torch.distributed as dist
+        >>> from meshstate.testing import fake_world
+        >>> with fake_world(5, 8):
+        ...     grid = HyperCommGrid([2, 2], ["tp", "dp"], rank_offset=4)
+        ...     dist.get_process_group_ranks(grid.create_pg("dp"))
+        [5, 7]
     """
 
     def __init__(
