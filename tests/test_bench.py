@@ -14,7 +14,7 @@ SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
 @pytest.fixture(scope="module")
 def report():
     return bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(4,),
-                     process_sizes=dict(tp=2, pp=2, ep=2, etp=1))
+                     process_sizes=dict(tp=2, pp=2, ep=2, etp=1), with_titan=False)
 
 
 def test_every_approach_measured(report):
@@ -56,7 +56,8 @@ def test_table_and_json(report):
 
 def test_cli_bench_json_and_bad_input(capsys):
     assert main(["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
-                 "--etp", "1", "--repeat", "1", "--processes", "0", "--without-megatron", "--json"]) == 0
+                 "--etp", "1", "--repeat", "1", "--processes", "0", "--without-megatron",
+                 "--without-torchtitan", "--json"]) == 0
     decoded = json.loads(capsys.readouterr().out)
     assert [row["approach"] for row in decoded["rows"]] == [
         bench.INIT_MESH, bench.PARALLEL_STATE, bench.DEVICE_MESH]
@@ -70,3 +71,15 @@ def test_megatron_counts_as_absent_when_no_megatron_package_is_installed(monkeyp
     monkeypatch.setitem(sys.modules, "megatron", None)
     monkeypatch.delitem(sys.modules, "megatron.core", raising=False)
     assert not bench.megatron_available()
+
+
+def test_torchtitan_rows_count_groups_per_rank(monkeypatch):
+    pytest.importorskip("torchtitan.distributed.parallel_dims")
+    monkeypatch.setattr(bench, "_ns_per_call", lambda statement, function: 1.0)
+    report = bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(), with_megatron=False)
+    rows = {row.approach: row for row in report.rows}
+    assert list(rows)[-2:] == list(bench.TITAN_APPROACHES)
+    ours, theirs = rows[bench.MESHSTATE_TITAN], rows[bench.TITAN]
+    # one communicator per distinct rank set; torchtitan takes part in every group of the world
+    assert ours.creation_calls == ours.member_groups == ours.distinct_rank_sets
+    assert theirs.creation_calls > 10 * ours.creation_calls

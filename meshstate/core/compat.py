@@ -274,3 +274,32 @@ def unflatten(mesh: DeviceMesh, shape: tuple[int, ...], names: tuple[str, ...]) 
     Uses ``DeviceMesh._unflatten``, which torch has not made public yet.
     """
     return mesh._unflatten(0, shape, names)
+
+
+def unflatten_with_groups(
+    world: DeviceMesh,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    groups: list[dist.ProcessGroup],
+) -> DeviceMesh:
+    """The 1-D root ``world`` split into dims of ``shape`` named ``names``, dim i using ``groups[i]``.
+
+    Like ``DeviceMesh._unflatten`` (its views share ``world`` as root, so FSDP's
+    same-root checks pass between them), but registers the groups the caller
+    already has instead of creating every group of the world. Relies on
+    ``_MeshLayout``, ``_layout``, ``_rank_map``, ``_pg_registry`` and ``_dim_group_names``.
+    """
+    inner = world._layout[0].composition(_MeshLayout.from_sizes_strides(shape))
+    unflattened = DeviceMesh(
+        world.device_type,
+        _layout=world._layout.splice(0, 1, inner),
+        _rank_map=world._rank_map,
+        mesh_dim_names=names,
+        _root_mesh=world,
+        _init_backend=False,
+    )
+    unflattened._dim_group_names = [group.group_name for group in groups]
+    for group in groups:
+        world._pg_registry[group.group_name] = group
+    share_rank_map(unflattened, world)
+    return unflattened

@@ -71,3 +71,10 @@ class WrongMeshError(MeshStateError, TypeError, AttributeError):
     reads a DeviceMesh attribute (``mesh.ndim``), and there ``hasattr`` and
     ``getattr(mesh, name, default)`` must keep answering as for any missing name.
     """
+
+
+class DimNameError(AxisError, ValueError):
+    """An axis name where code written for torchtitan catches ``ValueError``.
+
+    Example: ``ParallelDims(...).get_mesh("fsdp")`` under the default backend.
+    """

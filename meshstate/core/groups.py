@@ -11,7 +11,11 @@ a spec names: the world is simulated.
 On an NCCL world bound to a device (``init_process_group(device_id=...)``)
 communicators are split from the default one, which every rank of the world
 must join, so there each family of the default backend is created with one
-``split_group`` call.
+``split_group`` call. The strategy is chosen once per build
+(``group_creation``): ``"split"`` or ``"local"`` forces one; ``None`` splits
+where the default group is bound to a device and falls back to member-local
+creation for the whole build if the backend's first split raises (a backend
+without comm splitting).
 """
 
 from __future__ import annotations
@@ -21,15 +25,18 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import MeshStateError, MeshTimeoutError
+from meshstate.core.errors import ConfigError, MeshStateError, MeshTimeoutError
 from meshstate.core.layout import Key
 
 _build_counter = itertools.count()
+
+GroupCreation = Literal["split", "local"]
+"""How groups are created: split from the default group, or member-local ``new_group``."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ def create_process_groups(
     timeout: timedelta | None = None,
     pg_options: Any = None,
     build_id: int | None = None,
+    group_creation: GroupCreation | None = None,
 ) -> ProcessGroupSet:
     """Create the groups of ``specs`` that the calling rank belongs to.
 
@@ -92,8 +100,9 @@ def create_process_groups(
     ``ProcessGroupNCCL.Options``) reach every group created, unless a spec's
     own options say otherwise. ``build_id`` (the same on every rank, e.g. from
     :func:`meshstate.core.agreement.agree`) names the groups; without it a count of
-    this process's builds does. If a group cannot be created, the groups
-    created so far are destroyed.
+    this process's builds does. ``group_creation`` forces ``"split"`` or
+    ``"local"`` creation (see the module docstring). If a group cannot be
+    created, the groups created so far are destroyed.
 
     Example (4 ranks; rank 1 passes its tp group ``(0, 1)``)::
 
@@ -104,7 +113,11 @@ def create_process_groups(
         raise MeshStateError(
             "torch.distributed is not initialized; call init_process_group first"
         )
-    builder = _Builder(backend, timeout, pg_options, build_id)
+    if group_creation not in (None, "split", "local"):
+        raise ConfigError(
+            f"group_creation must be 'split', 'local' or None (choose), got {group_creation!r}"
+        )
+    builder = _Builder(backend, timeout, pg_options, build_id, group_creation)
     try:
         return builder.build(specs)
     except BaseException:
@@ -114,7 +127,12 @@ def create_process_groups(
 
 class _Builder:
     def __init__(
-        self, backend: str | None, timeout: timedelta | None, pg_options: Any, build_id: int | None
+        self,
+        backend: str | None,
+        timeout: timedelta | None,
+        pg_options: Any,
+        build_id: int | None,
+        group_creation: GroupCreation | None,
     ) -> None:
         self.default_group = _compat.default_group()
         self.default_backend = str(dist.get_backend(self.default_group))
@@ -122,53 +140,62 @@ class _Builder:
         self.backend = backend
         self.timeout = timeout
         self.pg_options = pg_options
-        self.bound = _compat.bound_device(self.default_group) is not None
+        bound = _compat.bound_device(self.default_group) is not None
+        self.splits = group_creation == "split" or (group_creation is None and bound)
+        self.may_fall_back = group_creation is None
         self.build_id = f"{build_id}" if build_id is not None else f"local{next(_build_counter)}"
         self.result = ProcessGroupSet(by_name={})
         self.by_key: dict[tuple[Any, ...], dist.ProcessGroup | None] = {}
 
     def build(self, specs: Sequence[GroupSpec]) -> ProcessGroupSet:
         for spec in specs:
-            backend = self._backend(spec)
-            pg_options = (
-                self.pg_options if spec.options.pg_options is None else spec.options.pg_options
-            )
-            split = self.bound and backend == self.default_backend
-            if split:
-                ranks_key: Any = tuple(tuple(group) for group in spec.all_groups())
-                whole_world = ranks_key == (self.world,)
-            elif spec.members is None:
-                continue
-            else:
-                ranks_key = spec.members
-                whole_world = spec.members == self.world
-            key = (
-                split,
-                ranks_key,
-                backend,
-                id(pg_options) if pg_options is not None else None,
-                spec.name if spec.options.separate else None,
-            )
-            if key not in self.by_key:
-                reuse_world = (
-                    whole_world
-                    and backend == self.default_backend
-                    and pg_options is None
-                    and self.timeout is None
-                    and not spec.options.separate
-                )
-                if reuse_world:
-                    self.by_key[key] = self.default_group
-                elif split:
-                    self.by_key[key] = self._split(ranks_key, spec.name, pg_options)
-                else:
-                    self.by_key[key] = self._member_group(
-                        spec.members or (), spec.name, backend, pg_options
-                    )
-            group = self.by_key[key]
+            group = self._group(spec)
             if spec.members is not None and group is not None:
                 self.result.by_name[spec.name] = group
         return self.result
+
+    def _group(self, spec: GroupSpec) -> dist.ProcessGroup | None:
+        """The calling rank's group of ``spec``'s family, created unless an equal one exists."""
+        backend = self._backend(spec)
+        pg_options = self.pg_options if spec.options.pg_options is None else spec.options.pg_options
+        split = self.splits and backend == self.default_backend
+        if split:
+            ranks_key: Any = tuple(tuple(group) for group in spec.all_groups())
+            whole_world = ranks_key == (self.world,)
+        elif spec.members is None:
+            return None
+        else:
+            ranks_key = spec.members
+            whole_world = spec.members == self.world
+        key = (
+            split,
+            ranks_key,
+            backend,
+            id(pg_options) if pg_options is not None else None,
+            spec.name if spec.options.separate else None,
+        )
+        if key in self.by_key:
+            return self.by_key[key]
+        reuse_world = (
+            whole_world
+            and backend == self.default_backend
+            and pg_options is None
+            and self.timeout is None
+            and not spec.options.separate
+        )
+        group: dist.ProcessGroup | None
+        if reuse_world:
+            group = self.default_group
+        elif split:
+            try:
+                group = self._split(ranks_key, spec.name, pg_options)
+            except _CannotSplit:
+                self.splits = False
+                return self._group(spec)
+        else:
+            group = self._member_group(spec.members or (), spec.name, backend, pg_options)
+        self.by_key[key] = group
+        return group
 
     def _backend(self, spec: GroupSpec) -> str:
         if self.default_backend == "fake":
@@ -202,16 +229,31 @@ class _Builder:
     def _split(
         self, family: tuple[tuple[int, ...], ...], name: Key, pg_options: Any
     ) -> dist.ProcessGroup | None:
-        group = dist.split_group(
-            split_ranks=[list(ranks) for ranks in family],
-            timeout=self.timeout,
-            pg_options=pg_options,
-            group_desc=f"meshstate:{name}",
-        )
+        """Split one family. If the build's first split fails and splitting was not
+        forced, raise :class:`_CannotSplit`: the build goes member-local."""
+        try:
+            group = dist.split_group(
+                split_ranks=[list(ranks) for ranks in family],
+                timeout=self.timeout,
+                pg_options=pg_options,
+                group_desc=f"meshstate:{name}",
+            )
+        except (RuntimeError, NotImplementedError, ValueError) as error:
+            if self.may_fall_back:
+                raise _CannotSplit from error
+            raise MeshStateError(
+                f"the {str(name)!r} groups could not be split from the default "
+                f"{self.default_backend} group: {error}; pass group_creation='local'"
+            ) from error
+        self.may_fall_back = False
         self.result.creation_calls += 1
         if group is not None:
             self.result.owned.append(group)
         return group
+
+
+class _CannotSplit(Exception):
+    """The backend's first split failed; create this build's groups member-local."""
 
 
 def _short(ranks: tuple[int, ...]) -> str:

@@ -35,7 +35,13 @@ from meshstate.core.errors import (
     NotInitializedError,
     WrongMeshError,
 )
-from meshstate.core.groups import GroupOptions, GroupSpec, ProcessGroupSet, create_process_groups
+from meshstate.core.groups import (
+    GroupCreation,
+    GroupOptions,
+    GroupSpec,
+    ProcessGroupSet,
+    create_process_groups,
+)
 from meshstate.core.layout import (
     DENSE_AXES,
     EXPERT_AXES,
@@ -501,6 +507,7 @@ def init_mesh(
     derived: Sequence[DerivedGroup] = (),
     group_options: Mapping[Key, GroupOptions] | None = None,
     agree_on: Mapping[str, object] | None = None,
+    group_creation: GroupCreation | None = None,
 ) -> ParallelMesh:
     """Build the calling rank's :class:`ParallelMesh`; every rank must call it.
 
@@ -512,7 +519,9 @@ def init_mesh(
     declares joint groups beyond Megatron's (e.g. ``"cp-pp"``); ``derived``
     adds groups carved out of them (:class:`~meshstate.core.layout.DerivedGroup`
     values, e.g. the hierarchical levels of ``cp``); ``group_options`` sets
-    backend and options per key.
+    backend and options per key; ``group_creation`` forces ``"split"`` or
+    ``"local"`` group creation (default: split where the backend can, see
+    :mod:`meshstate.core.groups`).
 
     First every rank agrees on these arguments (and ``agree_on``, for callers
     with more to agree on) through the store, within ``timeout`` (torch's
@@ -538,6 +547,7 @@ def init_mesh(
                     str(key): [value.backend, value.pg_options is not None, value.separate]
                     for key, value in (group_options or {}).items()
                 },
+                "group_creation": group_creation,
                 **(agree_on or {}),
             },
             timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
@@ -554,7 +564,8 @@ def init_mesh(
             for key, ranks in members.items()
         ]
         process_groups = create_process_groups(
-            specs, backend=backend, timeout=timeout, build_id=build_id
+            specs, backend=backend, timeout=timeout, build_id=build_id,
+            group_creation=group_creation,
         )
         return ParallelMesh(
             layout,

@@ -10,7 +10,9 @@ rank made, the process groups it ends up in and how many distinct rank sets
 they hold, the Python memory the built state keeps (tracemalloc: tensors and
 C++ objects are not counted), the cost of the hot getters, and for meshstate
 and megatron-core the time to compute the groups of every kind. Ratios are
-against megatron-core at the same world size.
+against megatron-core at the same world size. Where torchtitan is installed,
+its ``ParallelDims`` and meshstate's drop-in (:mod:`meshstate.titan`) build the
+same layout with ``dp_replicate=1``, ``dp_shard=dp``.
 
 Then the same approaches run on real local processes (gloo, NCCL with a GPU
 per rank): the wall time of init, the maximum over ranks.
@@ -48,6 +50,10 @@ PARALLEL_STATE = "meshstate parallel_state"
 MEGATRON = "megatron-core"
 DEVICE_MESH = "init_device_mesh"
 APPROACHES = (INIT_MESH, PARALLEL_STATE, MEGATRON, DEVICE_MESH)
+TITAN = "torchtitan ParallelDims"
+MESHSTATE_TITAN = "meshstate.titan"
+TITAN_APPROACHES = (MESHSTATE_TITAN, TITAN)
+"""Simulated worlds only, when torchtitan is installed: dp_replicate=1, dp_shard=dp."""
 GETTERS = ("tp rank", "tp size", "first stage", "dp-cp size")
 PROCESS_SIZES = dict(tp=2, cp=2, pp=2, ep=2, etp=1)
 """The layout timed on real local processes unless told otherwise."""
@@ -191,11 +197,56 @@ def _build_device_mesh(config: MeshConfig) -> _Built:
     )
 
 
+def titan_available() -> bool:
+    """Whether torchtitan can be imported (an optional peer, installed without its deps)."""
+    try:
+        return importlib.util.find_spec("torchtitan.distributed.parallel_dims") is not None
+    except ModuleNotFoundError:  # no ``torchtitan`` package at all
+        return False
+
+
+def _parallel_dims_arguments(config: MeshConfig) -> dict[str, Any]:
+    return dict(
+        dp_replicate=1, dp_shard=config.dp, cp=config.cp, tp=config.tp, pp=config.pp,
+        ep=config.ep, world_size=config.world_size,
+    )
+
+
+def _titan_getters(dims: Any, teardown: Callable[[], None] = lambda: None) -> _Built:
+    """The hot getters of a built ``ParallelDims`` (torchtitan's or meshstate's)."""
+    return _Built(
+        {
+            "tp rank": ("f('tp', include_singleton_axes=True).get_local_rank()", dims.get_optional_mesh),
+            "tp size": ("f('tp', include_singleton_axes=True).size()", dims.get_optional_mesh),
+            "first stage": ("f('pp', include_singleton_axes=True).get_local_rank() == 0", dims.get_optional_mesh),
+            "dp-cp size": ("f('loss', include_singleton_axes=True).size()", dims.get_optional_mesh),
+        },
+        teardown,
+    )
+
+
+def _build_titan(config: MeshConfig) -> _Built:
+    parallel_dims = importlib.import_module("torchtitan.distributed.parallel_dims")
+    dims = parallel_dims.ParallelDims(**_parallel_dims_arguments(config))
+    dims.build_mesh()
+    return _titan_getters(dims)
+
+
+def _build_meshstate_titan(config: MeshConfig) -> _Built:
+    from meshstate.titan import ParallelDims
+
+    dims = ParallelDims(**_parallel_dims_arguments(config))
+    dims.build_mesh()
+    return _titan_getters(dims, dims.mesh.destroy)
+
+
 _BUILDERS: dict[str, Callable[[MeshConfig], _Built]] = {
     INIT_MESH: _build_init_mesh,
     PARALLEL_STATE: _build_parallel_state,
     MEGATRON: _build_megatron,
     DEVICE_MESH: _build_device_mesh,
+    TITAN: _build_titan,
+    MESHSTATE_TITAN: _build_meshstate_titan,
 }
 
 
@@ -299,6 +350,7 @@ def run(
     process_world_sizes: Sequence[int] = (8, 16),
     process_sizes: dict[str, Any] | None = None,
     with_megatron: bool = True,
+    with_titan: bool = True,
     progress: Callable[[str], object] = lambda message: None,
 ) -> Report:
     """Measure every approach; see the module docstring.
@@ -317,10 +369,16 @@ def run(
             importlib.import_module("megatron.core.parallel_state")  # outside any measurement
     else:
         report.notes.append("megatron-core is left out (not installed, or --without-megatron)")
+    simulated = list(approaches)
+    if with_titan and titan_available():
+        importlib.import_module("torchtitan.distributed.parallel_dims")  # outside any measurement
+        simulated += TITAN_APPROACHES
+    else:
+        report.notes.append("torchtitan is left out (not installed, or --without-torchtitan)")
     for world_size in world_sizes:
         config = MeshConfig(world_size, **sizes)
         measured_rank = _default_rank(world_size) if rank is None else rank
-        for approach in approaches:
+        for approach in simulated:
             progress(f"world {world_size}, rank {measured_rank}: {approach}")
             report.rows.append(measure(config, approach, measured_rank, repeats))
     report.process_config = dict(process_sizes)

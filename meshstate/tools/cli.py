@@ -240,6 +240,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument(
         "--without-megatron", action="store_true", help="leave megatron-core out"
     )
+    bench_parser.add_argument(
+        "--without-torchtitan", action="store_true", help="leave torchtitan's ParallelDims out"
+    )
     bench_parser.add_argument("--json", action="store_true", help="print one JSON object")
     _add_force_flag(bench_parser)
     _add_verbose_flag(bench_parser)
@@ -573,6 +576,7 @@ def _bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     report = bench.run(
         args.world_sizes, sizes, rank=args.rank, repeats=args.repeat,
         process_world_sizes=args.processes, with_megatron=not args.without_megatron,
+        with_titan=not args.without_torchtitan,
         progress=progress,
     )
     return 0, bench.report_json(report) if args.json else bench.format_report(report)

@@ -1,0 +1,294 @@
+"""torchtitan 0.3's ``ParallelDims`` on one meshstate mesh.
+
+torchtitan unflattens its world mesh four times and lets every DeviceMesh
+create its own groups. Here every axis name is a key of one
+:class:`~meshstate.core.mesh.ParallelMesh` (order ``tp-cp-ep-dp-pp``, ``etp=1``)
+and each DeviceMesh is assembled from its groups, so a rank set gets one
+communicator however many names share it.
+
+Example (``torchrun --nproc-per-node 8``)::
+
+    from meshstate.titan import ParallelDims
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, world_size=8)
+    dims.get_mesh(["dp_replicate", "dp_shard"])   # 2-D DeviceMesh for FSDP2's HSDP
+    dims.get_mesh("tp")                           # on rank 5: ranks [4, 5]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshstate.core import compat as _compat
+from meshstate.core.config import check_positive_int
+from meshstate.core.errors import ConfigError, DimNameError
+from meshstate.core.layout import Chunks, DerivedGroup, Instances, Key
+from meshstate.core.mesh import ParallelMesh, init_mesh
+
+SpmdBackend = Literal["partial_dtensor", "full_dtensor", "spmd_types"]
+
+
+@dataclass(frozen=True)
+class _GlobalMesh:
+    """One of torchtitan's global meshes: the axes it shows, over the world's (pp, ...) grid."""
+
+    visible: tuple[str, ...]
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass
+class ParallelDims:
+    """torchtitan's ``ParallelDims``: the same constructor, names, meshes and errors.
+
+    ``dp_shard=-1`` takes what the other degrees leave of ``world_size``. A bad
+    product of degrees raises :class:`~meshstate.ConfigError`; an unknown axis
+    name a ``ValueError`` (:class:`~meshstate.core.errors.DimNameError`).
+
+    Example, on rank 5 of 8::
+
+        dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=8)
+        dims.get_mesh("dp_replicate").mesh    # tensor([1, 5])
+        dims.get_mesh(["dp_replicate", "dp_shard"]).mesh   # tensor([[1, 3], [5, 7]])
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+    spmd_backend: SpmdBackend = "spmd_types"
+    _mesh: ParallelMesh | None = field(default=None, init=False, repr=False)
+    _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _meshes: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+    _roots: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep", "world_size"):
+            check_positive_int(name, getattr(self, name))
+        if self.dp_shard == -1:
+            self.dp_shard = self.world_size // (self.dp_replicate * self.cp * self.tp * self.pp)
+        check_positive_int("dp_shard", self.dp_shard)
+        degrees = (self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp)
+        if math.prod(degrees) != self.world_size:
+            raise ConfigError(
+                "dp_replicate*dp_shard*cp*tp*pp = "
+                f"{'*'.join(map(str, degrees))} = {math.prod(degrees)} is not the world size "
+                f"{self.world_size}"
+            )
+        if (self.dp_shard * self.cp * self.tp) % self.ep:
+            raise ConfigError(
+                f"ep={self.ep} does not divide dp_shard*cp*tp = "
+                f"{self.dp_shard}*{self.cp}*{self.tp} = {self.dp_shard * self.cp * self.tp}"
+            )
+        if self.spmd_backend not in ("partial_dtensor", "full_dtensor", "spmd_types"):
+            raise ConfigError(
+                f"spmd_backend must be 'partial_dtensor', 'full_dtensor' or 'spmd_types', "
+                f"got {self.spmd_backend!r}"
+            )
+
+    def build_mesh(self) -> DeviceMesh:
+        """Create the groups (every rank calls it) and return the 1-D world mesh ``("world",)``."""
+        if self._mesh is None:
+            self._mesh = init_mesh(
+                "tp-cp-ep-dp-pp", tp=self.tp, cp=self.cp, ep=self.ep, etp=1, pp=self.pp,
+                derived=[key for key in self._keys().values() if isinstance(key, DerivedGroup)],
+            )
+            self._world_mesh = DeviceMesh.from_group(
+                _compat.default_group(), self._mesh.device_type, mesh_dim_names=("world",)
+            )
+        assert self._world_mesh is not None
+        return self._world_mesh
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The meshstate mesh behind every DeviceMesh (built on first use)."""
+        self.build_mesh()
+        assert self._mesh is not None
+        return self._mesh
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the whole world."""
+        return self.build_mesh()
+
+    def get_optional_mesh(
+        self, dims: str | list[str], *, include_singleton_axes: bool = False
+    ) -> DeviceMesh | None:
+        """The DeviceMesh of ``dims``, or ``None`` where one of them is not enabled.
+
+        Example: ``get_optional_mesh(["dp_replicate", "efsdp", "ep"])`` is a 3-D mesh
+        when ``ep > 1``; ``get_optional_mesh("cp")`` is ``None`` when ``cp == 1``.
+        """
+        names = [dims] if isinstance(dims, str) else list(dims)
+        keys = self._keys()
+        for name in names:
+            if name not in keys:
+                raise DimNameError(f"Invalid mesh dim: {name!r}. Valid dimensions are: {list(keys)}")
+        if not names:
+            raise DimNameError(f"dims names no axis; valid dimensions are: {list(keys)}")
+        if not include_singleton_axes and not all(self._exists(name) for name in names):
+            return None
+        return self._device_mesh(tuple(names))
+
+    def get_mesh(self, dims: str | list[str]) -> DeviceMesh:
+        """The DeviceMesh of ``dims``; a ``ValueError`` where one of them is not enabled."""
+        mesh = self.get_optional_mesh(dims)
+        if mesh is None:
+            sizes = {name: self._sizes()[name] for name in ([dims] if isinstance(dims, str) else dims)}
+            raise DimNameError(f"mesh {dims!r} is not available: sizes {sizes}; it needs each > 1")
+        return mesh
+
+    def get_all_one_dimensional_meshes(self) -> dict[str, DeviceMesh]:
+        """Every enabled axis of size > 1 by name, e.g. ``dp_replicate``, ``tp``, ``batch``, ``loss``."""
+        return {
+            name: self._device_mesh((name,))
+            for name, size in self._sizes().items()
+            if size > 1 and self._exists(name)
+        }
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate > 1 or self.dp_shard > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_cp_enabled(self) -> bool:
+        return self.dp_enabled or self.cp_enabled
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard_enabled or self.cp_enabled
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """``cp * tp * pp``."""
+        return self.cp * self.tp * self.pp
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """What a sequence length must divide by: ``tp`` (sequence parallel) times ``2 * cp``."""
+        return self.tp * (self.cp * 2)
+
+    def _keys(self) -> dict[str, Key]:
+        """Each valid axis name and the mesh key of its groups, in torchtitan's order."""
+        efsdp = self.dp_shard * self.cp * self.tp // self.ep
+        keys: dict[str, Key] = {
+            "pp": "pp",
+            "batch": "dp",
+            "loss": "dp-cp",
+            "dp_replicate": DerivedGroup("dp", Instances(self.dp_replicate, inter=True)),
+            "cp": "cp",
+            "tp": "tp",
+            "ep": "ep",
+            "efsdp": DerivedGroup("edp", Chunks(efsdp)),
+        }
+        dp_shard = DerivedGroup("dp", Chunks(self.dp_shard))
+        if self.spmd_backend == "full_dtensor":
+            keys["dp_shard"] = dp_shard
+        elif self.spmd_backend == "spmd_types":
+            keys.update(dp="dp", dp_shard=dp_shard)
+        else:
+            keys["fsdp"] = DerivedGroup("dp-cp", Chunks(self.dp_shard * self.cp))
+        return keys
+
+    def _sizes(self) -> dict[str, int]:
+        batch = self.dp_replicate * self.dp_shard
+        sizes = {
+            "pp": self.pp, "batch": batch, "loss": batch * self.cp,
+            "dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp, "ep": self.ep,
+            "efsdp": self.dp_shard * self.cp * self.tp // self.ep,
+            "dp": batch, "dp_shard": self.dp_shard, "fsdp": self.dp_shard * self.cp,
+        }
+        return {name: sizes[name] for name in self._keys()}
+
+    def _exists(self, name: str) -> bool:
+        """torchtitan's ``_mesh_exist``: size > 1, except the FSDP axes kept at size 1."""
+        if name == "fsdp" or (name == "dp_shard" and self.spmd_backend != "partial_dtensor"):
+            return True
+        if name == "efsdp":
+            return self.ep > 1
+        return self._sizes()[name] > 1
+
+    def _global_meshes(self) -> list[_GlobalMesh]:
+        """torchtitan's global meshes in its order (the loss mesh joins no other axis)."""
+        pp, dpr, dps, cp, tp, ep = self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep
+        dense: tuple[tuple[str, ...], tuple[int, ...]]
+        dataloading = ("pp", "batch", "cp", "tp"), (pp, dpr * dps, cp, tp)
+        if self.spmd_backend == "partial_dtensor":
+            dense = ("pp", "dp_replicate", "fsdp", "tp"), (pp, dpr, dps * cp, tp)
+        else:
+            dense = ("pp", "dp_replicate", "dp_shard", "cp", "tp"), (pp, dpr, dps, cp, tp)
+        sparse = ("pp", "dp_replicate", "efsdp", "ep"), (pp, dpr, dps * cp * tp // ep, ep)
+        meshes = [_GlobalMesh(axes, axes, shape) for axes, shape in (dataloading, dense, sparse)]
+        if self.spmd_backend == "spmd_types":
+            meshes.append(_GlobalMesh(("dp", "cp", "tp"), ("pp", "dp", "cp", "tp"), (pp, dpr * dps, cp, tp)))
+            if ep > 1:
+                meshes.append(_GlobalMesh(sparse[0][1:], *sparse))
+        return meshes
+
+    def _device_mesh(self, names: tuple[str, ...]) -> DeviceMesh:
+        """The DeviceMesh of ``names``, a view of the world mesh; the same request, the same object."""
+        cached = self._meshes.get(names)
+        if cached is not None:
+            return cached
+        if names == ("loss",):
+            loss = self._unflattened(("pp", "loss_mesh", "tp"), (self.pp, -1, self.tp), ("pp", "dp-cp", "tp"))
+            view = loss["loss_mesh"]
+        else:
+            candidates = [m for m in self._global_meshes() if set(names) <= set(m.visible)]
+            if not candidates:
+                raise DimNameError(f"Invalid mesh name combinations {list(names)}.")
+            chosen = candidates[0]
+            keys = self._keys()
+            root = self._unflattened(chosen.axes, chosen.shape, tuple(keys[a] for a in chosen.axes))
+            try:
+                view = root[names]
+            except KeyError as error:
+                raise DimNameError(
+                    f"mesh dims {list(names)} must follow the order of {list(chosen.visible)}: {error}"
+                ) from error
+        self._meshes[names] = view
+        return view
+
+    def _unflattened(
+        self, axes: tuple[str, ...], shape: tuple[int, ...], keys: tuple[Key, ...]
+    ) -> DeviceMesh:
+        """The world mesh unflattened into ``axes`` (one ``-1`` size inferred), each using its key's group."""
+        cached = self._roots.get(axes)
+        if cached is None:
+            mesh = self.mesh
+            sizes = tuple(self.world_size // -math.prod(shape) if size == -1 else size for size in shape)
+            cached = _compat.unflatten_with_groups(
+                self.world_mesh, sizes, axes, [mesh.group(key) for key in keys]
+            )
+            self._roots[axes] = cached
+        return cached
