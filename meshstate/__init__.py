@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from meshstate.jax.collectives import all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter
+    from meshstate.core.adopt import adopt
     from meshstate.core.config import DEFAULT_ORDER, MeshConfig
     from meshstate.core.errors import AxisError, ConfigError, MeshStateError, NotInitializedError, ParallelStateError, WrongMeshError
     from meshstate.core.groups import GroupOptions
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 # optional packages (the benchmark imports megatron-core) are never loaded by it.
 _HOME: dict[str, str] = {
     **dict.fromkeys(('all_gather', 'all_to_all', 'axis_index', 'axis_size', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter'), "meshstate.jax.collectives"),
+    **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
     **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.core.config"),
     **dict.fromkeys(('AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'ParallelStateError', 'WrongMeshError'), "meshstate.core.errors"),
     **dict.fromkeys(('GroupOptions',), "meshstate.core.groups"),
@@ -59,4 +61,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'WrongMeshError', 'all_gather', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'set_mesh', 'to_placements']
+__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'WrongMeshError', 'adopt', 'all_gather', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'set_mesh', 'to_placements']

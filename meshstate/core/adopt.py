@@ -1,0 +1,103 @@
+"""Wrap process groups that already exist into a :class:`~meshstate.core.mesh.ParallelMesh`.
+
+A framework, torchrun's world or an elastic launcher may have made the groups
+already. :func:`adopt` checks them against the layout a config describes with
+one collective and creates only the groups it was not given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from functools import partial
+
+import torch.distributed as dist
+
+from meshstate.core import compat as _compat
+from meshstate.core.agreement import agree
+from meshstate.core.config import DEFAULT_ORDER, MeshConfig
+from meshstate.core.errors import AxisError, ConfigError, MeshStateError
+from meshstate.core.groups import GroupSpec, ProcessGroupSet, create_process_groups
+from meshstate.core.layout import GROUP_KINDS, Key, ParallelLayout
+from meshstate.core.mesh import ParallelMesh
+
+
+def adopt(
+    groups: Mapping[str, dist.ProcessGroup],
+    order: str = DEFAULT_ORDER,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    pp: int = 1,
+    device_type: str | None = None,
+    timeout: timedelta | None = None,
+) -> ParallelMesh:
+    """A mesh over existing process groups: ``groups[key]`` is the caller's group of ``key``.
+
+    Every rank must call it with the same keys. Keys are axes or Megatron's
+    joint keys (``"tp"``, ``"dp-cp"``); a group's ranks, in group-rank order,
+    must be the layout's group of that key. One ``all_gather_object`` tells every
+    rank about every mismatch, so all raise :class:`~meshstate.ConfigError`
+    together, naming the axis and the ranks. Keys not given get groups of their
+    own (``mesh.destroy()`` destroys only those).
+
+    Example (4 ranks, the caller made ``tp_group`` of ranks [0, 1] / [2, 3])::
+
+        mesh = meshstate.adopt({"tp": tp_group}, tp=2)
+        mesh.group("tp") is tp_group   # True
+    """
+    if not dist.is_initialized():
+        raise MeshStateError("torch.distributed is not initialized; call init_process_group first")
+    layout = ParallelLayout(
+        MeshConfig(dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp)
+    )
+    adopted: dict[str, dist.ProcessGroup] = {}
+    for key, group in groups.items():
+        canonical = layout.canonical(key)
+        if canonical not in GROUP_KINDS:
+            raise AxisError(f"adopt cannot take group {key!r}; keys are {', '.join(GROUP_KINDS)}")
+        adopted[canonical] = group
+    build_id = agree(
+        {"adopt": sorted(map(str, adopted)), "order": order, "tp": tp, "cp": cp, "ep": ep,
+         "etp": etp, "pp": pp, "device_type": device_type},
+        timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
+    )
+    rank = dist.get_rank()
+    members = {key: layout.group_of(rank, key) for key in GROUP_KINDS}
+    problem = next(
+        (
+            f"the adopted {key!r} group of rank {rank} holds ranks {given}, but the layout "
+            f"({layout.config.order}, {_sizes(layout.config)}) puts it with {list(members[key])}"
+            for key, group in adopted.items()
+            if (given := dist.get_process_group_ranks(group)) != list(members[key])
+        ),
+        None,
+    )
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p is not None]
+    if found:
+        more = f" (and {len(found) - 1} more ranks disagree)" if len(found) > 1 else ""
+        raise ConfigError(found[0] + more)
+    specs = [
+        GroupSpec(key, ranks, partial(layout.every_group, key))
+        for key, ranks in members.items()
+        if key not in adopted
+    ]
+    created = create_process_groups(specs, build_id=build_id)
+    by_name: dict[Key, dist.ProcessGroup] = dict(created.by_name)
+    by_name.update(adopted)
+    process_groups = ProcessGroupSet(by_name, created.owned, created.creation_calls)
+    members_by_key: dict[Key, tuple[int, ...] | None] = {key: members[key] for key in GROUP_KINDS}
+    return ParallelMesh(
+        layout,
+        process_groups,
+        members_by_key,
+        device_type=device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu"),
+    )
+
+
+def _sizes(config: MeshConfig) -> str:
+    return " ".join(f"{name}={size}" for name, size in config.sizes().items())
