@@ -40,6 +40,7 @@ from meshstate.core.errors import ConfigError, MeshStateError
 from meshstate.testing.launch import RankFailure, RankTimeout, default_backend, run_local
 from meshstate.core.layout import GROUP_KINDS, Grid, ParallelLayout
 from meshstate.core.mesh import init_mesh
+from meshstate.tools.svg import layout_svg
 from meshstate.tools.topology import LocalityReport, NodeCrossingWarning, locality_report
 from meshstate.tools.verify import KindCheck, format_summary, summarize, verify_mesh
 
@@ -186,6 +187,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--gpus-per-node", type=_rank_count,
         help="also show which groups cross nodes (default: not shown)",
     )
+    plan.add_argument(
+        "--svg", metavar="FILE",
+        help="also draw the ranks by node (--gpus-per-node, else one node) into an SVG file",
+    )
+    plan.add_argument("--color-by", default="tp", help="the group key that colours --svg's cells")
     _add_verbose_flag(plan)
 
     check = commands.add_parser(
@@ -484,6 +490,14 @@ def _plan(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NodeCrossingWarning)
             locality = locality_report(layout, args.gpus_per_node)
+    if args.svg is not None:
+        picture = layout_svg(layout, args.color_by, args.gpus_per_node or args.world_size)
+        try:
+            with open(args.svg, "w") as file:
+                file.write(picture)
+        except OSError as error:
+            raise ConfigError(f"--svg {args.svg}: {error.strerror}") from error
+        progress(f"wrote {args.svg}")
     if args.json:
         return 0, json.dumps(_plan_json(layout, args.rank, locality))
     return 0, _plan_text(layout, args.rank, locality)
