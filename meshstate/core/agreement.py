@@ -30,11 +30,14 @@ _PREFIX = "meshstate/agree"
 _LISTED = 16  # ranks named in a message before "and N more"
 
 
-def agree(fields: Mapping[str, Any], *, timeout: timedelta) -> int | None:
-    """Wait until every rank has posted ``fields``; check they are all the same.
+def agree(
+    fields: Mapping[str, Any], *, timeout: timedelta, ranks: range | None = None
+) -> int | None:
+    """Wait until every rank (of ``ranks``, default the world) has posted ``fields``;
+    check they are all the same.
 
     Returns the build's round number, the same on every rank (``None`` on the
-    fake backend). Every rank must call it once per mesh build.
+    fake backend; negative for a sub-world). Every rank must call it once per mesh build.
 
     Raises:
         MeshTimeoutError: some ranks did not call it within ``timeout``.
@@ -43,9 +46,11 @@ def agree(fields: Mapping[str, Any], *, timeout: timedelta) -> int | None:
     if dist.get_backend() == "fake":
         return None
     store = _compat.default_store()
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    build = (store.add(f"{_PREFIX}/arrivals", 1) - 1) // world_size
-    prefix = f"{_PREFIX}/{build}"
+    ranks = ranks or range(dist.get_world_size())
+    rank, world_size = ranks.index(dist.get_rank()), len(ranks)
+    scope = _PREFIX if len(ranks) == dist.get_world_size() else f"{_PREFIX}/{ranks.start}-{ranks.stop}"
+    build = (store.add(f"{scope}/arrivals", 1) - 1) // world_size
+    prefix = f"{scope}/{build}"
     text = json.dumps(dict(fields), sort_keys=True, default=repr)
     digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
     store.set(f"{prefix}/rank/{rank}", text)
@@ -55,7 +60,7 @@ def agree(fields: Mapping[str, Any], *, timeout: timedelta) -> int | None:
     try:
         store.wait([f"{prefix}/done"], timeout)
     except RuntimeError:
-        missing = [r for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
+        missing = [ranks[r] for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
         raise MeshTimeoutError(
             f"{_ranks(missing)} did not reach the mesh build within "
             f"{timeout.total_seconds():g} s ({world_size - len(missing)} of {world_size} "
@@ -66,7 +71,12 @@ def agree(fields: Mapping[str, Any], *, timeout: timedelta) -> int | None:
         posted = [json.loads(value) for value in store.multi_get(keys)]
         raise ConfigMismatchError(describe_mismatch(posted))
     store.delete_key(f"{prefix}/rank/{rank}")
-    return build
+    if scope == _PREFIX:
+        return build
+    # A sub-world's round, told apart from the world's and other sub-worlds' (negative,
+    # one integer per (round, start, stop)): group names built from it never collide.
+    span = dist.get_world_size() + 1
+    return -1 - (build * span + ranks.start) * span - ranks.stop
 
 
 def describe_mismatch(posted: list[dict[str, Any]]) -> str:

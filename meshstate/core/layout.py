@@ -204,17 +204,19 @@ def _prefix_products(sizes: Sequence[int]) -> list[int]:
     return products
 
 
-def _dense_grid(config: MeshConfig) -> Grid:
+def _dense_grid(config: MeshConfig, rank_offset: int = 0) -> Grid:
     sizes = config.dense_sizes()
     axes = tuple(a for a in config.order_axes if a != "ep")
-    return Grid(axes, tuple(sizes[a] for a in axes))
+    return Grid(axes, tuple(sizes[a] for a in axes), rank_offset)
 
 
-def _expert_grid(config: MeshConfig) -> Grid:
+def _expert_grid(config: MeshConfig, rank_offset: int = 0) -> Grid:
     sizes = config.expert_sizes()
     order_axes = tuple(a for a in config.order_axes if a != "cp")
     names = {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp"}
-    return Grid(tuple(names[a] for a in order_axes), tuple(sizes[a] for a in order_axes))
+    return Grid(
+        tuple(names[a] for a in order_axes), tuple(sizes[a] for a in order_axes), rank_offset
+    )
 
 
 def hierarchical_levels(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[list[int]]]:
@@ -419,15 +421,18 @@ class ParallelLayout:
     (``"dp-cp"``). A joint key is a set: ``"cp-dp"`` is the same group as
     ``"dp-cp"``. Ranks inside a joint group run in mesh order, the axis first in
     the order string fastest, exactly as megatron-core builds them.
+    ``rank_offset`` shifts every rank: a layout over ranks ``rank_offset ..
+    rank_offset + world_size - 1`` of a larger world.
     """
 
     config: MeshConfig
+    rank_offset: int = 0
     dense: Grid = field(init=False, repr=False)
     expert: Grid = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dense", _dense_grid(self.config))
-        object.__setattr__(self, "expert", _expert_grid(self.config))
+        object.__setattr__(self, "dense", _dense_grid(self.config, self.rank_offset))
+        object.__setattr__(self, "expert", _expert_grid(self.config, self.rank_offset))
 
     def resolve(self, key: str) -> tuple[str, Grid, tuple[str, ...]]:
         """Canonical key, view and mesh-ordered axes of ``key``.

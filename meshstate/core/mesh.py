@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from functools import partial
 from datetime import timedelta
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, overload
 
 import torch
 import torch.distributed as dist
@@ -492,6 +492,48 @@ def current_mesh() -> ParallelMesh:
     )
 
 
+@overload
+def init_mesh(
+    order: str = ...,
+    *,
+    tp: int = ...,
+    cp: int = ...,
+    ep: int = ...,
+    etp: int | None = ...,
+    pp: int = ...,
+    device_type: str | None = ...,
+    backend: str | None = ...,
+    timeout: timedelta | None = ...,
+    joint_groups: Sequence[str] = ...,
+    derived: Sequence[DerivedGroup] = ...,
+    group_options: Mapping[Key, GroupOptions] | None = ...,
+    agree_on: Mapping[str, object] | None = ...,
+    group_creation: GroupCreation | None = ...,
+    ranks: None = ...,
+) -> ParallelMesh: ...
+
+
+@overload
+def init_mesh(
+    order: str = ...,
+    *,
+    tp: int = ...,
+    cp: int = ...,
+    ep: int = ...,
+    etp: int | None = ...,
+    pp: int = ...,
+    device_type: str | None = ...,
+    backend: str | None = ...,
+    timeout: timedelta | None = ...,
+    joint_groups: Sequence[str] = ...,
+    derived: Sequence[DerivedGroup] = ...,
+    group_options: Mapping[Key, GroupOptions] | None = ...,
+    agree_on: Mapping[str, object] | None = ...,
+    group_creation: GroupCreation | None = ...,
+    ranks: Sequence[int],
+) -> ParallelMesh | None: ...
+
+
 def init_mesh(
     order: str = DEFAULT_ORDER,
     *,
@@ -508,7 +550,8 @@ def init_mesh(
     group_options: Mapping[Key, GroupOptions] | None = None,
     agree_on: Mapping[str, object] | None = None,
     group_creation: GroupCreation | None = None,
-) -> ParallelMesh:
+    ranks: Sequence[int] | None = None,
+) -> ParallelMesh | None:
     """Build the calling rank's :class:`ParallelMesh`; every rank must call it.
 
     Uses the initialised default process group, or initialises one from the
@@ -521,7 +564,10 @@ def init_mesh(
     values, e.g. the hierarchical levels of ``cp``); ``group_options`` sets
     backend and options per key; ``group_creation`` forces ``"split"`` or
     ``"local"`` group creation (default: split where the backend can, see
-    :mod:`meshstate.core.groups`).
+    :mod:`meshstate.core.groups`). ``ranks`` (a ``range`` or a list of
+    consecutive ranks) builds the mesh over those ranks only, its groups
+    member-local; the other ranks get ``None`` and may build meshes of their
+    own beside it.
 
     First every rank agrees on these arguments (and ``agree_on``, for callers
     with more to agree on) through the store, within ``timeout`` (torch's
@@ -535,6 +581,9 @@ def init_mesh(
         mesh["dp-cp"]   # what FSDP2 shards over
     """
     owns_default_group = _init_default_group_from_env(backend, timeout)
+    span = None if ranks is None else _sub_world(ranks)
+    if span is not None and dist.get_rank() not in span:
+        return None
     try:
         build_id = agree(
             {
@@ -548,12 +597,16 @@ def init_mesh(
                     for key, value in (group_options or {}).items()
                 },
                 "group_creation": group_creation,
+                "ranks": None if span is None else [span.start, span.stop],
                 **(agree_on or {}),
             },
             timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
+            ranks=span,
         )
+        world = span or range(dist.get_world_size())
         layout = ParallelLayout(
-            MeshConfig(dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp)
+            MeshConfig(len(world), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp),
+            rank_offset=world.start,
         )
         kinds, declared = _declared_keys(layout, joint_groups, derived)
         options = _options_by_key(layout, kinds + declared, group_options or {})
@@ -565,7 +618,7 @@ def init_mesh(
         ]
         process_groups = create_process_groups(
             specs, backend=backend, timeout=timeout, build_id=build_id,
-            group_creation=group_creation,
+            group_creation="local" if span is not None else group_creation,
         )
         return ParallelMesh(
             layout,
@@ -580,6 +633,21 @@ def init_mesh(
         if owns_default_group:
             dist.destroy_process_group()
         raise
+
+
+def _sub_world(ranks: Sequence[int]) -> range:
+    """``ranks`` as a range of consecutive ranks of the world, or a ConfigError."""
+    world_size = dist.get_world_size()
+    listed = list(ranks)
+    if not listed or any(isinstance(r, bool) or not isinstance(r, int) for r in listed):
+        raise ConfigError(f"ranks must be a non-empty range or list of ranks, got {ranks!r}")
+    span = range(listed[0], listed[0] + len(listed))
+    if listed != list(span) or not 0 <= span.start < span.stop <= world_size:
+        raise ConfigError(
+            f"ranks must be consecutive ranks of the world 0..{world_size - 1} in order, got "
+            f"{listed if len(listed) <= 16 else f'{listed[:16]} ...'}"
+        )
+    return span
 
 
 def _declared_keys(
