@@ -67,6 +67,8 @@ class ParallelDims:
     _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _meshes: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _roots: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+    _key_of: dict[str, Key] = field(default_factory=dict, init=False, repr=False)
+    _size_of: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "cp", "tp", "pp", "ep", "world_size"):
@@ -91,13 +93,15 @@ class ParallelDims:
                 f"spmd_backend must be 'partial_dtensor', 'full_dtensor' or 'spmd_types', "
                 f"got {self.spmd_backend!r}"
             )
+        self._key_of = self._keys()
+        self._size_of = self._sizes()
 
     def build_mesh(self) -> DeviceMesh:
         """Create the groups (every rank calls it) and return the 1-D world mesh ``("world",)``."""
         if self._mesh is None:
             self._mesh = init_mesh(
                 "tp-cp-ep-dp-pp", tp=self.tp, cp=self.cp, ep=self.ep, etp=1, pp=self.pp,
-                derived=[key for key in self._keys().values() if isinstance(key, DerivedGroup)],
+                derived=[key for key in self._key_of.values() if isinstance(key, DerivedGroup)],
             )
             self._world_mesh = DeviceMesh.from_group(
                 _compat.default_group(), self._mesh.device_type, mesh_dim_names=("world",)
@@ -126,7 +130,7 @@ class ParallelDims:
         when ``ep > 1``; ``get_optional_mesh("cp")`` is ``None`` when ``cp == 1``.
         """
         names = [dims] if isinstance(dims, str) else list(dims)
-        keys = self._keys()
+        keys = self._key_of
         for name in names:
             if name not in keys:
                 raise DimNameError(f"Invalid mesh dim: {name!r}. Valid dimensions are: {list(keys)}")
@@ -140,7 +144,7 @@ class ParallelDims:
         """The DeviceMesh of ``dims``; a ``ValueError`` where one of them is not enabled."""
         mesh = self.get_optional_mesh(dims)
         if mesh is None:
-            sizes = {name: self._sizes()[name] for name in ([dims] if isinstance(dims, str) else dims)}
+            sizes = {name: self._size_of[name] for name in ([dims] if isinstance(dims, str) else dims)}
             raise DimNameError(f"mesh {dims!r} is not available: sizes {sizes}; it needs each > 1")
         return mesh
 
@@ -148,7 +152,7 @@ class ParallelDims:
         """Every enabled axis of size > 1 by name, e.g. ``dp_replicate``, ``tp``, ``batch``, ``loss``."""
         return {
             name: self._device_mesh((name,))
-            for name, size in self._sizes().items()
+            for name, size in self._size_of.items()
             if size > 1 and self._exists(name)
         }
 
@@ -228,7 +232,7 @@ class ParallelDims:
             "efsdp": self.dp_shard * self.cp * self.tp // self.ep,
             "dp": batch, "dp_shard": self.dp_shard, "fsdp": self.dp_shard * self.cp,
         }
-        return {name: sizes[name] for name in self._keys()}
+        return {name: sizes[name] for name in self._key_of}
 
     def _exists(self, name: str) -> bool:
         """torchtitan's ``_mesh_exist``: size > 1, except the FSDP axes kept at size 1."""
@@ -236,7 +240,7 @@ class ParallelDims:
             return True
         if name == "efsdp":
             return self.ep > 1
-        return self._sizes()[name] > 1
+        return self._size_of[name] > 1
 
     def _global_meshes(self) -> list[_GlobalMesh]:
         """torchtitan's global meshes in its order (the loss mesh joins no other axis)."""
@@ -268,7 +272,7 @@ class ParallelDims:
             if not candidates:
                 raise DimNameError(f"Invalid mesh name combinations {list(names)}.")
             chosen = candidates[0]
-            keys = self._keys()
+            keys = self._key_of
             root = self._unflattened(chosen.axes, chosen.shape, tuple(keys[a] for a in chosen.axes))
             try:
                 view = root[names]
