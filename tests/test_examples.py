@@ -54,3 +54,9 @@ def test_fsdp2_tp_runs_under_torchrun():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "fsdp2_tp: tp=2 cp=2 dp=2, 6 steps on " in result.stdout
     assert result.stdout.count("(tolerance 0.0001): OK") == 1
+
+
+@distributed(world_size=8)
+def test_shard_map_mlp_matches_one_process():
+    example = load_example("shard_map_mlp")
+    assert example.max_difference(tp=2, cp=2) <= example.TOLERANCE
