@@ -369,9 +369,9 @@ class ParallelMesh:
         return flattened
 
     def _slice(self, names: tuple[str, ...]) -> DeviceMesh:
-        valid = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES} or joint keys such as 'dp-cp'"
+        valid = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
         for name in names:
-            if not isinstance(name, str):
+            if not isinstance(name, str) or ("-" not in name and name not in DENSE_AXES + EXPERT_AXES):
                 raise AxisError(f"mesh has no axis {name!r}; valid are {valid}")
         resolved = [self.layout.resolve(name) for name in names]
         grids = {id(grid) for _, grid, _ in resolved}
