@@ -196,7 +196,9 @@ class ParallelMesh:
         self._ordered_groups[key] = found
         return found
 
-    def _axis_set_group(self, mesh_axes: tuple[str, ...], ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    def _axis_set_group(
+        self, mesh_axes: tuple[str, ...], ranks: tuple[int, ...]
+    ) -> dist.ProcessGroup:
         """The group of a declared key with these axes or these ranks, else a new one."""
         joint = "-".join(mesh_axes)
         if joint in self.group_of:
@@ -278,7 +280,10 @@ class ParallelMesh:
 
         ``mesh["tp"]`` is 1-D, ``mesh["dp", "cp"]`` is 2-D in mesh order (for
         FSDP2's HSDP), ``mesh["dp-cp"]`` is the flattened 1-D mesh of the joint
-        group. The same request returns the same object.
+        group and ``mesh["dp-cp", "tp"]`` puts it beside a plain axis (any axis
+        set flattens, declared or not). Dims follow mesh order: a torch
+        DeviceMesh cannot hold them in another, so ``mesh["cp", "dp"]`` raises
+        and points to ``P(("cp", "dp"))``. The same request returns the same object.
         """
         names = (key,) if isinstance(key, str) else tuple(key)
         cached = self._device_meshes.get(names)
@@ -371,7 +376,8 @@ class ParallelMesh:
     def _slice(self, names: tuple[str, ...]) -> DeviceMesh:
         valid = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
         for name in names:
-            if not isinstance(name, str) or ("-" not in name and name not in DENSE_AXES + EXPERT_AXES):
+            known = isinstance(name, str) and ("-" in name or name in DENSE_AXES + EXPERT_AXES)
+            if not known:
                 raise AxisError(f"mesh has no axis {name!r}; valid are {valid}")
         resolved = [self.layout.resolve(name) for name in names]
         grids = {id(grid) for _, grid, _ in resolved}
@@ -458,7 +464,7 @@ _entered_meshes: ContextVar[tuple[ParallelMesh, ...]] = ContextVar(
 
 def _first_caller_outside_meshstate() -> str:
     """``file:line`` of the innermost frame of the calling stack outside meshstate."""
-    package = os.path.dirname(__file__) + os.sep
+    package = os.path.dirname(os.path.dirname(__file__)) + os.sep  # meshstate/, not core/
     frame = inspect.currentframe()
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame = frame.f_back

@@ -90,7 +90,9 @@ def shard_map(
             current_mesh() if mesh is None else require_parallel_mesh(mesh, "shard_map(mesh=...)")
         )
         view = _view(parallel_mesh, [*_specs(in_specs), *_specs(out_specs)])
-        local_args = _map(in_specs, args, "in_specs", lambda spec, x: _to_local(x, spec, view, parallel_mesh))
+        local_args = _map(
+            in_specs, args, "in_specs", lambda spec, x: _to_local(x, spec, view, parallel_mesh)
+        )
         with parallel_mesh:
             results = f(*local_args)
         outputs: list[tuple[P, torch.Tensor]] = []
@@ -99,7 +101,10 @@ def shard_map(
             _check_replicated(outputs, view, parallel_mesh)
         shapes = iter(_global_shapes(outputs, view, parallel_mesh))
         return _map(
-            out_specs, results, "out_specs", lambda spec, y: _to_dtensor(y, spec, view, next(shapes))
+            out_specs,
+            results,
+            "out_specs",
+            lambda spec, y: _to_dtensor(y, spec, view, next(shapes)),
         )
 
     return mapped
@@ -119,7 +124,9 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
     """
     if isinstance(x, DTensor):
         return x.redistribute(x.device_mesh, to_placements(spec, x.device_mesh))
-    parallel_mesh = current_mesh() if mesh is None else require_parallel_mesh(mesh, "reshard(mesh=...)")
+    parallel_mesh = (
+        current_mesh() if mesh is None else require_parallel_mesh(mesh, "reshard(mesh=...)")
+    )
     view = _view(parallel_mesh, [spec])
     NamedSharding(view, spec).shard_shape(x.shape)
     replicated = DTensor.from_local(x, view, [Replicate()] * view.ndim, run_check=False)
@@ -135,7 +142,9 @@ def _specs(tree: SpecTree) -> list[P]:
         return [spec for value in tree for spec in _specs(value)]
     if tree is None:
         return []
-    raise ConfigError(f"a spec tree holds P, None, tuples, lists and dicts, not {type(tree).__name__}")
+    raise ConfigError(
+        f"a spec tree holds P, None, tuples, lists and dicts, not {type(tree).__name__}"
+    )
 
 
 def _map(tree: SpecTree, values: Any, where: str, apply: Callable[[P, Any], Any]) -> Any:
@@ -152,7 +161,10 @@ def _map(tree: SpecTree, values: Any, where: str, apply: Callable[[P, Any], Any]
         return values
     if isinstance(tree, dict):
         if not isinstance(values, dict) or set(values) != set(tree):
-            raise ConfigError(f"{where} is a dict with keys {sorted(map(str, tree))}, the value is {_describe(values)}")
+            raise ConfigError(
+                f"{where} is a dict with keys {sorted(map(str, tree))}, "
+                f"the value is {_describe(values)}"
+            )
         return {key: _map(tree[key], value, where, apply) for key, value in values.items()}
     if not isinstance(values, (tuple, list)) or len(values) != len(tree):
         raise ConfigError(f"{where} has {len(tree)} entries, the value is {_describe(values)}")
@@ -196,7 +208,9 @@ def _left_out(spec: P, view: DeviceMesh) -> tuple[str, ...]:
     )
 
 
-def _to_local(x: torch.Tensor, spec: P, view: DeviceMesh, parallel_mesh: ParallelMesh) -> torch.Tensor:
+def _to_local(
+    x: torch.Tensor, spec: P, view: DeviceMesh, parallel_mesh: ParallelMesh
+) -> torch.Tensor:
     placements = to_placements(spec, view)
     if isinstance(x, DTensor) and x.device_mesh is not view:
         x = x.full_tensor()
@@ -232,8 +246,8 @@ def _global_shapes(
     counted = []
     for spec, y in outputs:
         for dim, entry in enumerate(spec.dims[: y.dim()]):
-            others = set(mesh_axes) - set(_axes_of(entry))
             if entry is not None:
+                others = set(mesh_axes) - set(_axes_of(entry))
                 first_copy = all(coordinate[axis] == 0 for axis in others)
                 counted.append(y.shape[dim] if first_copy else 0)
     if counted:
@@ -255,8 +269,11 @@ def _check_replicated(
 ) -> None:
     """Raise on every rank if a result differs along an axis its out-spec leaves out."""
     mesh_axes = view.mesh_dim_names or ()
-    checks = [(number, spec, axis) for number, (spec, _) in enumerate(outputs)
-              for axis in _left_out(spec, view)]
+    checks = [
+        (number, spec, axis)
+        for number, (spec, _) in enumerate(outputs)
+        for axis in _left_out(spec, view)
+    ]
     if not checks:
         return
     differing, nobody = [], parallel_mesh.config.world_size
@@ -267,7 +284,7 @@ def _check_replicated(
             pieces = [torch.empty_like(local) for _ in group.ranks]
             dist.all_gather(pieces, local.contiguous(), group=group.group)
             by_index = [pieces[group_rank] for group_rank in group.group_ranks]
-            odd = [index for index, piece in enumerate(by_index) if not torch.equal(piece, by_index[0])]
+            odd = [i for i, piece in enumerate(by_index) if not torch.equal(piece, by_index[0])]
             differing.append(group.ranks[odd[0]] if odd else nobody)
         found = torch.tensor(differing, dtype=torch.int64, device=_device(view))
         dist.all_reduce(found, op=dist.ReduceOp.MIN, group=parallel_mesh.ordered(mesh_axes).group)

@@ -215,9 +215,10 @@ class NamedSharding:
                 blocks.append((chunk * (size // chunks), (chunk + 1) * (size // chunks)))
                 continue
             if mesh_dims != sorted(mesh_dims):
+                axis_sizes = [mesh_shape[mesh_dim] for mesh_dim in mesh_dims]
                 raise ConfigError(
                     f"{self.spec!r}: dim {dim} of shape {global_shape} has size {size}, which "
-                    f"is not divisible by {_product_text(dim_axes, [mesh_shape[d] for d in mesh_dims])}; "
+                    f"is not divisible by {_product_text(dim_axes, axis_sizes)}; "
                     f"an uneven dim must be split over axes in mesh order {mesh_axes}"
                 )
             start, stop = 0, size

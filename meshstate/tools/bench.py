@@ -378,9 +378,9 @@ def run(
             progress(f"{world_size} local ranks: psum over {UNDECLARED_AXES}, not declared")
             timings = world.run(time_axis_set_psum, process_sizes)
             first, later, declared = (max(column) for column in zip(*timings))
-            report.axis_set_rows.append(
-                AxisSetRow(world_size, backend, UNDECLARED_AXES, first, later, DECLARED_KEY, declared)
-            )
+            report.axis_set_rows.append(AxisSetRow(
+                world_size, backend, UNDECLARED_AXES, first, later, DECLARED_KEY, declared
+            ))
     if process_world_sizes and not torch.cuda.is_available():
         report.notes.append("no GPU here: the NCCL path (and split_group) was not measured")
     return report
