@@ -14,8 +14,6 @@ Run it::
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -79,5 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import meshstate
 from meshstate import P, reshard, shard_map
+from meshstate.core.compat import live_groups
 from meshstate.core.errors import AxisError, MeshStateError
 from meshstate.jax import collectives as lax
 from meshstate.jax.sharding import NamedSharding, distribute
@@ -88,6 +89,7 @@ def check_collectives(axes, view, mesh):
 
 @distributed(world_size=8)
 def test_any_axis_tuple_without_declaring_it():
+    groups_before = len(live_groups())
     mesh = meshstate.init_mesh(tp=2, pp=2, ep=2, etp=1)
     created = mesh.process_groups.creation_calls
     for axes in [("pp", "dp"), ("dp", "pp"), ("tp", "dp", "pp"), ("pp", "dp", "tp")]:
@@ -103,6 +105,15 @@ def test_any_axis_tuple_without_declaring_it():
     rank = dist.get_rank()
     with pytest.raises(AxisError, match="mixes dense and expert axes"):
         mesh.ordered(("tp", "ep"))
+    # shard_map on the expert view: element ep*2 + edp lives on that rank, summed over both.
+    experts = shard_map(
+        lambda v: (v, lax.psum(v, ("edp", "ep"))), in_specs=P(("ep", "edp")),
+        out_specs=(P(("ep", "edp")), P()), mesh=mesh,
+    )
+    block, total = experts(torch.arange(4.0))
+    expert = coordinate(rank, EXPERT)
+    assert block.device_mesh is mesh.expert and block.to_local().tolist() == [expert["ep"] * 2 + expert["edp"]]
+    assert total.full_tensor().tolist() == [6.0]
     # Slicing: a flattened axis beside a plain one; against mesh order is refused.
     flat = mesh["dp-pp", "tp"]
     assert flat.mesh_dim_names == ("dp-pp", "tp")
@@ -110,7 +121,8 @@ def test_any_axis_tuple_without_declaring_it():
     assert flat.get_local_rank(0) == group_of(rank, ("pp", "dp"), DENSE).index(rank)
     with pytest.raises(AxisError, match=r"against mesh order.*P\(\('dp', 'pp'\)\)"):
         mesh["dp", "pp"]
-    mesh.destroy()
+    mesh.destroy()  # the groups made on first use go with it
+    assert len(live_groups()) == groups_before
 
 
 def row_parallel(x, w):
