@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from meshstate.core.mesh import AxisGroup, OrderedGroup, ParallelMesh, current_mesh, init_mesh, set_mesh
     from meshstate.megatron.process_groups import ProcessGroupCollection
     from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
+    from meshstate.jax.shard_map import reshard, shard_map
 
 # Every public name and the module that defines it. Nothing is imported until a name is
 # first used (PEP 562), so `import meshstate` costs no torch import; tools that pull heavy
@@ -42,6 +43,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('AxisGroup', 'OrderedGroup', 'ParallelMesh', 'current_mesh', 'init_mesh', 'set_mesh'), "meshstate.core.mesh"),
     **dict.fromkeys(('ProcessGroupCollection',), "meshstate.megatron.process_groups"),
     **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
+    **dict.fromkeys(('reshard', 'shard_map'), "meshstate.jax.shard_map"),
 }
 _SUBMODULES = frozenset({"core", "jax", "megatron", "testing", "tools", "parallel_state", "topology"})
 
@@ -61,4 +63,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'WrongMeshError', 'adopt', 'all_gather', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'set_mesh', 'to_placements']
+__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'WrongMeshError', 'adopt', 'all_gather', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'reshard', 'set_mesh', 'shard_map', 'to_placements']

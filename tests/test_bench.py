@@ -47,7 +47,11 @@ def test_table_and_json(report):
     assert "     64 meshstate init_mesh" in table
     assert "real processes, init wall time of the slowest rank" in table
     decoded = json.loads(bench.report_json(report))
-    assert set(decoded) == {"machine", "config", "rows", "process_config", "process_rows", "notes"}
+    assert set(decoded) == {
+        "machine", "config", "rows", "process_config", "process_rows", "axis_set_rows", "notes"}
+    assert [(r["world_size"], r["axes"], r["declared"]) for r in decoded["axis_set_rows"]] == [
+        (4, list(bench.UNDECLARED_AXES), bench.DECLARED_KEY)]
+    assert "psum of 1024 floats over an axis tuple not declared at init" in table
     assert set(decoded["rows"][0]) == {
         "world_size", "approach", "init_seconds", "creation_calls", "member_groups",
         "distinct_rank_sets", "state_kib", "getter_ns", "layout_seconds"}

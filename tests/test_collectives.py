@@ -118,8 +118,9 @@ def test_current_mesh_and_errors():
         with other:
             assert lax.axis_size("tp") == 4
         assert lax.axis_size("tp") == 2
-        with pytest.raises(AxisError, match="mesh has no group 'cp-pp'"):
-            lax.axis_index(("cp", "pp"), mesh=mesh)
+        assert lax.axis_index(("cp", "pp"), mesh=mesh) == 1  # not declared: made on first use
+        with pytest.raises(AxisError, match="mixes dense and expert axes"):
+            lax.axis_index(("cp", "ep"), mesh=mesh)
         with pytest.raises(ConfigError, match="must equal the axis size 2"):
             lax.psum_scatter(torch.ones(3), "tp", mesh=mesh)
         with pytest.raises(ConfigError, match="repeats a source or a destination"):

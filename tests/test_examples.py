@@ -63,3 +63,9 @@ def test_titan_hsdp_tp_trains_like_one_process():
     assert len(result.losses) == 2 and result.losses[-1] < result.losses[0]
     assert result.max_loss_diff <= example.TOLERANCE
     assert result.max_grad_diff <= example.TOLERANCE
+
+
+@distributed(world_size=8)
+def test_shard_map_mlp_matches_one_process():
+    example = load_example("shard_map_mlp")
+    assert example.max_difference(tp=2, cp=2) <= example.TOLERANCE

@@ -152,14 +152,13 @@ def test_init_and_destroy_repeat_with_different_configs():
          "mesh has no axis 'xp'; valid are dense axes ('tp', 'cp', 'dp', 'pp'), "
          "expert axes ('etp', 'ep', 'edp', 'pp')"),
         (("cp", "dp"), AxisError,
-         "axes ('cp', 'dp') must be distinct and in mesh order (outer to inner) "
-         "('pp', 'dp', 'cp', 'tp'); use ('dp', 'cp')"),
+         "axes ('cp', 'dp') run against mesh order (outer to inner) ('pp', 'dp', 'cp', 'tp'), "
+         "and a torch DeviceMesh keeps its dims in mesh order; slice mesh['dp', 'cp'] and give "
+         "the order in the spec instead: P(('cp', 'dp')) lays a dim out major to minor"),
         (("tp", "ep"), AxisError,
          "axes ('tp', 'ep') mix dense and expert axes; valid are dense axes "
          "('tp', 'cp', 'dp', 'pp'), expert axes ('etp', 'ep', 'edp', 'pp')"),
-        ("cp-pp", AxisError,
-         "mesh has no joint group 'cp-pp'; valid joint keys are tp-cp, dp-cp, tp-dp, "
-         "tp-dp-cp, tp-pp, etp-ep, etp-ep-pp"),
+        (("tp", "tp-cp"), AxisError, "axes ('tp', 'tp-cp') name an axis twice"),
     ],
 )
 def test_slicing_errors_list_the_valid_names(request_key, error, message):

@@ -7,6 +7,7 @@ function says which private name it relies on.
 from __future__ import annotations
 
 import sys
+import warnings
 from datetime import timedelta
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -219,6 +220,18 @@ def flatten_with_group(
     root._flatten_mapping[name] = flattened
     share_rank_map(flattened, root)
     return flattened
+
+
+def slice_with_flattened(root: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """``root[names]``, where a name may be a dim flattened from ``root`` (``("dp-cp", "tp")``).
+
+    Torch warns that slicing a flattened dim from the root will be deprecated
+    (``DeviceMesh.__getitem__``, PT 2.11) but offers no other way to put one
+    beside a plain dim; the warning is silenced here until it does.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+        return root[names]
 
 
 def strided_shard(dim: int, split_factor: int) -> torch.distributed.tensor.Placement:

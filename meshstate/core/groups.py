@@ -75,6 +75,9 @@ class ProcessGroupSet:
     by_name: dict[Key, dist.ProcessGroup]
     owned: list[dist.ProcessGroup] = field(default_factory=list)
     creation_calls: int = 0
+    build_id: str = ""
+    backend: str | None = None
+    timeout: timedelta | None = None
 
     def destroy(self) -> None:
         """Destroy every group this build created; safe to call twice."""
@@ -144,7 +147,9 @@ class _Builder:
         self.splits = group_creation == "split" or (group_creation is None and bound)
         self.may_fall_back = group_creation is None
         self.build_id = f"{build_id}" if build_id is not None else f"local{next(_build_counter)}"
-        self.result = ProcessGroupSet(by_name={})
+        self.result = ProcessGroupSet(
+            by_name={}, build_id=self.build_id, backend=backend, timeout=timeout
+        )
         self.by_key: dict[tuple[Any, ...], dist.ProcessGroup | None] = {}
 
     def build(self, specs: Sequence[GroupSpec]) -> ProcessGroupSet:
@@ -254,6 +259,35 @@ class _Builder:
 
 class _CannotSplit(Exception):
     """The backend's first split failed; create this build's groups member-local."""
+
+
+def create_axis_set_group(
+    owner: ProcessGroupSet, axes: str, members: tuple[int, ...]
+) -> dist.ProcessGroup:
+    """The calling rank's group over an undeclared axis set, made on first use.
+
+    Only ``members`` (sorted, the caller among them) take part: in SPMD code
+    each of them reaches the same collective, so no other rank waits. The name
+    is the axis set (mesh order, e.g. ``"dp-cp"``) and ``owner``'s build id, so
+    every member agrees on it; the group is kept in ``owner.by_name[axes]``
+    (a second call returns it) and destroyed with ``owner``. The whole world
+    is the default group itself.
+
+    Example (8 ranks, the caller is rank 5 of a mesh without a ``"cp-pp"`` key)::
+
+        create_axis_set_group(mesh.process_groups, "cp-pp", (1, 3, 5, 7))
+    """
+    default_group = _compat.default_group()
+    if axes not in owner.by_name:
+        if members == tuple(range(default_group.size())) and owner.timeout is None:
+            owner.by_name[axes] = default_group
+        else:
+            fake = str(dist.get_backend(default_group)) == "fake"
+            builder = _Builder("fake" if fake else owner.backend, owner.timeout, None, None, "local")
+            builder.build_id, builder.result = owner.build_id, owner
+            backend = builder.backend or builder.default_backend
+            owner.by_name[axes] = builder._member_group(members, f"axes:{axes}", backend, None)
+    return owner.by_name[axes]
 
 
 def _short(ranks: tuple[int, ...]) -> str:

@@ -40,6 +40,7 @@ from meshstate.core.groups import (
     GroupOptions,
     GroupSpec,
     ProcessGroupSet,
+    create_axis_set_group,
     create_process_groups,
 )
 from meshstate.core.layout import (
@@ -173,27 +174,41 @@ class ParallelMesh:
     def ordered(self, axes: str | Sequence[str]) -> OrderedGroup:
         """The caller's group over ``axes`` with its ranks in the caller's axis order.
 
-        ``axes`` is one axis, a joint key (mesh order) or a sequence of axes,
-        the first major: ``ordered(("cp", "dp")).index == cp * dp_size + dp``.
-        The process group is the joint group of the same axes, so it must be
-        one of ``keys`` (declare others with ``init_mesh(joint_groups=...)``).
+        ``axes`` is one axis, a joint key (mesh order) or a sequence of axes of
+        one view, the first major: ``ordered(("cp", "dp")).index == cp * dp_size + dp``.
+        A declared key's group serves; any other axis set gets its group on
+        first use (only its members take part, as they do in SPMD code), cached
+        and destroyed with the mesh; the same axes in another order share it.
         """
         key = axes if isinstance(axes, str) else tuple(axes)
         found = self._ordered_groups.get(key)
         if found is not None:
             return found
         grid, major_to_minor = self.layout.resolve_base(key)
-        joint = "-".join(major_to_minor)
         ranks = grid.group_of(self.global_rank, major_to_minor)
-        position = {rank: index for index, rank in enumerate(self.ranks(joint))}
+        group = self._axis_set_group(grid.mesh_order(major_to_minor), ranks)
+        position = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
         found = OrderedGroup(
             ranks=ranks,
             index=ranks.index(self.global_rank),
-            group=self.group(joint),
+            group=group,
             group_ranks=tuple(position[rank] for rank in ranks),
         )
         self._ordered_groups[key] = found
         return found
+
+    def _axis_set_group(
+        self, mesh_axes: tuple[str, ...], ranks: tuple[int, ...]
+    ) -> dist.ProcessGroup:
+        """The group of a declared key with these axes or these ranks, else a new one."""
+        joint = "-".join(mesh_axes)
+        if joint in self.group_of:
+            return self.group_of[joint]
+        members = tuple(sorted(ranks))
+        for spelling, declared_ranks in self.ranks_of.items():
+            if isinstance(spelling, str) and tuple(sorted(declared_ranks)) == members:
+                return self.group_of[spelling]
+        return create_axis_set_group(self.process_groups, joint, members)
 
     def axis_group(self, key: Key) -> AxisGroup:
         """Everything the calling rank knows about its group of ``key``."""
@@ -266,7 +281,10 @@ class ParallelMesh:
 
         ``mesh["tp"]`` is 1-D, ``mesh["dp", "cp"]`` is 2-D in mesh order (for
         FSDP2's HSDP), ``mesh["dp-cp"]`` is the flattened 1-D mesh of the joint
-        group. The same request returns the same object.
+        group and ``mesh["dp-cp", "tp"]`` puts it beside a plain axis (any axis
+        set flattens, declared or not). Dims follow mesh order: a torch
+        DeviceMesh cannot hold them in another, so ``mesh["cp", "dp"]`` raises
+        and points to ``P(("cp", "dp"))``. The same request returns the same object.
         """
         names = (key,) if isinstance(key, str) else tuple(key)
         cached = self._device_meshes.get(names)
@@ -346,14 +364,12 @@ class ParallelMesh:
         )
 
     def _flattened(self, key: str) -> DeviceMesh:
-        joints = [k for k in self.kinds if "-" in k]
         canonical, grid, axes = self.layout.resolve(key)
-        if canonical not in joints:
-            raise AxisError(f"mesh has no joint group {key!r}; valid joint keys are {', '.join(joints)}")
         if (canonical,) in self._device_meshes:
             return self._device_meshes[(canonical,)]
         root = self.dense if grid is self.layout.dense else self.expert
-        flattened = _compat.flatten_with_group(root, axes, canonical, self.group(canonical))
+        group = self.ordered(axes).group
+        flattened = _compat.flatten_with_group(root, axes, canonical, group)
         self._check_consistent(flattened, (canonical,))
         self._device_meshes[(canonical,)] = flattened
         return flattened
@@ -361,33 +377,42 @@ class ParallelMesh:
     def _slice(self, names: tuple[str, ...]) -> DeviceMesh:
         valid = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
         for name in names:
-            if not isinstance(name, str) or name not in DENSE_AXES + EXPERT_AXES:
+            known = isinstance(name, str) and ("-" in name or name in DENSE_AXES + EXPERT_AXES)
+            if not known:
                 raise AxisError(f"mesh has no axis {name!r}; valid are {valid}")
-        if all(name in DENSE_AXES for name in names):
-            root = self.dense
-        elif all(name in EXPERT_AXES for name in names):
-            root = self.expert
-        else:
+        resolved = [self.layout.resolve(name) for name in names]
+        grids = {id(grid) for _, grid, _ in resolved}
+        if len(grids) > 1:
             raise AxisError(f"axes {names} mix dense and expert axes; valid are {valid}")
+        root = self.dense if resolved[0][1] is self.layout.dense else self.expert
         root_axes = root.mesh_dim_names or ()
-        in_mesh_order = tuple(axis for axis in root_axes if axis in names)
-        if len(set(names)) != len(names) or in_mesh_order != names:
+        axes = [axis for _, _, joint in resolved for axis in joint]
+        in_mesh_order = tuple(axis for axis in root_axes if axis in axes)
+        if len(set(axes)) != len(axes):
+            raise AxisError(f"axes {names} name an axis twice")
+        if tuple(axes) != in_mesh_order:
             raise AxisError(
-                f"axes {names} must be distinct and in mesh order (outer to inner) "
-                f"{root_axes}; use {in_mesh_order}"
+                f"axes {names} run against mesh order (outer to inner) {root_axes}, and a torch "
+                f"DeviceMesh keeps its dims in mesh order; slice mesh{list(in_mesh_order)} and give "
+                f"the order in the spec instead: P({tuple(axes)!r}) lays a dim out major to minor"
             )
-        view = root[names]
+        for canonical, _, joint in resolved:
+            if len(joint) > 1:
+                self._flattened(canonical)
+        keys = tuple(canonical if len(joint) > 1 else joint[0] for canonical, _, joint in resolved)
+        view = _compat.slice_with_flattened(root, keys)
         _compat.share_rank_map(view, root)
-        return self._check_consistent(view, names)
+        return self._check_consistent(view, keys)
 
     def _check_consistent(self, view: DeviceMesh, keys: tuple[str, ...]) -> DeviceMesh:
         """Refuse a DeviceMesh whose ranks disagree with the process groups behind it."""
         for dim, key in enumerate(keys):
             mesh_rank, group_rank = view.get_local_rank(dim), dist.get_rank(view.get_group(dim))
-            if mesh_rank != group_rank or mesh_rank != self.rank(key):
+            layout_rank = self.ordered(key).index
+            if mesh_rank != group_rank or mesh_rank != layout_rank:
                 raise MeshStateError(
                     f"DeviceMesh dim {key!r} puts rank {self.global_rank} at {mesh_rank}, but its "
-                    f"process group at {group_rank} and the layout at {self.rank(key)}; a "
+                    f"process group at {group_rank} and the layout at {layout_rank}; a "
                     "DeviceMesh numbers ranks in mesh order, so the group must list them so too"
                 )
         return view
@@ -440,7 +465,7 @@ _entered_meshes: ContextVar[tuple[ParallelMesh, ...]] = ContextVar(
 
 def _first_caller_outside_meshstate() -> str:
     """``file:line`` of the innermost frame of the calling stack outside meshstate."""
-    package = os.path.dirname(__file__) + os.sep
+    package = os.path.dirname(os.path.dirname(__file__)) + os.sep  # meshstate/, not core/
     frame = inspect.currentframe()
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame = frame.f_back

@@ -1,11 +1,19 @@
 """JAX-style collectives over named mesh axes.
 
-``axes`` is one axis (``"tp"``), a joint key (``"dp-cp"``: mesh order) or a
-tuple of axes, the first major: over ``("cp", "dp")`` a rank's index is
-``cp * dp_size + dp`` and ``all_gather`` returns the shards in that order,
-exactly as ``jax.lax`` does under ``shard_map``. Each call runs on the process
-group of the same axis set, built with the mesh; a tuple out of mesh order
-only permutes which chunk goes where, so no extra communicator is created.
+``axes`` is one axis (``"tp"``), a joint key (``"dp-cp"``: mesh order) or any
+tuple of axes of one view (dense: tp, cp, dp, pp; expert: etp, ep, edp, pp),
+the first major: over ``("cp", "dp")`` a rank's index is ``cp * dp_size + dp``
+and ``all_gather`` returns the shards in that order, exactly as ``jax.lax``
+does under ``shard_map``. Nothing needs declaring: each call runs on the
+process group of the same axis set, the mesh's own or, for a set it was not
+built with, one made on the first call by the set's members (every one of
+them reaches the call in SPMD code) and cached; a tuple out of mesh order only
+permutes which chunk goes where, so it shares that group.
+
+One deliberate difference: ``ppermute``'s ``perm`` holds ``axis_index`` values
+of the same tuple, also against mesh order. JAX 0.10 reads ``perm`` there in
+mesh order (its lowering sorts each replica group) while its ``axis_index``
+follows the tuple; meshstate keeps the two consistent.
 Every function takes ``mesh=`` and defaults to :func:`meshstate.current_mesh`.
 
 ``psum``, ``pmean``, ``all_gather``, ``psum_scatter``, ``all_to_all`` and
@@ -231,9 +239,11 @@ def _permute(
         if source == group.index and destination == group.index:
             result = x.clone()
         elif source == group.index:
-            operations.append(dist.P2POp(dist.isend, x.contiguous(), group.ranks[destination]))
+            operations.append(
+                dist.P2POp(dist.isend, x.contiguous(), group.ranks[destination], group.group)
+            )
         elif destination == group.index:
-            operations.append(dist.P2POp(dist.irecv, result, group.ranks[source]))
+            operations.append(dist.P2POp(dist.irecv, result, group.ranks[source], group.group))
     if operations:
         for work in dist.batch_isend_irecv(operations):
             work.wait()

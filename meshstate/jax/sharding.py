@@ -108,7 +108,8 @@ def to_placements(spec: P, device_mesh: DeviceMesh) -> tuple[Placement, ...]:
     spec does not name are ``Replicate()``; unreduced axes are ``Partial()``.
 
     The layout equals JAX's when every split dim divides evenly by the
-    product of its axes' sizes (:class:`NamedSharding` checks that).
+    product of its axes' sizes; otherwise it is DTensor's uneven layout (see
+    :meth:`NamedSharding.shard_shape`).
 
     Example, mesh ``("dp", "cp", "tp")`` of shape ``(2, 2, 2)``::
 
@@ -162,30 +163,18 @@ class NamedSharding:
         object.__setattr__(self, "placements", to_placements(self.spec, self.device_mesh))
 
     def shard_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape every rank's shard has.
+        """The shape of the first rank's shard: every rank's where each dim divides.
+
+        A dim that does not divide by the product of its axes' sizes is cut as
+        DTensor cuts it: axis by axis in mesh order, each time into chunks of
+        the rounded-up size, so the last shards are smaller (some may be
+        empty); the first is the largest. :meth:`index_map` has every rank's.
 
         Raises:
-            ConfigError: the spec has more dims than the shape, or a dim does
-                not divide evenly by the product of its axes' sizes.
+            ConfigError: the spec has more dims than the shape, or a dim that
+                does not divide is split over axes against mesh order.
         """
-        global_shape = tuple(global_shape)
-        if len(self.spec.dims) > len(global_shape):
-            raise ConfigError(
-                f"{self.spec!r} has {len(self.spec.dims)} dims but the shape "
-                f"{global_shape} has {len(global_shape)}"
-            )
-        shard_shape = []
-        for dim, size in enumerate(global_shape):
-            dim_axes = _split_axes(self.spec, dim)
-            axis_sizes = [self._axis_size(axis) for axis in dim_axes]
-            chunks = math.prod(axis_sizes)
-            if size % chunks:
-                raise ConfigError(
-                    f"{self.spec!r}: dim {dim} of shape {global_shape} has size {size}, "
-                    f"which is not divisible by {_product_text(dim_axes, axis_sizes)}"
-                )
-            shard_shape.append(size // chunks)
-        return tuple(shard_shape)
+        return tuple(stop - start for start, stop in self._blocks(tuple(global_shape), None))
 
     def index_map(self, global_shape: Sequence[int]) -> dict[int, tuple[slice, ...]]:
         """The slice of the global tensor each global rank holds (JAX's ``devices_indices_map``).
@@ -193,28 +182,54 @@ class NamedSharding:
         Covers every rank of the mesh's root, also for a slice such as
         ``root["dp", "cp"]``: each rank holds what its coordinates on the
         mesh's axes say. Unreduced axes do not change the slice (the rank holds
-        a partial sum of it).
+        a partial sum of it). Uneven dims as in :meth:`shard_shape`.
         """
-        shard_shape = self.shard_shape(global_shape)
-        mesh_axes = self.device_mesh.mesh_dim_names or ()
-        mesh_shape = self.device_mesh.shape
-        split_mesh_dims = [
-            [mesh_axes.index(axis) for axis in _split_axes(self.spec, dim)]
-            for dim in range(len(shard_shape))
-        ]
-        coordinates = list(itertools.product(*(range(size) for size in mesh_shape)))
+        global_shape = tuple(global_shape)
+        coordinates = list(itertools.product(*(range(size) for size in self.device_mesh.shape)))
         index_map = {}
         for copy_ranks in _compat.mesh_copies(self.device_mesh).flatten(1).tolist():
             for rank, coordinate in zip(copy_ranks, coordinates):
-                chunks = [_chunk_of(coordinate, mesh_shape, dims) for dims in split_mesh_dims]
-                index_map[rank] = tuple(
-                    slice(chunk * size, (chunk + 1) * size)
-                    for chunk, size in zip(chunks, shard_shape)
-                )
+                blocks = self._blocks(global_shape, coordinate)
+                index_map[rank] = tuple(slice(start, stop) for start, stop in blocks)
         return index_map
 
-    def _axis_size(self, axis: str) -> int:
-        return self.device_mesh.size((self.device_mesh.mesh_dim_names or ()).index(axis))
+    def _blocks(
+        self, global_shape: tuple[int, ...], coordinate: Sequence[int] | None
+    ) -> list[tuple[int, int]]:
+        """``(start, stop)`` per dim of the shard at ``coordinate`` (``None``: all zeros)."""
+        if len(self.spec.dims) > len(global_shape):
+            raise ConfigError(
+                f"{self.spec!r} has {len(self.spec.dims)} dims but the shape "
+                f"{global_shape} has {len(global_shape)}"
+            )
+        mesh_axes = self.device_mesh.mesh_dim_names or ()
+        mesh_shape = self.device_mesh.shape
+        coordinate = coordinate or (0,) * len(mesh_shape)
+        blocks = []
+        for dim, size in enumerate(global_shape):
+            dim_axes = _split_axes(self.spec, dim)
+            mesh_dims = [mesh_axes.index(axis) for axis in dim_axes]
+            chunks = math.prod(mesh_shape[mesh_dim] for mesh_dim in mesh_dims)
+            if size % chunks == 0:
+                chunk = _chunk_of(coordinate, mesh_shape, mesh_dims)
+                blocks.append((chunk * (size // chunks), (chunk + 1) * (size // chunks)))
+                continue
+            if mesh_dims != sorted(mesh_dims):
+                axis_sizes = [mesh_shape[mesh_dim] for mesh_dim in mesh_dims]
+                raise ConfigError(
+                    f"{self.spec!r}: dim {dim} of shape {global_shape} has size {size}, which "
+                    f"is not divisible by {_product_text(dim_axes, axis_sizes)}; "
+                    f"an uneven dim must be split over axes in mesh order {mesh_axes}"
+                )
+            start, stop = 0, size
+            for mesh_dim in mesh_dims:
+                step = -(-(stop - start) // mesh_shape[mesh_dim])
+                start, stop = (
+                    min(start + coordinate[mesh_dim] * step, stop),
+                    min(start + (coordinate[mesh_dim] + 1) * step, stop),
+                )
+            blocks.append((start, stop))
+        return blocks
 
 
 def distribute(tensor: torch.Tensor, device_mesh: DeviceMesh, spec: P) -> DTensor:
@@ -232,7 +247,8 @@ def distribute(tensor: torch.Tensor, device_mesh: DeviceMesh, spec: P) -> DTenso
         distribute(torch.arange(8), mesh, P("tp")).to_local()   # [2, 3] on ranks 1 and 5
 
     Raises:
-        AxisError, ConfigError: as :class:`NamedSharding` and its ``shard_shape``.
+        AxisError, ConfigError: as :class:`NamedSharding` and its ``shard_shape``
+            (a dim that does not divide is cut as DTensor cuts it, last shards smaller).
         WrongMeshError: ``device_mesh`` is not a DeviceMesh (a ParallelMesh, say).
     """
     _require_device_mesh(device_mesh, "distribute()")

@@ -87,6 +87,28 @@ class ProcessRow:
     init_seconds: float
 
 
+@dataclass(frozen=True)
+class AxisSetRow:
+    """A psum over an axis tuple the mesh was not built with, beside one over a declared key.
+
+    The first call makes the group (only its members take part); later calls
+    look it up. Seconds, the slowest rank.
+    """
+
+    world_size: int
+    backend: str
+    axes: tuple[str, ...]
+    first_call_seconds: float
+    later_call_seconds: float
+    declared: str
+    declared_call_seconds: float
+
+
+UNDECLARED_AXES = ("pp", "cp")
+DECLARED_KEY = "tp-cp"
+"""The axis tuple timed without declaring it, and a declared key of the same size."""
+
+
 @dataclass
 class Report:
     """Everything ``meshstate bench`` prints."""
@@ -96,6 +118,7 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     process_config: dict[str, Any] = field(default_factory=dict)
     process_rows: list[ProcessRow] = field(default_factory=list)
+    axis_set_rows: list[AxisSetRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -341,6 +364,26 @@ def time_init_on_rank(approach: str, sizes: dict[str, Any]) -> float:
     return seconds
 
 
+def time_axis_set_psum(sizes: dict[str, Any], repeats: int = 20) -> tuple[float, float, float]:
+    """On this rank: the first psum over ``UNDECLARED_AXES``, the median of later ones,
+    and the median psum over ``DECLARED_KEY``, in seconds."""
+    from meshstate.jax.collectives import psum
+
+    mesh = init_mesh(**sizes)
+    value = torch.ones(1024)
+    try:
+        dist.barrier()
+        started = time.perf_counter()
+        psum(value, UNDECLARED_AXES, mesh=mesh)
+        first = time.perf_counter() - started
+        later = _median_seconds(lambda: psum(value, UNDECLARED_AXES, mesh=mesh), repeats)
+        declared = _median_seconds(lambda: psum(value, DECLARED_KEY, mesh=mesh), repeats)
+        return first, later, declared
+    finally:
+        dist.barrier()
+        mesh.destroy()
+
+
 def run(
     world_sizes: Sequence[int],
     sizes: dict[str, Any],
@@ -390,6 +433,12 @@ def run(
                 progress(f"{world_size} local ranks: {approach}")
                 seconds = world.run(time_init_on_rank, approach, process_sizes)
                 report.process_rows.append(ProcessRow(world_size, backend, approach, max(seconds)))
+            progress(f"{world_size} local ranks: psum over {UNDECLARED_AXES}, not declared")
+            timings = world.run(time_axis_set_psum, process_sizes)
+            first, later, declared = (max(column) for column in zip(*timings))
+            report.axis_set_rows.append(AxisSetRow(
+                world_size, backend, UNDECLARED_AXES, first, later, DECLARED_KEY, declared
+            ))
     if process_world_sizes and not torch.cuda.is_available():
         report.notes.append("no GPU here: the NCCL path (and split_group) was not measured")
     return report
@@ -495,6 +544,16 @@ def format_report(report: Report) -> str:
             lines.append(
                 f"{process_row.world_size:>7} {process_row.backend:<6} "
                 f"{process_row.approach:<25} {process_row.init_seconds:>8.4f} s"
+            )
+    if report.axis_set_rows:
+        lines += ["", "psum of 1024 floats over an axis tuple not declared at init "
+                  "(first call makes its group), beside a declared key, slowest rank:"]
+        for axis_row in report.axis_set_rows:
+            lines.append(
+                f"{axis_row.world_size:>7} {axis_row.backend:<6} {axis_row.axes!s:<12} "
+                f"first {axis_row.first_call_seconds * 1e3:8.2f} ms  "
+                f"later {axis_row.later_call_seconds * 1e6:8.0f} us  "
+                f"{axis_row.declared!r}: {axis_row.declared_call_seconds * 1e6:8.0f} us"
             )
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)
