@@ -109,8 +109,8 @@ def test_readme_block_runs_as_printed(source, first_line, tmp_path):
 
 
 def needs_a_world(source: str) -> bool:
-    """Whether a block builds process groups (a mesh or Megatron's state)."""
-    return re.search(r"init_mesh|initialize_model_parallel", source) is not None
+    """Whether a block uses process groups (a mesh, Megatron's state, torch.distributed)."""
+    return re.search(r"init_mesh|initialize_model_parallel|ParallelDims|adopt\(|\bdist\.", source) is not None
 
 
 # The harness itself: a block that breaks, or shows a wrong value, fails.
