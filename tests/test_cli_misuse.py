@@ -253,7 +253,8 @@ def test_head_reads_part_of_the_json_quietly():
 # --- progress and help ------------------------------------------------------------------
 
 BENCH_SMALL = ["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
-               "--repeat", "1", "--processes", "0", "--without-megatron", "--json"]
+               "--repeat", "1", "--processes", "0", "--without-megatron", "--without-torchtitan",
+               "--json"]
 
 
 def test_bench_progress_only_when_asked_or_on_a_terminal(capsys):
@@ -295,7 +296,7 @@ def help_entries(capsys, command):
 @pytest.mark.parametrize("command", ["plan", "check", "bench"])
 def test_help_shows_every_default(capsys, command):
     entries = help_entries(capsys, command)
-    flags = {"-h", "--json", "--verbose", "--force", "--without-megatron"}
+    flags = {"-h", "--json", "--verbose", "--force", "--without-megatron", "--without-torchtitan"}
     required = {"--world-size"} if command == "plan" else set()
     assert "--verbose" in entries
     for option, entry in entries.items():

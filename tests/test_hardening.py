@@ -1,6 +1,7 @@
 """Ranks that disagree, ranks that never arrive, repeated init/destroy, fuzzed input, threads."""
 
 import contextlib
+import dataclasses
 import gc
 import io
 import sys
@@ -186,7 +187,9 @@ def test_each_thread_has_its_own_current_mesh():
 def test_consistency_guard_refuses_a_device_mesh_that_disagrees_with_its_group():
     with fake_world(1, 8):
         mesh = meshstate.init_mesh(tp=2, cp=2)
-        mesh.rank_in["tp-cp"] = (mesh.rank_in["tp-cp"] + 1) % 4
+        ordered = mesh.ordered  # the layout's answer, shifted: it now disagrees with the group
+        mesh.ordered = lambda axes: dataclasses.replace(
+            ordered(axes), index=(ordered(axes).index + 1) % 4)
         with pytest.raises(MeshStateError, match="DeviceMesh dim 'tp-cp' puts rank 1 at 1, but"):
             mesh["tp-cp"]
         mesh.destroy()

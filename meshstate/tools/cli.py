@@ -189,7 +189,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--svg", metavar="FILE",
-        help="also draw the ranks by node (--gpus-per-node, else one node) into an SVG file",
+        help="also draw the ranks by node (--gpus-per-node, else one node) into an SVG file "
+        "(default: none)",
     )
     plan.add_argument("--color-by", default="tp", help="the group key that colours --svg's cells")
     _add_verbose_flag(plan)
