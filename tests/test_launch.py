@@ -54,3 +54,16 @@ def test_a_crashed_worker_is_reported_and_the_pool_replaced():
         world.run(rank_one_exits)
     assert local_world(2) is not world
     assert local_world(2).run(world_size_and_rank) == [(2, 0), (2, 1)]
+
+
+def environment_variable(name):
+    return os.environ.get(name)
+
+
+def test_workers_see_the_callers_environment_of_now(monkeypatch):
+    """Workers fork from a server started earlier; the environment still is the caller's."""
+    local_world(2)   # the fork server is running
+    monkeypatch.setenv("MESHSTATE_TEST_SETTING", "set after the server started")
+    with LocalWorld(2, timeout=timedelta(seconds=30)) as world:
+        assert world.run(environment_variable, "MESHSTATE_TEST_SETTING") == [
+            "set after the server started"] * 2

@@ -6,7 +6,9 @@ per world size and reused by later tests, so a suite stays fast. A failure is
 shown once with the ranks that raised it (``ranks 0-3: AssertionError: …``), a
 hung run ends in a timeout that shows each unfinished rank's stack, a fixture
 that cannot be sent to the workers fails at once, and worker output lines start
-with ``[rank N]``. Ctrl-C, SIGTERM or the death of pytest takes the workers down.
+with ``[rank N]``. Workers fork from a server that imports torch once, started
+when the first test is decorated. Ctrl-C, SIGTERM or the death of pytest takes
+the workers down.
 ``fake_world`` simulates one rank of a large world in the calling process with
 torch's fake backend (collectives do nothing).
 
@@ -31,7 +33,13 @@ from typing import Any, TypeVar, cast
 import torch
 
 from meshstate.core.errors import MeshStateError
-from meshstate.testing.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend, fake_world
+from meshstate.testing.launch import (
+    DEFAULT_TIMEOUT,
+    LocalWorld,
+    default_backend,
+    fake_world,
+    warm_up,
+)
 
 __all__ = ["close_pooled_worlds", "distributed", "fake_world", "local_world"]
 
@@ -77,6 +85,7 @@ def distributed(
     """
 
     def decorate(body: _F) -> _F:
+        warm_up()  # while pytest collects, the fork server imports torch for the workers
         @functools.wraps(body)
         def run_on_ranks(*args: Any, **kwargs: Any) -> None:
             import pytest
