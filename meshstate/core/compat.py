@@ -61,7 +61,7 @@ def new_member_group(
         timeout=resolved_timeout,
         group_desc=description,
     )
-    world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
+    world.pg_group_ranks[group] = dict(zip(ranks, range(len(ranks))))
     return cast(dist.ProcessGroup, group)
 
 

@@ -20,7 +20,6 @@ without comm splitting).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -139,7 +138,7 @@ class _Builder:
     ) -> None:
         self.default_group = _compat.default_group()
         self.default_backend = str(dist.get_backend(self.default_group))
-        self.world = tuple(range(self.default_group.size()))
+        self.world_size = self.default_group.size()
         self.backend = backend
         self.timeout = timeout
         self.pg_options = pg_options
@@ -166,12 +165,12 @@ class _Builder:
         split = self.splits and backend == self.default_backend
         if split:
             ranks_key: Any = tuple(tuple(group) for group in spec.all_groups())
-            whole_world = ranks_key == (self.world,)
+            whole_world = len(ranks_key) == 1 and len(ranks_key[0]) == self.world_size
         elif spec.members is None:
             return None
         else:
             ranks_key = spec.members
-            whole_world = spec.members == self.world
+            whole_world = len(spec.members) == self.world_size  # distinct ranks: all of them
         key = (
             split,
             ranks_key,
@@ -210,13 +209,11 @@ class _Builder:
     def _member_group(
         self, members: tuple[int, ...], name: Key, backend: str, pg_options: Any
     ) -> dist.ProcessGroup:
-        digest = hashlib.sha1(
-            f"{backend}:{name}:{members}".encode(), usedforsecurity=False
-        ).hexdigest()[:20]
+        # A family's groups are disjoint, so its name and the group's first rank name the group.
         try:
             group = _compat.new_member_group(
                 list(members),
-                f"meshstate-{self.build_id}-{digest}",
+                f"meshstate-{self.build_id}-{backend}-{name}-{members[0]}",
                 backend=backend,
                 timeout=self.timeout,
                 pg_options=pg_options,

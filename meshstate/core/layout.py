@@ -154,12 +154,48 @@ class Grid:
         major_to_minor = self._distinct(axes)
         coordinate = self.coordinate(rank)
         base = rank - sum(coordinate[a] * self._strides[a] for a in major_to_minor)
-        members = [base]
-        for axis in major_to_minor:
-            stride = self._strides[axis]
-            steps = [step * stride for step in range(self.size(axis))]
-            members = [member + step for member in members for step in steps]
-        return tuple(members)
+        # Arithmetic progressions (stride, count) major to minor; size-1 axes add nothing, and
+        # an axis whose stride spans the progression inside it extends that progression.
+        steps: list[tuple[int, int]] = []
+        for axis in reversed(major_to_minor):
+            stride, count = self._strides[axis], self.size(axis)
+            if count == 1:
+                continue
+            if steps and steps[0][0] * steps[0][1] == stride:
+                steps[0] = (steps[0][0], steps[0][1] * count)
+            else:
+                steps.insert(0, (stride, count))
+        if not steps:
+            return (base,)
+        *outer, (stride, count) = steps
+        starts = [base]
+        for outer_stride, outer_count in outer:
+            offsets = range(0, outer_count * outer_stride, outer_stride)
+            starts = [start + offset for start in starts for offset in offsets]
+        span = count * stride
+        return tuple(
+            itertools.chain.from_iterable(range(start, start + span, stride) for start in starts)
+        )
+
+    def members_at(self, rank: int, axes: Sequence[str], positions: range) -> tuple[int, ...]:
+        """The members at ``positions`` of ``rank``'s group of ``axes`` (major to minor), sorted.
+
+        Arithmetic on strides for just those positions (vectorised), never the whole group.
+        Example: ``Grid(("tp", "dp"), (2, 4)).members_at(0, ["dp", "tp"], range(2, 4))``
+        is ``(2, 3)``.
+        """
+        major_to_minor = self._distinct(axes)
+        if len(positions) == math.prod(self.size(axis) for axis in major_to_minor):
+            return tuple(sorted(self.group_of(rank, major_to_minor)))
+        coordinate = self.coordinate(rank)
+        base = rank - sum(coordinate[a] * self._strides[a] for a in major_to_minor)
+        remaining = torch.arange(positions.start, positions.stop, positions.step)
+        members = torch.full_like(remaining, base)
+        for axis in reversed(major_to_minor):
+            members += remaining % self.size(axis) * self._strides[axis]
+            remaining //= self.size(axis)
+        found: list[int] = members.sort().values.tolist()
+        return tuple(found)
 
     def index_in_group(self, rank: int, axes: Sequence[str]) -> int:
         """Position of ``rank`` inside its group of ``axes`` (major to minor)."""
@@ -260,6 +296,13 @@ class Chunks:
             raise ConfigError(f"{len(ranks)} ranks do not split into {self}")
         return [list(ranks[start : start + self.size]) for start in range(0, len(ranks), self.size)]
 
+    def part_of(self, position: int, base_size: int) -> range:
+        """The positions in a base group of ``base_size`` of the part holding ``position``."""
+        if self.size < 1 or base_size % self.size:
+            raise ConfigError(f"{base_size} ranks do not split into {self}")
+        start = position - position % self.size
+        return range(start, start + self.size)
+
     def __str__(self) -> str:
         return f"chunks of {self.size}"
 
@@ -288,6 +331,15 @@ class Instances:
             return [list(ranks[start::per_instance]) for start in range(per_instance)]
         return Chunks(per_instance).parts(ranks)
 
+    def part_of(self, position: int, base_size: int) -> range:
+        """The positions in a base group of ``base_size`` of the part holding ``position``."""
+        if self.count < 1 or base_size % self.count:
+            raise ConfigError(f"{base_size} ranks do not split into {self}")
+        per_instance = base_size // self.count
+        if self.inter:
+            return range(position % per_instance, base_size, per_instance)
+        return Chunks(per_instance).part_of(position, base_size)
+
     def __str__(self) -> str:
         count = f" of {self.count}" if self.count else ""
         return f"{'inter' if self.inter else 'intra'}-instance{count}"
@@ -309,6 +361,20 @@ class Level:
         if not 0 <= self.level < len(self.sizes):
             raise ConfigError(f"{self} needs sizes with at least {self.level + 1} levels")
         return hierarchical_levels(ranks, self.sizes)[self.level]
+
+    def part_of(self, position: int, base_size: int) -> range:
+        """The positions in a base group of ``base_size`` of the part holding ``position``."""
+        if not 0 <= self.level < len(self.sizes):
+            raise ConfigError(f"{self} needs sizes with at least {self.level + 1} levels")
+        if math.prod(self.sizes) != base_size:
+            raise ConfigError(
+                f"hierarchical sizes {list(self.sizes)} multiply to {math.prod(self.sizes)}, "
+                f"not to the {base_size} ranks they split"
+            )
+        inner = math.prod(self.sizes[: self.level])
+        block = inner * self.sizes[self.level]
+        start = position - position % block + position % inner
+        return range(start, start + block, inner)
 
     def __str__(self) -> str:
         sizes = f" of {'x'.join(map(str, self.sizes))}" if self.sizes else ""
@@ -492,6 +558,12 @@ class ParallelLayout:
         if isinstance(key, str):
             return self.group_of(rank, key)
         grid, axes = self.resolve_base(key.base)
+        split = key.split
+        if split is None or isinstance(split, (Chunks, Instances, Level)):
+            base_size = math.prod(grid.size(axis) for axis in axes)
+            position = grid.index_in_group(rank, axes)
+            part = range(base_size) if split is None else split.part_of(position, base_size)
+            return grid.members_at(rank, axes, part)
         for part in key.parts(grid.group_of(rank, axes)):
             if rank in part:
                 return tuple(part)

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn, overload
 
@@ -143,10 +143,27 @@ class ParallelMesh:
                 self.size_of[spelling] = len(ranks)
                 self.group_of[spelling] = process_groups.by_name[key]
                 self.ranks_of[spelling] = ranks
-        self.dense = self._root_mesh(layout.dense)
-        self.expert = self._root_mesh(layout.expert)
-        _compat.share_rank_map(self.expert, self.dense)
         self._device_meshes: dict[tuple[str, ...], DeviceMesh] = {}
+
+    @cached_property
+    def dense(self) -> DeviceMesh:
+        """The dense DeviceMesh (dims pp, dp, cp, tp for the default order), made on first use.
+
+        torch builds a DeviceMesh from a rank grid of the whole world, so this
+        costs O(world) once; the groups, getters and tables never need it.
+        """
+        dense = self._root_mesh(self.layout.dense)
+        if "expert" in self.__dict__:
+            _compat.share_rank_map(dense, self.expert)
+        return dense
+
+    @cached_property
+    def expert(self) -> DeviceMesh:
+        """The expert DeviceMesh (dims pp, edp, ep, etp for the default order), made on first use."""
+        expert = self._root_mesh(self.layout.expert)
+        if "dense" in self.__dict__:
+            _compat.share_rank_map(expert, self.dense)
+        return expert
 
     def keys(self) -> tuple[Key, ...]:
         """Every group key: the kinds, the declared joint groups, then the derived groups."""
