@@ -562,8 +562,8 @@ class ParallelLayout:
         if split is None or isinstance(split, (Chunks, Instances, Level)):
             base_size = math.prod(grid.size(axis) for axis in axes)
             position = grid.index_in_group(rank, axes)
-            part = range(base_size) if split is None else split.part_of(position, base_size)
-            return grid.members_at(rank, axes, part)
+            positions = range(base_size) if split is None else split.part_of(position, base_size)
+            return grid.members_at(rank, axes, positions)
         for part in key.parts(grid.group_of(rank, axes)):
             if rank in part:
                 return tuple(part)
