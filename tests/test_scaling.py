@@ -1,0 +1,67 @@
+"""Init is O(own groups): a rank of a 4,194,304-rank world never builds a world-sized list.
+
+The arithmetic that finds a rank's part of a derived group directly agrees with every group.
+
+Counted, not timed: tracemalloc's peak while one simulated rank (fake backend) builds its
+mesh. Every group of these configs has at most 65,536 ranks; a sequence of the world's
+4,194,304 ranks alone would take over 30 MB.
+"""
+
+import tracemalloc
+
+import pytest
+
+import meshstate
+from meshstate import DerivedGroup
+from meshstate.core.config import MeshConfig
+from meshstate.core.layout import Chunks, Instances, Level, ParallelLayout
+from meshstate.testing import fake_world
+
+WORLD = 2**22
+PEAK_BOUND = 24 * 2**20
+# Parts of a whole-world base (the expert axes, as megatron's distributed-optimizer instances),
+# of a joint group, and a hierarchical level.
+DERIVED = [
+    DerivedGroup(("edp", "pp", "ep", "etp"), Instances(16384)),
+    DerivedGroup("dp-cp", Instances(1)),
+    DerivedGroup("cp", Level(1, (8, 8))),
+]
+
+
+def _peak_while(build):
+    tracemalloc.start()
+    try:
+        result = build()
+        return tracemalloc.get_traced_memory()[1], result
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("rank", [0, WORLD // 2 + 12345, WORLD - 1])
+def test_init_mesh_allocates_no_world_sized_sequence(rank):
+    with fake_world(rank, WORLD):
+        peak, mesh = _peak_while(lambda: meshstate.init_mesh(
+            tp=64, cp=64, pp=64, ep=16, etp=4, derived=DERIVED))
+        try:
+            assert max(mesh.size_of.values()) == 65536
+            assert [mesh.size(key) for key in DERIVED] == [256, 1024, 8]
+            assert mesh.ranks("pp")[0] == rank % (WORLD // 64)
+            assert peak < PEAK_BOUND, f"peak {peak / 2**20:.1f} MiB"
+        finally:
+            mesh.destroy()
+
+
+@pytest.mark.parametrize("key", [
+    DerivedGroup(("edp", "pp", "ep", "etp"), Instances(4)),
+    DerivedGroup(("edp", "pp", "ep", "etp"), Instances(4, inter=True)),
+    DerivedGroup("dp-cp", Chunks(2)),
+    DerivedGroup("tp-dp", Instances(2, inter=True)),
+    DerivedGroup("cp", Level(0, (2, 2))),
+    DerivedGroup("cp", Level(1, (2, 2))),
+    DerivedGroup("dp", backend="gloo"),
+])
+def test_a_part_by_arithmetic_is_the_part_of_every_group_that_holds_the_rank(key):
+    layout = ParallelLayout(MeshConfig(64, tp=2, cp=4, pp=2, ep=2, etp=1))
+    for rank in range(64):
+        holding = [tuple(group) for group in layout.every_group(key) if rank in group]
+        assert [layout.members(rank, key)] == holding
