@@ -143,7 +143,7 @@ class ParallelMesh:
                 self.size_of[spelling] = len(ranks)
                 self.group_of[spelling] = process_groups.by_name[key]
                 self.ranks_of[spelling] = ranks
-        self._device_meshes: dict[tuple[str, ...], DeviceMesh] = {}
+        self._device_meshes: dict[str | tuple[str, ...], DeviceMesh] = {}
 
     @cached_property
     def dense(self) -> DeviceMesh:
@@ -287,7 +287,10 @@ class ParallelMesh:
 
     def is_first(self, key: Key) -> bool:
         """Whether the caller is first in its group (``is_first("pp")``: first stage)."""
-        return self.rank(key) == 0
+        try:
+            return self.rank_in[key] == 0
+        except KeyError:
+            raise self._missing(key) from None
 
     def is_last(self, key: Key) -> bool:
         """Whether the caller is last in its group (``is_last("pp")``: last stage)."""
@@ -303,15 +306,15 @@ class ParallelMesh:
         DeviceMesh cannot hold them in another, so ``mesh["cp", "dp"]`` raises
         and points to ``P(("cp", "dp"))``. The same request returns the same object.
         """
-        names = (key,) if isinstance(key, str) else tuple(key)
-        cached = self._device_meshes.get(names)
+        cached = self._device_meshes.get(key)  # the request as made: one dict lookup
         if cached is not None:
             return cached
+        names = (key,) if isinstance(key, str) else tuple(key)
         if len(names) == 1 and isinstance(names[0], str) and "-" in names[0]:
             mesh = self._flattened(names[0])
         else:
             mesh = self._slice(names)
-        self._device_meshes[names] = mesh
+        self._device_meshes[names] = self._device_meshes[key] = mesh
         return mesh
 
     def destroy(self) -> None:
