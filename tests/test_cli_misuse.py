@@ -144,8 +144,8 @@ ABSURD = [
      "argument --world-sizes: expected a positive integer, got 0"),
     (["bench", "--world-sizes", "1024,,16384"],
      "argument --world-sizes: expected a positive integer, got ''"),
-    (["bench", "--world-sizes", str(2**21), "--processes", "0"],
-     "simulated world size 2097152 is above 1048576, the most one process can simulate "
+    (["bench", "--world-sizes", str(2**23), "--processes", "0"],
+     "simulated world size 8388608 is above 4194304, the most one process can simulate "
      "(DeviceMesh and megatron-core hold world-sized maps)"),
     (["bench", "--world-sizes", "1024", "--rank", "1024", "--processes", "0"],
      "rank 1024 is outside 0..1023"),
@@ -254,6 +254,7 @@ def test_head_reads_part_of_the_json_quietly():
 
 BENCH_SMALL = ["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
                "--repeat", "1", "--processes", "0", "--without-megatron", "--without-torchtitan",
+               "--harness-tests", "0",
                "--json"]
 
 
@@ -271,7 +272,7 @@ def test_bench_progress_only_when_asked_or_on_a_terminal(capsys):
 def test_bench_measures_worlds_of_one_and_two_ranks(capsys):
     status, out, err = run_main(capsys, "bench", "--world-sizes", "1,2", "--tp", "1", "--cp", "1",
                                 "--pp", "1", "--ep", "1", "--etp", "1", "--repeat", "1",
-                                "--processes", "0", "--without-megatron", "--json")
+                                "--processes", "0", "--harness-tests", "0", "--without-megatron", "--json")
     assert (status, err) == (0, "")
     assert {row["world_size"] for row in json.loads(out)["rows"]} == {1, 2}
 
@@ -333,17 +334,19 @@ def test_bench_help_names_its_own_layout(capsys):
 
 
 def children(pid):
-    """Pids whose parent is ``pid``."""
-    found = []
+    """Pids descended from ``pid`` (workers are children of the fork server it starts)."""
+    parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rpartition(")")[2].split()
+                    parents[int(entry)] = int(stat.read().rpartition(")")[2].split()[1])
             except OSError:
                 continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
     return found
 
 

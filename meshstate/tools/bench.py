@@ -16,6 +16,10 @@ same layout with ``dp_replicate=1``, ``dp_shard=dp``.
 
 Then the same approaches run on real local processes (gloo, NCCL with a GPU
 per rank): the wall time of init, the maximum over ranks.
+
+Last, how long a test suite takes to start N ranks: pytest running one test in
+a single process, the same with ``@distributed(world_size=N)``, and torch's
+``MultiProcessTestCase`` with N ranks, each in a fresh ``pytest`` process.
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import os
 import platform
+import subprocess
+import sys
+import tempfile
 import statistics
 import time
 import timeit
@@ -54,12 +62,14 @@ TITAN = "torchtitan ParallelDims"
 MESHSTATE_TITAN = "meshstate.titan"
 TITAN_APPROACHES = (MESHSTATE_TITAN, TITAN)
 """Simulated worlds only, when torchtitan is installed: dp_replicate=1, dp_shard=dp."""
-GETTERS = ("tp rank", "tp size", "first stage", "dp-cp size")
+GETTERS = ("tp rank", "tp size", "first stage", "dp-cp size", "dp group", "cp group", "ep group")
+"""The getters timed; torchtitan's rows have the first four."""
 PROCESS_SIZES = dict(tp=2, cp=2, pp=2, ep=2, etp=1)
 """The layout timed on real local processes unless told otherwise."""
-MAX_SIMULATED_WORLD = 2**20
-"""The largest world one rank is simulated in: torch's DeviceMesh and megatron-core keep
-world-sized rank maps, and megatron-core's init takes about a minute at this size."""
+MAX_SIMULATED_WORLD = 2**22
+"""The largest world one rank is simulated in (meshstate's init does not grow with it)."""
+PEER_BUDGET_SECONDS = 60.0
+"""An approach whose init is predicted (linearly from the last world) to take longer is left out."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Row:
     state_kib: float
     getter_ns: dict[str, float]
     layout_seconds: float | None = None
+    rss_mib: float | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,16 @@ DECLARED_KEY = "tp-cp"
 """The axis tuple timed without declaring it, and a declared key of the same size."""
 
 
+@dataclass(frozen=True)
+class HarnessRow:
+    """A fresh ``pytest`` process running ``tests`` tests the way ``runner`` says: wall seconds."""
+
+    runner: str
+    world_size: int
+    tests: int
+    seconds: float
+
+
 @dataclass
 class Report:
     """Everything ``meshstate bench`` prints."""
@@ -119,6 +140,7 @@ class Report:
     process_config: dict[str, Any] = field(default_factory=dict)
     process_rows: list[ProcessRow] = field(default_factory=list)
     axis_set_rows: list[AxisSetRow] = field(default_factory=list)
+    harness_rows: list[HarnessRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -150,6 +172,9 @@ def _build_init_mesh(config: MeshConfig) -> _Built:
             "tp size": ("f('tp')", mesh.size),
             "first stage": ("f('pp')", mesh.is_first),
             "dp-cp size": ("f('dp-cp')", mesh.size),
+            "dp group": ("f('dp')", mesh.group),
+            "cp group": ("f('cp')", mesh.group),
+            "ep group": ("f('ep')", mesh.group),
         },
         mesh.destroy,
     )
@@ -176,6 +201,9 @@ def _build_with_getters(module: Any, config: MeshConfig) -> _Built:
             "tp size": ("f()", module.get_tensor_model_parallel_world_size),
             "first stage": ("f()", module.is_pipeline_first_stage),
             "dp-cp size": ("f(with_context_parallel=True)", module.get_data_parallel_world_size),
+            "dp group": ("f()", module.get_data_parallel_group),
+            "cp group": ("f()", module.get_context_parallel_group),
+            "ep group": ("f()", module.get_expert_model_parallel_group),
         },
         module.destroy_model_parallel,
     )
@@ -216,6 +244,9 @@ def _build_device_mesh(config: MeshConfig) -> _Built:
             "tp size": ("f()", tp.size),
             "first stage": ("f() == 0", pp.get_local_rank),
             "dp-cp size": ("f()", dp_cp.size),
+            "dp group": ("f()", dense["dp"].get_group),
+            "cp group": ("f()", dense["cp"].get_group),
+            "ep group": ("f()", expert["ep"].get_group),
         }
     )
 
@@ -328,12 +359,15 @@ def measure(config: MeshConfig, approach: str, rank: int, repeats: int) -> Row:
         rank_sets = {tuple(dist.get_process_group_ranks(group)) for group in groups}
         getter_ns = {name: _ns_per_call(*getter) for name, getter in built.getters.items()}
         built.teardown()
-    times = []
+    times, rss_growth = [], []
     for _ in range(repeats):
         with fake_world(rank, config.world_size):
+            gc.collect()
+            rss_before = _rss_mib()
             started = time.perf_counter()
             built = build(config)
             times.append(time.perf_counter() - started)
+            rss_growth.append(_rss_mib() - rss_before)
             built.teardown()
     layout_seconds = None
     if approach in (INIT_MESH, MEGATRON):
@@ -349,7 +383,17 @@ def measure(config: MeshConfig, approach: str, rank: int, repeats: int) -> Row:
         state_kib=(kept - before) / 1024,
         getter_ns=getter_ns,
         layout_seconds=layout_seconds,
+        rss_mib=statistics.median(rss_growth),
     )
+
+
+def _rss_mib() -> float:
+    """This process's resident memory (Linux ``/proc``), MiB; 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return 0.0
 
 
 def time_init_on_rank(approach: str, sizes: dict[str, Any]) -> float:
@@ -394,6 +438,8 @@ def run(
     process_sizes: dict[str, Any] | None = None,
     with_megatron: bool = True,
     with_titan: bool = True,
+    harness_tests: Sequence[int] = (),
+    harness_world_size: int = 8,
     progress: Callable[[str], object] = lambda message: None,
 ) -> Report:
     """Measure every approach; see the module docstring.
@@ -418,12 +464,23 @@ def run(
         simulated += TITAN_APPROACHES
     else:
         report.notes.append("torchtitan is left out (not installed, or --without-torchtitan)")
+    last: dict[str, Row] = {}
     for world_size in world_sizes:
         config = MeshConfig(world_size, **sizes)
         measured_rank = _default_rank(world_size) if rank is None else rank
         for approach in simulated:
+            before = last.get(approach)
+            if before is not None:
+                predicted = before.init_seconds * world_size / before.world_size
+                if predicted > PEER_BUDGET_SECONDS:
+                    report.notes.append(
+                        f"{approach} left out at world {world_size}: about {predicted:.0f} s "
+                        f"per init, predicted from world {before.world_size}"
+                    )
+                    continue
             progress(f"world {world_size}, rank {measured_rank}: {approach}")
-            report.rows.append(measure(config, approach, measured_rank, repeats))
+            last[approach] = measure(config, approach, measured_rank, repeats)
+            report.rows.append(last[approach])
     report.process_config = dict(process_sizes)
     for world_size in process_world_sizes:
         backend = default_backend(world_size)
@@ -441,7 +498,73 @@ def run(
             ))
     if process_world_sizes and not torch.cuda.is_available():
         report.notes.append("no GPU here: the NCCL path (and split_group) was not measured")
+    for tests in harness_tests:
+        for runner in HARNESS_RUNNERS:
+            progress(f"harness start-up: {runner}, {tests} test(s)")
+            wall = time_test_run(runner, tests, harness_world_size)
+            report.harness_rows.append(HarnessRow(runner, harness_world_size, tests, wall))
     return report
+
+
+SINGLE_PROCESS = "pytest, one process"
+MESHSTATE_HARNESS = "meshstate @distributed"
+MULTI_PROCESS_TEST_CASE = "torch MultiProcessTestCase"
+HARNESS_RUNNERS = (SINGLE_PROCESS, MESHSTATE_HARNESS, MULTI_PROCESS_TEST_CASE)
+_TEST_FILES = {
+    SINGLE_PROCESS: """
+import torch
+
+def test_{index}():
+    assert torch.ones(1).item() == 1
+""",
+    MESHSTATE_HARNESS: """
+import torch
+import torch.distributed as dist
+from meshstate.testing import distributed
+
+@distributed(world_size={world_size})
+def test_{index}():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == {world_size}
+""",
+    MULTI_PROCESS_TEST_CASE: """
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+class Test{index}(MultiProcessTestCase):
+    world_size = {world_size}
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_{index}(self):
+        dist.init_process_group("gloo", init_method=f"file://{{self.file_name}}",
+                                rank=self.rank, world_size={world_size})
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == {world_size}
+        dist.destroy_process_group()
+""",
+}
+
+
+def time_test_run(runner: str, tests: int, world_size: int) -> float:
+    """Wall seconds of a fresh ``pytest`` running ``tests`` all-reduce tests the ``runner`` way."""
+    with tempfile.TemporaryDirectory() as folder:
+        for index in range(tests):
+            body = _TEST_FILES[runner].format(index=index, world_size=world_size)
+            with open(os.path.join(folder, f"test_{index}.py"), "w") as file:
+                file.write(body)
+        started = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", folder],
+            check=True, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        return time.perf_counter() - started
 
 
 def _default_rank(world_size: int) -> int:
@@ -482,8 +605,6 @@ def _check_worlds(
 
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
-    import os
-
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -531,11 +652,28 @@ def format_report(report: Report) -> str:
             f"{row.state_kib:>10.0f} {row.getter_ns['tp rank']:>10.0f} {layout:>9} "
             + " ".join(f"{ratio:>6}" for ratio in ratios)
         )
-    lines.append("")
-    lines.append("hot getters, ns per call (" + ", ".join(GETTERS) + "):")
+    lines += ["", "init growth and memory: init s at each world / init s at the smallest; "
+              "RSS MiB the process gained over init"]
+    for approach in APPROACHES:
+        rows = [row for row in report.rows if row.approach == approach]
+        if rows:
+            growth = "  ".join(
+                f"{row.world_size}: {row.init_seconds:.4f} s ({row.init_seconds / rows[0].init_seconds:.1f}x, "
+                f"{row.rss_mib or 0:.0f} MiB)"
+                for row in rows
+            )
+            lines.append(f"  {approach:<25} {growth}")
+    getter_world = min(report.rows[-1].world_size, max(
+        (row.world_size for row in report.rows if row.approach == MEGATRON),
+        default=report.rows[-1].world_size))
+    lines += ["", f"hot getters at world {getter_world}, ns per call:",
+              f"{'':>33}" + "".join(f"{name:>12}" for name in GETTERS)]
     for row in report.rows:
-        if row.world_size == report.rows[-1].world_size:
-            figures = "  ".join(f"{row.getter_ns[name]:6.0f}" for name in GETTERS)
+        if row.world_size == getter_world:
+            figures = "".join(
+                f"{row.getter_ns[name]:>12.0f}" if name in row.getter_ns else f"{'-':>12}"
+                for name in GETTERS
+            )
             lines.append(f"{row.world_size:>7} {row.approach:<25} {figures}")
     if report.process_rows:
         lines += ["", "real processes, init wall time of the slowest rank: "
@@ -554,6 +692,14 @@ def format_report(report: Report) -> str:
                 f"first {axis_row.first_call_seconds * 1e3:8.2f} ms  "
                 f"later {axis_row.later_call_seconds * 1e6:8.0f} us  "
                 f"{axis_row.declared!r}: {axis_row.declared_call_seconds * 1e6:8.0f} us"
+            )
+    if report.harness_rows:
+        lines += ["", "test harness start-up: wall seconds of a fresh pytest, all-reduce tests"]
+        for harness_row in report.harness_rows:
+            ranks = "1 rank" if harness_row.runner == SINGLE_PROCESS else f"{harness_row.world_size} ranks"
+            lines.append(
+                f"  {harness_row.runner:<28} {ranks:<9} {harness_row.tests:>3} test(s) "
+                f"{harness_row.seconds:>8.1f} s"
             )
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)

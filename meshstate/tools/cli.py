@@ -250,6 +250,11 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument(
         "--without-torchtitan", action="store_true", help="leave torchtitan's ParallelDims out"
     )
+    bench_parser.add_argument(
+        "--harness-tests", type=_process_world_sizes, default="1",
+        help="time a fresh pytest running this many 8-rank tests with meshstate's harness and "
+        "with torch's MultiProcessTestCase (comma-separated counts); 0 for none",
+    )
     bench_parser.add_argument("--json", action="store_true", help="print one JSON object")
     _add_force_flag(bench_parser)
     _add_verbose_flag(bench_parser)
@@ -592,7 +597,7 @@ def _bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
         args.world_sizes, sizes, rank=args.rank, repeats=args.repeat,
         process_world_sizes=args.processes, with_megatron=not args.without_megatron,
         with_titan=not args.without_torchtitan,
-        progress=progress,
+        harness_tests=args.harness_tests, progress=progress,
     )
     return 0, bench.report_json(report) if args.json else bench.format_report(report)
 
