@@ -157,7 +157,8 @@ def warm_up() -> None:
     """Start the fork server the workers come from, if it is not running; returns at once.
 
     It imports torch (and pytest, when the caller has) in the background, so a
-    world started later forks its workers from a warm process. Example: ``warm_up()`` when a test module is collected.
+    world started later forks its workers from a warm process. Example:
+    ``warm_up()`` while a test module is collected.
     """
     if _WORKER_MARK in os.environ:
         return  # a worker importing a test module: its caller's server is the one to use
