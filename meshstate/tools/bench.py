@@ -498,8 +498,12 @@ def run(
             ))
     if process_world_sizes and not torch.cuda.is_available():
         report.notes.append("no GPU here: the NCCL path (and split_group) was not measured")
+    runners = list(HARNESS_RUNNERS)
+    if harness_tests and importlib.util.find_spec("expecttest") is None:
+        runners.remove(MULTI_PROCESS_TEST_CASE)
+        report.notes.append("torch's MultiProcessTestCase is left out: it needs expecttest")
     for tests in harness_tests:
-        for runner in HARNESS_RUNNERS:
+        for runner in runners:
             progress(f"harness start-up: {runner}, {tests} test(s)")
             wall = time_test_run(runner, tests, harness_world_size)
             report.harness_rows.append(HarnessRow(runner, harness_world_size, tests, wall))
