@@ -272,7 +272,8 @@ def test_bench_progress_only_when_asked_or_on_a_terminal(capsys):
 def test_bench_measures_worlds_of_one_and_two_ranks(capsys):
     status, out, err = run_main(capsys, "bench", "--world-sizes", "1,2", "--tp", "1", "--cp", "1",
                                 "--pp", "1", "--ep", "1", "--etp", "1", "--repeat", "1",
-                                "--processes", "0", "--harness-tests", "0", "--without-megatron", "--json")
+                                "--processes", "0", "--harness-tests", "0", "--without-megatron",
+                                "--without-torchtitan", "--json")
     assert (status, err) == (0, "")
     assert {row["world_size"] for row in json.loads(out)["rows"]} == {1, 2}
 
