@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -172,7 +173,16 @@ class Transformer(nn.Module):
 
 def parallelize(model: Transformer, mesh: meshstate.ParallelMesh) -> Transformer:
     """Tensor parallel over ``mesh["tp"]``, then FSDP2 over ``mesh["dp-cp"]``."""
-    tp_mesh, fsdp_mesh = mesh["tp"], mesh["dp-cp"]
+    fsdp_mesh = mesh["dp-cp"]
+    parallelize_tp(model, mesh["tp"])
+    for block in model.layers:
+        fully_shard(block, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
+    return model
+
+
+def parallelize_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """The tensor-parallel plan: attention and FFN column/row parallel over ``tp_mesh``."""
     parallelize_module(
         model,
         tp_mesh,
@@ -195,9 +205,6 @@ def parallelize(model: Transformer, mesh: meshstate.ParallelMesh) -> Transformer
                 "ffn.w2": RowwiseParallel(),
             },
         )
-        fully_shard(block, mesh=fsdp_mesh)
-    fully_shard(model, mesh=fsdp_mesh)
-    return model
 
 
 def make_batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,14 +27,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import loss_parallel
 
 from fsdp2_tp import (
     BATCH,
@@ -46,33 +39,9 @@ from fsdp2_tp import (
     _max_grad_diff,
     loss_of,
     make_batch,
+    parallelize_tp,
 )
 from meshstate.titan import ParallelDims
-
-
-def parallelize_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """``fsdp2_tp.py``'s tensor-parallel plan over ``tp_mesh``."""
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
-    for block in model.layers:
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(),
-                "ffn.w1": ColwiseParallel(),
-                "ffn.w2": RowwiseParallel(),
-            },
-        )
 
 
 def train(dp_replicate: int = 2, tp: int = 2, steps: int = STEPS) -> Result:
