@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import warnings
 from datetime import timedelta
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -25,9 +25,11 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshstate.core.ranks import Ranks
+
 
 def new_member_group(
-    ranks: list[int],
+    ranks: Sequence[int],
     name: str,
     *,
     backend: str | None,
@@ -40,7 +42,9 @@ def new_member_group(
     ``new_group(use_local_synchronization=True)`` names a group after its ranks
     and the number of groups the caller already has, so members that created
     different numbers of groups before would never meet. Here the caller picks
-    the name (the same on every member), so only membership matters.
+    the name (the same on every member), so only membership matters. torch's
+    map from global to group rank is a view of ``ranks`` (``new_group`` builds
+    a dict of the members), so a ``Ranks`` of a huge group stays strides.
     Relies on ``c10d._new_process_group_helper`` and ``c10d._world``.
 
     ``ranks`` must be sorted and contain the caller.
@@ -50,10 +54,12 @@ def new_member_group(
     default_backend, default_store = world.pg_map[world_group]
     resolved_backend = dist.Backend(backend or default_backend)
     resolved_timeout = timeout or c10d._get_default_timeout(resolved_backend)
+    # torch copies the members into the backend's options; a range converts fastest.
+    members = ranks.as_range() if isinstance(ranks, Ranks) else None
     group, _ = c10d._new_process_group_helper(
         len(ranks),
         ranks.index(world_group.rank()),
-        ranks,
+        members if members is not None else list(ranks),
         resolved_backend,
         default_store,
         c10d.GroupName(name),
@@ -61,8 +67,43 @@ def new_member_group(
         timeout=resolved_timeout,
         group_desc=description,
     )
-    world.pg_group_ranks[group] = dict(zip(ranks, range(len(ranks))))
+    world.pg_group_ranks[group] = (
+        cast(dict[int, int], _GroupRanks(ranks, world_group.rank()))
+        if isinstance(ranks, Ranks)
+        else dict(zip(ranks, range(len(ranks))))
+    )
     return cast(dist.ProcessGroup, group)
+
+
+class _GroupRanks(Mapping[int, int]):
+    """Global rank -> group rank of a group whose sorted members are ``ranks``.
+
+    Stands where torch keeps a dict per group (``c10d._world.pg_group_ranks``),
+    which torch reads with ``[]``, ``in``, ``keys()``, ``items()`` and ``len``;
+    the caller's own entry (``dist.get_rank(group)``) is kept at hand.
+    """
+
+    def __init__(self, ranks: Ranks, caller: int) -> None:
+        self.ranks = ranks
+        self.caller = caller
+        self.caller_index = ranks.index(caller)
+
+    def __getitem__(self, rank: int) -> int:
+        if rank == self.caller:
+            return self.caller_index
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            raise KeyError(rank) from None
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self.ranks
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ranks)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
 
 
 def default_group() -> dist.ProcessGroup:

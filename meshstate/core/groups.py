@@ -31,6 +31,7 @@ import torch.distributed as dist
 from meshstate.core import compat as _compat
 from meshstate.core.errors import ConfigError, MeshStateError, MeshTimeoutError
 from meshstate.core.layout import Key
+from meshstate.core.ranks import identity
 
 _build_counter = itertools.count()
 
@@ -56,13 +57,14 @@ class GroupOptions:
 class GroupSpec:
     """One family of disjoint rank groups, e.g. every data-parallel group.
 
-    ``members`` is the calling rank's group (``None`` if it is in none);
+    ``members`` is the calling rank's group, sorted (``None`` if it is in none;
+    a :class:`~meshstate.core.ranks.Ranks` keeps a large one as strides);
     ``all_groups`` lists every group of the family and is only called where
     groups are split collectively.
     """
 
     name: Key
-    members: tuple[int, ...] | None
+    members: Sequence[int] | None
     all_groups: Callable[[], list[list[int]]]
     options: GroupOptions = GroupOptions()
 
@@ -163,14 +165,15 @@ class _Builder:
         backend = self._backend(spec)
         pg_options = self.pg_options if spec.options.pg_options is None else spec.options.pg_options
         split = self.splits and backend == self.default_backend
+        members = spec.members
         if split:
             ranks_key: Any = tuple(tuple(group) for group in spec.all_groups())
             whole_world = len(ranks_key) == 1 and len(ranks_key[0]) == self.world_size
-        elif spec.members is None:
+        elif members is None:
             return None
         else:
-            ranks_key = spec.members
-            whole_world = len(spec.members) == self.world_size  # distinct ranks: all of them
+            ranks_key = identity(members)
+            whole_world = len(members) == self.world_size  # distinct ranks: all of them
         key = (
             split,
             ranks_key,
@@ -196,8 +199,10 @@ class _Builder:
             except _CannotSplit:
                 self.splits = False
                 return self._group(spec)
+        elif members is not None:
+            group = self._member_group(members, spec.name, backend, pg_options)
         else:
-            group = self._member_group(spec.members or (), spec.name, backend, pg_options)
+            return None
         self.by_key[key] = group
         return group
 
@@ -207,12 +212,12 @@ class _Builder:
         return spec.options.backend or self.backend or self.default_backend
 
     def _member_group(
-        self, members: tuple[int, ...], name: Key, backend: str, pg_options: Any
+        self, members: Sequence[int], name: Key, backend: str, pg_options: Any
     ) -> dist.ProcessGroup:
         # A family's groups are disjoint, so its name and the group's first rank name the group.
         try:
             group = _compat.new_member_group(
-                list(members),
+                members,
                 f"meshstate-{self.build_id}-{backend}-{name}-{members[0]}",
                 backend=backend,
                 timeout=self.timeout,
@@ -259,7 +264,7 @@ class _CannotSplit(Exception):
 
 
 def create_axis_set_group(
-    owner: ProcessGroupSet, axes: str, members: tuple[int, ...]
+    owner: ProcessGroupSet, axes: str, members: Sequence[int]
 ) -> dist.ProcessGroup:
     """The calling rank's group over an undeclared axis set, made on first use.
 
@@ -276,7 +281,7 @@ def create_axis_set_group(
     """
     default_group = _compat.default_group()
     if axes not in owner.by_name:
-        if members == tuple(range(default_group.size())) and owner.timeout is None:
+        if len(members) == default_group.size() and owner.timeout is None:  # distinct: all
             owner.by_name[axes] = default_group
         else:
             fake = str(dist.get_backend(default_group)) == "fake"
@@ -287,7 +292,7 @@ def create_axis_set_group(
     return owner.by_name[axes]
 
 
-def _short(ranks: tuple[int, ...]) -> str:
+def _short(ranks: Sequence[int]) -> str:
     return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
 
 

@@ -33,6 +33,7 @@ import torch
 
 from meshstate.core.config import MeshConfig
 from meshstate.core.errors import AxisError, ConfigError
+from meshstate.core.ranks import Ranks
 
 DENSE_AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("etp", "ep", "edp", "pp")
@@ -151,42 +152,31 @@ class Grid:
 
     def group_of(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
         """The group of ``axes`` (major to minor) that contains ``rank``."""
+        return tuple(self.lattice_of(rank, axes))
+
+    def lattice_of(self, rank: int, axes: Sequence[str]) -> Ranks:
+        """:meth:`group_of` as :class:`~meshstate.core.ranks.Ranks`: strides, no list of members.
+
+        Example: ``Grid(("tp", "dp"), (2, 4)).lattice_of(5, ["dp"]) == (1, 3, 5, 7)``.
+        """
         major_to_minor = self._distinct(axes)
         coordinate = self.coordinate(rank)
         base = rank - sum(coordinate[a] * self._strides[a] for a in major_to_minor)
-        # Arithmetic progressions (stride, count) major to minor; size-1 axes add nothing, and
-        # an axis whose stride spans the progression inside it extends that progression.
-        steps: list[tuple[int, int]] = []
-        for axis in reversed(major_to_minor):
-            stride, count = self._strides[axis], self.size(axis)
-            if count == 1:
-                continue
-            if steps and steps[0][0] * steps[0][1] == stride:
-                steps[0] = (steps[0][0], steps[0][1] * count)
-            else:
-                steps.insert(0, (stride, count))
-        if not steps:
-            return (base,)
-        *outer, (stride, count) = steps
-        starts = [base]
-        for outer_stride, outer_count in outer:
-            offsets = range(0, outer_count * outer_stride, outer_stride)
-            starts = [start + offset for start in starts for offset in offsets]
-        span = count * stride
-        return tuple(
-            itertools.chain.from_iterable(range(start, start + span, stride) for start in starts)
-        )
+        return Ranks(base, [(self._strides[a], self.size(a)) for a in major_to_minor])
 
-    def members_at(self, rank: int, axes: Sequence[str], positions: range) -> tuple[int, ...]:
+    def members_at(self, rank: int, axes: Sequence[str], positions: range) -> Sequence[int]:
         """The members at ``positions`` of ``rank``'s group of ``axes`` (major to minor), sorted.
 
-        Arithmetic on strides for just those positions (vectorised), never the whole group.
+        Arithmetic on strides for just those positions, never the whole group: a
+        :class:`~meshstate.core.ranks.Ranks` where they form a lattice, else a
+        tuple (vectorised).
         Example: ``Grid(("tp", "dp"), (2, 4)).members_at(0, ["dp", "tp"], range(2, 4))``
         is ``(2, 3)``.
         """
         major_to_minor = self._distinct(axes)
-        if len(positions) == math.prod(self.size(axis) for axis in major_to_minor):
-            return tuple(sorted(self.group_of(rank, major_to_minor)))
+        taken = self.lattice_of(rank, major_to_minor).take(positions)
+        if taken is not None:
+            return taken.sorted()
         coordinate = self.coordinate(rank)
         base = rank - sum(coordinate[a] * self._strides[a] for a in major_to_minor)
         remaining = torch.arange(positions.start, positions.stop, positions.step)
@@ -553,10 +543,15 @@ class ParallelLayout:
         grid = self.resolve("-".join(base))[1]
         return grid, tuple(base)
 
-    def members(self, rank: int, key: Key) -> tuple[int, ...] | None:
-        """The group of ``key`` that contains ``rank`` (``None`` if a derived group has none)."""
+    def members(self, rank: int, key: Key) -> Sequence[int] | None:
+        """The group of ``key`` that contains ``rank`` (``None`` if a derived group has none).
+
+        Strides where the group is a lattice (:class:`~meshstate.core.ranks.Ranks`),
+        so a group of a million-rank world costs no list of its members.
+        """
         if isinstance(key, str):
-            return self.group_of(rank, key)
+            _, grid, axes = self.resolve(key)
+            return grid.lattice_of(rank, axes)
         grid, axes = self.resolve_base(key.base)
         split = key.split
         if split is None or isinstance(split, (Chunks, Instances, Level)):

@@ -62,7 +62,7 @@ class AxisGroup:
     """
 
     key: Key
-    ranks: tuple[int, ...]
+    ranks: Sequence[int]
     rank: int
     group: dist.ProcessGroup
 
@@ -108,7 +108,7 @@ class ParallelMesh:
         self,
         layout: ParallelLayout,
         process_groups: ProcessGroupSet,
-        members: Mapping[Key, tuple[int, ...] | None],
+        members: Mapping[Key, Sequence[int] | None],
         *,
         device_type: str,
         kinds: tuple[str, ...] = GROUP_KINDS,
@@ -135,7 +135,7 @@ class ParallelMesh:
         self.rank_in: dict[Key, int] = {}
         self.size_of: dict[Key, int] = {}
         self.group_of: dict[Key, dist.ProcessGroup] = {}
-        self.ranks_of: dict[Key, tuple[int, ...]] = {}
+        self.ranks_of: dict[Key, Sequence[int]] = {}
         for spelling, key in self._declared.items():
             ranks = members[key]
             if ranks is not None:
@@ -223,8 +223,9 @@ class ParallelMesh:
             return self.group_of[joint]
         members = tuple(sorted(ranks))
         for spelling, declared_ranks in self.ranks_of.items():
-            if isinstance(spelling, str) and tuple(sorted(declared_ranks)) == members:
-                return self.group_of[spelling]
+            if isinstance(spelling, str) and len(declared_ranks) == len(members):
+                if tuple(sorted(declared_ranks)) == members:
+                    return self.group_of[spelling]
         return create_axis_set_group(self.process_groups, joint, members)
 
     def axis_group(self, key: Key) -> AxisGroup:
@@ -253,8 +254,12 @@ class ParallelMesh:
         except KeyError:
             raise self._missing(key) from None
 
-    def ranks(self, key: Key) -> tuple[int, ...]:
-        """Global ranks of the calling rank's group of ``key``, in group order."""
+    def ranks(self, key: Key) -> Sequence[int]:
+        """Global ranks of the calling rank's group of ``key``, in group order.
+
+        A sequence equal to the tuple of them; a large group's is kept as strides
+        (:class:`~meshstate.core.ranks.Ranks`), so ``[i]``, ``in`` and ``index`` cost no list.
+        """
         try:
             return self.ranks_of[key]
         except KeyError:

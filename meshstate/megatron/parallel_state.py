@@ -331,7 +331,7 @@ class _NotInitialized(dict[Key, Any]):
 
 def _tables(
     mesh: ParallelMesh | None, overrides: Mapping[str, int | None]
-) -> tuple[Mapping[Key, int], Mapping[Key, int], Mapping[Key, ProcessGroup], Mapping[Key, tuple[int, ...]]]:
+) -> tuple[Mapping[Key, int], Mapping[Key, int], Mapping[Key, ProcessGroup], Mapping[Key, Sequence[int]]]:
     """The rank, size, group and member tables of ``mesh``, under the overrides.
 
     The tables are the mesh's own (``mesh.rank_in``, ...) or, before init,

@@ -76,7 +76,7 @@ def _check_kind(mesh: ParallelMesh, key: str, device: torch.device) -> KindCheck
     else:
         if tuple(device_mesh.mesh.flatten().tolist()) != ranks:
             problems.append(f"DeviceMesh {key!r} holds {device_mesh.mesh.flatten().tolist()}")
-    return KindCheck(key, ranks, tuple(problems))
+    return KindCheck(key, tuple(ranks), tuple(problems))
 
 
 @dataclass(frozen=True)
