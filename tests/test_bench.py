@@ -55,8 +55,10 @@ def test_table_and_json(report):
     assert "psum of 1024 floats over an axis tuple not declared at init" in table
     assert set(decoded["rows"][0]) == {
         "world_size", "approach", "init_seconds", "creation_calls", "member_groups",
-        "distinct_rank_sets", "state_kib", "getter_ns", "layout_seconds", "rss_mib"}
-    assert "init growth and memory" in table and "hot getters at world 64" in table
+        "distinct_rank_sets", "state_kib", "getter_ns", "layout_seconds", "rss_mib",
+        "torch_seconds"}
+    assert 0 < decoded["rows"][0]["torch_seconds"] < decoded["rows"][0]["init_seconds"]
+    assert "init growth and memory" in table and "own " in table and "hot getters at world 64" in table
     assert decoded["config"]["world_sizes"] == [64]
 
 

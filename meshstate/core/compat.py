@@ -7,6 +7,7 @@ function says which private name it relies on.
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from datetime import timedelta
 from collections.abc import Iterator, Mapping, Sequence
@@ -149,26 +150,30 @@ def symmetric_memory(
 
 
 @contextmanager
-def counting_group_creation() -> Iterator[list[int]]:
-    """Count the calls that create process groups while the block runs.
+def counting_group_creation() -> Iterator[list[float]]:
+    """Count the calls that create process groups while the block runs, and time them.
 
     Every group creation, by ``new_group``, ``init_device_mesh`` or meshstate,
     goes through ``c10d._new_process_group_helper`` (members and non-members
-    alike), or through ``split_group``; the count is ``calls[0]``.
+    alike), or through ``split_group``; the count is ``calls[0]`` and the
+    seconds spent inside torch's constructors ``calls[1]``.
     """
-    calls = [0]
+    calls = [0, 0.0]
     helper, split = c10d._new_process_group_helper, dist.split_group
 
-    def counted_helper(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return helper(*args, **kwargs)
+    def counted(create: Any) -> Any:
+        def create_counted(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            started = time.perf_counter()
+            try:
+                return create(*args, **kwargs)
+            finally:
+                calls[1] += time.perf_counter() - started
 
-    def counted_split(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return split(*args, **kwargs)
+        return create_counted
 
-    c10d._new_process_group_helper = counted_helper
-    dist.split_group = counted_split
+    c10d._new_process_group_helper = counted(helper)
+    dist.split_group = counted(split)
     try:
         yield calls
     finally:

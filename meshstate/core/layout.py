@@ -33,7 +33,7 @@ import torch
 
 from meshstate.core.config import MeshConfig
 from meshstate.core.errors import AxisError, ConfigError
-from meshstate.core.ranks import Ranks
+from meshstate.core.ranks import Ranks, listed_if_small
 
 DENSE_AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("etp", "ep", "edp", "pp")
@@ -168,15 +168,15 @@ class Grid:
         """The members at ``positions`` of ``rank``'s group of ``axes`` (major to minor), sorted.
 
         Arithmetic on strides for just those positions, never the whole group: a
-        :class:`~meshstate.core.ranks.Ranks` where they form a lattice, else a
-        tuple (vectorised).
+        :class:`~meshstate.core.ranks.Ranks` where they form a lattice of more
+        than 4,096 ranks, else a tuple (vectorised where they are no lattice).
         Example: ``Grid(("tp", "dp"), (2, 4)).members_at(0, ["dp", "tp"], range(2, 4))``
         is ``(2, 3)``.
         """
         major_to_minor = self._distinct(axes)
         taken = self.lattice_of(rank, major_to_minor).take(positions)
         if taken is not None:
-            return taken.sorted()
+            return listed_if_small(taken.sorted())
         coordinate = self.coordinate(rank)
         base = rank - sum(coordinate[a] * self._strides[a] for a in major_to_minor)
         remaining = torch.arange(positions.start, positions.stop, positions.step)
@@ -546,12 +546,13 @@ class ParallelLayout:
     def members(self, rank: int, key: Key) -> Sequence[int] | None:
         """The group of ``key`` that contains ``rank`` (``None`` if a derived group has none).
 
-        Strides where the group is a lattice (:class:`~meshstate.core.ranks.Ranks`),
-        so a group of a million-rank world costs no list of its members.
+        A tuple, or for a group of more than 4,096 ranks that is a lattice, its
+        strides (:class:`~meshstate.core.ranks.Ranks`): a group of a million-rank
+        world costs no list of its members.
         """
         if isinstance(key, str):
             _, grid, axes = self.resolve(key)
-            return grid.lattice_of(rank, axes)
+            return listed_if_small(grid.lattice_of(rank, axes))
         grid, axes = self.resolve_base(key.base)
         split = key.split
         if split is None or isinstance(split, (Chunks, Instances, Level)):

@@ -86,6 +86,8 @@ class Row:
     getter_ns: dict[str, float]
     layout_seconds: float | None = None
     rss_mib: float | None = None
+    torch_seconds: float | None = None
+    """Of ``init_seconds``, the time inside torch's process-group constructors."""
 
 
 @dataclass(frozen=True)
@@ -359,14 +361,16 @@ def measure(config: MeshConfig, approach: str, rank: int, repeats: int) -> Row:
         rank_sets = {tuple(dist.get_process_group_ranks(group)) for group in groups}
         getter_ns = {name: _ns_per_call(*getter) for name, getter in built.getters.items()}
         built.teardown()
-    times, rss_growth = [], []
+    times, torch_times, rss_growth = [], [], []
     for _ in range(repeats):
         with fake_world(rank, config.world_size):
             gc.collect()
             rss_before = _rss_mib()
-            started = time.perf_counter()
-            built = build(config)
-            times.append(time.perf_counter() - started)
+            with _compat.counting_group_creation() as timed:
+                started = time.perf_counter()
+                built = build(config)
+                times.append(time.perf_counter() - started)
+            torch_times.append(timed[1])
             rss_growth.append(_rss_mib() - rss_before)
             built.teardown()
     layout_seconds = None
@@ -377,13 +381,14 @@ def measure(config: MeshConfig, approach: str, rank: int, repeats: int) -> Row:
         world_size=config.world_size,
         approach=approach,
         init_seconds=statistics.median(times),
-        creation_calls=calls[0],
+        creation_calls=int(calls[0]),
         member_groups=len(groups),
         distinct_rank_sets=len(rank_sets),
         state_kib=(kept - before) / 1024,
         getter_ns=getter_ns,
         layout_seconds=layout_seconds,
         rss_mib=statistics.median(rss_growth),
+        torch_seconds=statistics.median(torch_times),
     )
 
 
@@ -656,15 +661,18 @@ def format_report(report: Report) -> str:
             f"{row.state_kib:>10.0f} {row.getter_ns['tp rank']:>10.0f} {layout:>9} "
             + " ".join(f"{ratio:>6}" for ratio in ratios)
         )
-    lines += ["", "init growth and memory: init s at each world / init s at the smallest; "
-              "RSS MiB the process gained over init"]
+    lines += ["", "init growth and memory: init s at each world (x the smallest world's); "
+              "own: without the time inside torch's group constructors, which copy each "
+              "group's member list; RSS MiB the process gained over init"]
     for approach in APPROACHES:
         rows = [row for row in report.rows if row.approach == approach]
         if rows:
+            own = [row.init_seconds - (row.torch_seconds or 0.0) for row in rows]
             growth = "  ".join(
-                f"{row.world_size}: {row.init_seconds:.4f} s ({row.init_seconds / rows[0].init_seconds:.1f}x, "
-                f"{row.rss_mib or 0:.0f} MiB)"
-                for row in rows
+                f"{row.world_size}: {row.init_seconds:.4f} s "
+                f"({row.init_seconds / rows[0].init_seconds:.1f}x; "
+                f"own {mine:.4f} s, {mine / own[0]:.1f}x; {row.rss_mib or 0:.0f} MiB)"
+                for row, mine in zip(rows, own)
             )
             lines.append(f"  {approach:<25} {growth}")
     getter_world = min(report.rows[-1].world_size, max(
