@@ -55,12 +55,9 @@ def new_member_group(
     default_backend, default_store = world.pg_map[world_group]
     resolved_backend = dist.Backend(backend or default_backend)
     resolved_timeout = timeout or c10d._get_default_timeout(resolved_backend)
-    # torch copies the members into the backend's options; a range converts fastest.
-    members = ranks.as_range() if isinstance(ranks, Ranks) else None
-    group, _ = c10d._new_process_group_helper(
-        len(ranks),
+    group = _torch_group(
+        ranks,
         ranks.index(world_group.rank()),
-        members if members is not None else list(ranks),
         resolved_backend,
         default_store,
         c10d.GroupName(name),
@@ -74,6 +71,17 @@ def new_member_group(
         else dict(zip(ranks, range(len(ranks))))
     )
     return cast(dist.ProcessGroup, group)
+
+
+def _torch_group(ranks: Sequence[int], group_rank: int, *args: Any, **kwargs: Any) -> Any:
+    """torch's group constructor, given the members as it takes them.
+
+    It copies them into the backend's options, O(members) whatever we do; a
+    ``range`` converts fastest, any other lattice is listed (and freed) here.
+    """
+    lattice = ranks.as_range() if isinstance(ranks, Ranks) else None
+    members = lattice if lattice is not None else list(ranks)
+    return c10d._new_process_group_helper(len(ranks), group_rank, members, *args, **kwargs)[0]
 
 
 class _GroupRanks(Mapping[int, int]):
@@ -155,30 +163,38 @@ def counting_group_creation() -> Iterator[list[float]]:
 
     Every group creation, by ``new_group``, ``init_device_mesh`` or meshstate,
     goes through ``c10d._new_process_group_helper`` (members and non-members
-    alike), or through ``split_group``; the count is ``calls[0]`` and the
-    seconds spent inside torch's constructors ``calls[1]``.
+    alike), or through ``split_group``; the count is ``calls[0]``. ``calls[1]``
+    is the seconds spent in torch's constructors, with the member lists that
+    meshstate makes only for them.
     """
+    global _torch_group
     calls = [0, 0.0]
-    helper, split = c10d._new_process_group_helper, dist.split_group
+    helper, split, listed_helper = c10d._new_process_group_helper, dist.split_group, _torch_group
+    depth = [0]
 
-    def counted(create: Any) -> Any:
-        def create_counted(*args: Any, **kwargs: Any) -> Any:
-            calls[0] += 1
+    def timed(create: Any, counts: bool) -> Any:
+        def create_timed(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += counts
+            depth[0] += 1
             started = time.perf_counter()
             try:
                 return create(*args, **kwargs)
             finally:
-                calls[1] += time.perf_counter() - started
+                depth[0] -= 1
+                if not depth[0]:  # the outermost constructor only
+                    calls[1] += time.perf_counter() - started
 
-        return create_counted
+        return create_timed
 
-    c10d._new_process_group_helper = counted(helper)
-    dist.split_group = counted(split)
+    c10d._new_process_group_helper = timed(helper, counts=True)
+    dist.split_group = timed(split, counts=True)
+    _torch_group = timed(listed_helper, counts=False)
     try:
         yield calls
     finally:
         c10d._new_process_group_helper = helper
         dist.split_group = split
+        _torch_group = listed_helper
 
 
 def live_groups() -> list[dist.ProcessGroup]:

@@ -662,8 +662,8 @@ def format_report(report: Report) -> str:
             + " ".join(f"{ratio:>6}" for ratio in ratios)
         )
     lines += ["", "init growth and memory: init s at each world (x the smallest world's); "
-              "own: without the time inside torch's group constructors, which copy each "
-              "group's member list; RSS MiB the process gained over init"]
+              "own: without torch's group constructors, which copy each group's member "
+              "list (O(members)), and that list; RSS MiB the process gained over init"]
     for approach in APPROACHES:
         rows = [row for row in report.rows if row.approach == approach]
         if rows:
