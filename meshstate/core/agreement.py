@@ -31,10 +31,10 @@ _LISTED = 16  # ranks named in a message before "and N more"
 
 
 def agree(
-    fields: Mapping[str, Any], *, timeout: timedelta, ranks: range | None = None
+    fields: Mapping[str, Any], *, timeout: timedelta, ranks: range | tuple[int, ...] | None = None
 ) -> int | None:
     """Wait until every rank (of ``ranks``, default the world) has posted ``fields``;
-    check they are all the same.
+    check they are all the same. ``ranks`` is a range or an increasing tuple of ranks.
 
     Returns the build's round number, the same on every rank (``None`` on the
     fake backend; negative for a sub-world). Every rank must call it once per mesh build.
@@ -48,11 +48,17 @@ def agree(
     store = _compat.default_store()
     ranks = ranks or range(dist.get_world_size())
     rank, world_size = ranks.index(dist.get_rank()), len(ranks)
-    scope = _PREFIX if len(ranks) == dist.get_world_size() else f"{_PREFIX}/{ranks.start}-{ranks.stop}"
+    listed = "" if isinstance(ranks, range) else _digest(json.dumps(ranks))
+    if len(ranks) == dist.get_world_size():
+        scope = _PREFIX
+    elif isinstance(ranks, range):
+        scope = f"{_PREFIX}/{ranks.start}-{ranks.stop}"
+    else:
+        scope = f"{_PREFIX}/listed-{listed}"
     build = (store.add(f"{scope}/arrivals", 1) - 1) // world_size
     prefix = f"{scope}/{build}"
     text = json.dumps(dict(fields), sort_keys=True, default=repr)
-    digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+    digest = _digest(text)
     store.set(f"{prefix}/rank/{rank}", text)
     store.add(f"{prefix}/digest/{digest}", 1)
     if store.add(f"{prefix}/count", 1) == world_size:
@@ -73,10 +79,17 @@ def agree(
     store.delete_key(f"{prefix}/rank/{rank}")
     if scope == _PREFIX:
         return build
+    if not isinstance(ranks, range):
+        # A hash of the round and the listed ranks, far below any range's number.
+        return -(1 << 62) - int(_digest(f"{build}/{listed}")[:15], 16)
     # A sub-world's round, told apart from the world's and other sub-worlds' (negative,
     # one integer per (round, start, stop)): group names built from it never collide.
     span = dist.get_world_size() + 1
     return -1 - (build * span + ranks.start) * span - ranks.stop
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
 
 
 def describe_mismatch(posted: list[dict[str, Any]]) -> str:

@@ -66,6 +66,7 @@ class MeshArguments(TypedDict):
     ep: int
     etp: int
     pp: int
+    dp_replicate: int
 
 
 @dataclass(frozen=True, init=False)
@@ -74,6 +75,8 @@ class MeshConfig:
 
     ``dp`` is inferred as ``world_size // (tp*cp*pp)`` and the expert data-parallel
     size ``edp`` as ``world_size // (etp*ep*pp)``; ``etp`` defaults to ``tp``.
+    ``dp_replicate`` splits ``dp`` for HSDP into ``dp_replicate`` (outer) times
+    ``dp_shard = dp // dp_replicate`` (inner, the faster part of ``dp``).
     Compares and hashes by value.
 
     Example::
@@ -94,6 +97,7 @@ class MeshConfig:
     ep: int
     etp: int
     pp: int
+    dp_replicate: int
 
     def __init__(
         self,
@@ -105,9 +109,12 @@ class MeshConfig:
         ep: int = 1,
         etp: int | None = None,
         pp: int = 1,
+        dp_replicate: int = 1,
     ) -> None:
         check_positive_int("world size", world_size)
-        for name, value in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp)):
+        for name, value in (
+            ("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("dp_replicate", dp_replicate)
+        ):
             check_positive_int(name, value)
         etp = tp if etp is None else check_positive_int("etp", etp)
         object.__setattr__(self, "world_size", world_size)
@@ -117,6 +124,7 @@ class MeshConfig:
         object.__setattr__(self, "ep", ep)
         object.__setattr__(self, "etp", etp)
         object.__setattr__(self, "pp", pp)
+        object.__setattr__(self, "dp_replicate", dp_replicate)
         self._check_divisible()
         self._check_axes_in_order()
         self._check_pipeline_groups_agree()
@@ -132,6 +140,11 @@ class MeshConfig:
         return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
+    def dp_shard(self) -> int:
+        """The inner, faster part of ``dp`` under HSDP: ``dp // dp_replicate``."""
+        return self.dp // self.dp_replicate
+
+    @property
     def edp(self) -> int:
         """Data-parallel size of the expert layers."""
         return self.world_size // (self.etp * self.ep * self.pp)
@@ -142,11 +155,14 @@ class MeshConfig:
         Example: ``init_mesh(**MeshConfig(8, tp=2).arguments())``.
         """
         return MeshArguments(
-            order=self.order, tp=self.tp, cp=self.cp, ep=self.ep, etp=self.etp, pp=self.pp
+            order=self.order, tp=self.tp, cp=self.cp, ep=self.ep, etp=self.etp, pp=self.pp,
+            dp_replicate=self.dp_replicate,
         )
 
     def sizes(self) -> dict[str, int]:
-        """Every axis size by name: ``tp cp ep etp pp dp edp``."""
+        """Every axis size by name: ``tp cp ep etp pp dp edp``, then ``dp_replicate
+        dp_shard`` where ``dp_replicate > 1``."""
+        hsdp = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
         return {
             "tp": self.tp,
             "cp": self.cp,
@@ -155,11 +171,22 @@ class MeshConfig:
             "pp": self.pp,
             "dp": self.dp,
             "edp": self.edp,
+            **(hsdp if self.dp_replicate > 1 else {}),
         }
 
     def dense_sizes(self) -> dict[str, int]:
         """Size of each order axis in the dense view (``ep`` is 1 there)."""
         return {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
+
+    def hsdp_sizes(self) -> dict[str, int]:
+        """Size of each axis of the HSDP view: the dense view with ``dp`` split in two."""
+        return {
+            "tp": self.tp,
+            "cp": self.cp,
+            "dp_shard": self.dp_shard,
+            "dp_replicate": self.dp_replicate,
+            "pp": self.pp,
+        }
 
     def expert_sizes(self) -> dict[str, int]:
         """Size of each order axis in the expert view (``tp`` is etp, ``dp`` is edp, ``cp`` is 1)."""
@@ -177,6 +204,12 @@ class MeshConfig:
                     f"world size {self.world_size} is not divisible by "
                     f"{names} = {factors} = {product}"
                 )
+        if self.dp % self.dp_replicate:
+            raise ConfigError(
+                f"dp = {self.dp} (world size {self.world_size} / tp*cp*pp = "
+                f"{self.tp * self.cp * self.pp}) is not divisible by dp_replicate = "
+                f"{self.dp_replicate}"
+            )
 
     def _check_axes_in_order(self) -> None:
         named = self.order.split("-")

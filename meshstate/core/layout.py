@@ -37,15 +37,20 @@ from meshstate.core.ranks import Ranks, listed_if_small
 
 DENSE_AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("etp", "ep", "edp", "pp")
+HSDP_AXES = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+"""The HSDP view: the dense axes with ``dp`` split into ``dp_replicate`` (outer) x ``dp_shard``."""
 
 DENSE_KINDS = ("tp", "cp", "dp", "pp", "tp-cp", "dp-cp", "tp-dp", "tp-dp-cp", "tp-pp")
 """Megatron's dense group kinds, in the order ``meshstate plan`` lists them."""
 EXPERT_KINDS = ("ep", "etp", "etp-ep", "etp-ep-pp", "edp")
 """Megatron's expert group kinds, in the order ``meshstate plan`` lists them."""
 GROUP_KINDS = DENSE_KINDS + EXPERT_KINDS
+HSDP_KINDS = ("dp_replicate", "dp_shard", "dp_shard-cp")
+"""The keys a mesh with ``dp_replicate > 1`` adds: FSDP2's replicate, shard and shard-with-cp groups."""
 
 # How a joint key is spelled: "dp-cp" not "cp-dp", "etp-ep-pp" not "pp-ep-etp".
-_KEY_SPELLING_ORDER = ("tp", "etp", "dp", "cp", "ep", "edp", "pp")
+_KEY_SPELLING_ORDER = ("tp", "etp", "dp", "dp_replicate", "dp_shard", "cp", "ep", "edp", "pp")
+_DP_PARTS = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,62 @@ class Grid:
         return local
 
 
+@dataclass(frozen=True)
+class ListedGrid(Grid):
+    """A :class:`Grid` over listed global ranks: local rank ``i`` is ``ranks[i]``.
+
+    ``ranks`` increase, so groups keep the global order a process group numbers
+    its members in. Every answer is the plain grid's, each rank mapped.
+
+    Example::
+
+        >>> grid = ListedGrid(("tp", "dp"), (2, 2), ranks=(1, 3, 5, 7))
+        >>> grid.group_of(5, ["dp"]), grid.coordinate(7)
+        ((1, 5), {'tp': 1, 'dp': 1})
+    """
+
+    ranks: tuple[int, ...] = ()
+    _plain: Grid = field(init=False, repr=False, compare=False)
+    _position: dict[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rank_offset:
+            raise ConfigError(f"a grid over listed ranks takes no rank_offset, got {self.rank_offset}")
+        if len(self.ranks) != self.world_size:
+            raise ConfigError(
+                f"a grid of sizes {self.sizes} needs {self.world_size} ranks, got {len(self.ranks)}"
+            )
+        if any(b <= a for a, b in zip(self.ranks, self.ranks[1:])) or self.ranks[0] < 0:
+            raise ConfigError(f"listed ranks must increase from >= 0, got {_shown(self.ranks)}")
+        object.__setattr__(self, "_plain", Grid(self.axes, self.sizes))
+        object.__setattr__(self, "_position", {rank: i for i, rank in enumerate(self.ranks)})
+
+    def rank_grid(self) -> torch.Tensor:
+        """All ranks as an int tensor of ``mesh_shape``."""
+        return torch.tensor(self.ranks).view(self.mesh_shape)
+
+    def group_of(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
+        """The group of ``axes`` (major to minor) that contains ``rank``."""
+        return tuple(self.ranks[i] for i in self._plain.group_of(self._local(rank), axes))
+
+    def members_at(self, rank: int, axes: Sequence[str], positions: range) -> tuple[int, ...]:
+        """The members at ``positions`` of ``rank``'s group of ``axes`` (major to minor), sorted."""
+        local = self._plain.members_at(self._local(rank), axes, positions)
+        return tuple(self.ranks[i] for i in local)
+
+    def _local(self, rank: int) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ConfigError(f"rank must be an integer, got {rank!r}")
+        if rank not in self._position:
+            raise ConfigError(f"rank {rank} is not one of the grid's ranks {_shown(self.ranks)}")
+        return self._position[rank]
+
+
+def _shown(ranks: Sequence[int]) -> str:
+    return str(list(ranks)) if len(ranks) <= 16 else f"{list(ranks[:16])} ... ({len(ranks)} ranks)"
+
+
 def _prefix_products(sizes: Sequence[int]) -> list[int]:
     products = [1]
     for size in sizes[:-1]:
@@ -234,6 +295,21 @@ def _dense_grid(config: MeshConfig, rank_offset: int = 0) -> Grid:
     sizes = config.dense_sizes()
     axes = tuple(a for a in config.order_axes if a != "ep")
     return Grid(axes, tuple(sizes[a] for a in axes), rank_offset)
+
+
+def _hsdp_grid(config: MeshConfig, rank_offset: int = 0) -> Grid:
+    sizes = config.hsdp_sizes()
+    axes = tuple(
+        part
+        for axis in config.order_axes
+        if axis != "ep"
+        for part in (("dp_shard", "dp_replicate") if axis == "dp" else (axis,))
+    )
+    return Grid(axes, tuple(sizes[a] for a in axes), rank_offset)
+
+
+def _listed(grid: Grid, ranks: tuple[int, ...] | None) -> Grid:
+    return grid if ranks is None else ListedGrid(grid.axes, grid.sizes, ranks=ranks)
 
 
 def _expert_grid(config: MeshConfig, rank_offset: int = 0) -> Grid:
@@ -453,69 +529,121 @@ Key = str | DerivedGroup
 """What names a group of a mesh: a key such as ``"dp-cp"``, or a :class:`DerivedGroup`."""
 
 
-def spellings(key: Key) -> list[Key]:
-    """Every way to write ``key``: a joint key is a set of axes.
+def spellings(key: Key, *, split_dp: bool = False) -> list[Key]:
+    """Every way to write ``key``: a joint key is a set of axes; with ``split_dp``,
+    ``dp`` is also written ``dp_replicate-dp_shard``.
 
-    Example: ``spellings("dp-cp") == ["dp-cp", "cp-dp"]``.
+    Example: ``spellings("dp-cp") == ["dp-cp", "cp-dp"]``; with ``split_dp=True`` the
+    list goes on with ``"dp_replicate-dp_shard-cp"`` and its other orders.
     """
     if isinstance(key, str):
-        return list(_joint_spellings(key))
+        return list(_joint_spellings(key, split_dp))
     if isinstance(key.base, str):
-        return [replace(key, base=base) for base in _joint_spellings(key.base)]
+        return [replace(key, base=base) for base in _joint_spellings(key.base, split_dp)]
     return [key]
 
 
-def _joint_spellings(key: str) -> Iterable[str]:
-    return map("-".join, itertools.permutations(key.split("-")))
+def splits_dp(keys: Iterable[Key]) -> bool:
+    """Whether a key names ``dp_replicate`` or ``dp_shard``: then ``dp`` is also spelled so.
+
+    Example: ``splits_dp(["tp", "dp_shard-cp"])`` is ``True``.
+    """
+    for key in keys:
+        base = key if isinstance(key, str) else key.base
+        axes = base.split("-") if isinstance(base, str) else base
+        if any(axis in _DP_PARTS for axis in axes):
+            return True
+    return False
+
+
+def _joint_spellings(key: str, split_dp: bool) -> Iterable[str]:
+    axes = key.split("-")
+    written = list(map("-".join, itertools.permutations(axes)))
+    if split_dp and "dp" in axes:
+        split = [part for axis in axes for part in (_DP_PARTS if axis == "dp" else (axis,))]
+        written += map("-".join, itertools.permutations(split))
+    return written
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The dense and expert views of one config, and their groups by key.
+    """The dense, expert and HSDP views of one config, and their groups by key.
 
     A key names one axis (``"tp"``) or a joint group of several axes of one view
     (``"dp-cp"``). A joint key is a set: ``"cp-dp"`` is the same group as
-    ``"dp-cp"``. Ranks inside a joint group run in mesh order, the axis first in
-    the order string fastest, exactly as megatron-core builds them.
-    ``rank_offset`` shifts every rank: a layout over ranks ``rank_offset ..
-    rank_offset + world_size - 1`` of a larger world.
+    ``"dp-cp"``, and ``"dp_replicate-dp_shard"`` the same as ``"dp"``. Ranks
+    inside a joint group run in mesh order, the axis first in the order string
+    fastest, exactly as megatron-core builds them. The HSDP view (``hsdp``) is
+    the dense one with ``dp`` split into ``dp_replicate`` (outer) x ``dp_shard``
+    (inner), torchtitan's ``[pp, dp_replicate, dp_shard, cp, tp]`` for the
+    default order. ``rank_offset`` shifts every rank: a layout over ranks
+    ``rank_offset .. rank_offset + world_size - 1`` of a larger world;
+    ``ranks`` (increasing) puts local rank ``i`` on global rank ``ranks[i]`` instead.
     """
 
     config: MeshConfig
     rank_offset: int = 0
+    ranks: tuple[int, ...] | None = None
     dense: Grid = field(init=False, repr=False)
     expert: Grid = field(init=False, repr=False)
+    hsdp: Grid = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dense", _dense_grid(self.config, self.rank_offset))
-        object.__setattr__(self, "expert", _expert_grid(self.config, self.rank_offset))
+        object.__setattr__(self, "dense", _listed(_dense_grid(self.config, self.rank_offset), self.ranks))
+        object.__setattr__(self, "expert", _listed(_expert_grid(self.config, self.rank_offset), self.ranks))
+        object.__setattr__(self, "hsdp", _listed(_hsdp_grid(self.config, self.rank_offset), self.ranks))
 
-    def resolve(self, key: str) -> tuple[str, Grid, tuple[str, ...]]:
+    def resolve(self, key: str, view: Grid | None = None) -> tuple[str, Grid, tuple[str, ...]]:
         """Canonical key, view and mesh-ordered axes of ``key``.
 
+        ``view`` resolves it in that view (``"tp"`` in ``layout.hsdp``), where it
+        has all the key's axes; ``dp`` there is ``dp_replicate`` and ``dp_shard``.
+
         Example: ``resolve("cp-dp")`` gives ``("dp-cp", layout.dense, ("dp", "cp"))``
-        for the default order.
+        for the default order; ``resolve("dp_shard-dp_replicate")`` gives ``("dp",
+        layout.dense, ("dp",))``.
         """
         if not isinstance(key, str):
             raise AxisError(f"a group key is a string such as 'tp' or 'dp-cp', got {key!r}")
         names = key.split("-")
-        valid = ", ".join(DENSE_AXES + EXPERT_AXES[:-1])
-        unknown = [n for n in names if n not in DENSE_AXES and n not in EXPERT_AXES]
+        hsdp = self.config.dp_replicate > 1
+        valid = ", ".join(DENSE_AXES + EXPERT_AXES[:-1] + (_DP_PARTS if hsdp else ()))
+        unknown = [n for n in names if n not in DENSE_AXES + EXPERT_AXES + _DP_PARTS]
         if unknown:
             raise AxisError(f"unknown axis {unknown[0]!r} in key {key!r}; valid axes are {valid}")
         if len(set(names)) != len(names):
             raise AxisError(f"key {key!r} names an axis twice")
-        if all(n in DENSE_AXES for n in names):
+        if "dp" in names and any(n in _DP_PARTS for n in names):
+            raise AxisError(f"key {key!r} names dp and a part of it ({', '.join(_DP_PARTS)})")
+        if set(_DP_PARTS) <= set(names):
+            names = [n for n in names if n not in _DP_PARTS] + ["dp"]
+        canonical = "-".join(n for n in _KEY_SPELLING_ORDER if n in names)
+        if view is self.hsdp and "dp" in names:
+            names = [n for n in names if n != "dp"] + list(_DP_PARTS)
+        if view is not None:
+            grid = view
+        elif all(n in DENSE_AXES for n in names):
             grid = self.dense
         elif all(n in EXPERT_AXES for n in names):
             grid = self.expert
+        elif all(n in HSDP_AXES for n in names):
+            grid = self.hsdp
         else:
-            raise AxisError(
-                f"key {key!r} mixes dense and expert axes; a joint group uses the dense axes "
-                f"{', '.join(DENSE_AXES)} or the expert axes {', '.join(EXPERT_AXES)}"
-            )
-        canonical = "-".join(n for n in _KEY_SPELLING_ORDER if n in names)
+            views = f"the dense axes {', '.join(DENSE_AXES)} or the expert axes {', '.join(EXPERT_AXES)}"
+            if hsdp or any(n in _DP_PARTS for n in names):
+                views = views.replace(" or", ",") + f" or the HSDP axes {', '.join(HSDP_AXES)}"
+            raise AxisError(f"key {key!r} mixes dense and expert axes; a joint group uses {views}")
         return canonical, grid, grid.mesh_order(names)
+
+    def resolve_together(self, keys: Sequence[str]) -> list[tuple[str, Grid, tuple[str, ...]]]:
+        """:meth:`resolve` for several keys in one view: the HSDP one if a key needs it.
+
+        Example: ``resolve_together(["dp_replicate", "tp"])`` resolves both in ``layout.hsdp``.
+        """
+        resolved = [self.resolve(key) for key in keys]
+        if any(grid is self.hsdp for _, grid, _ in resolved):
+            resolved = [self.resolve(key, self.hsdp) for key in keys]
+        return resolved
 
     def canonical(self, key: str) -> str:
         """``key`` spelled the one way meshstate uses, e.g. ``"cp-dp"`` -> ``"dp-cp"``."""
@@ -532,8 +660,9 @@ class ParallelLayout:
         return grid.group_of(rank, axes)
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        """``rank``'s position on every dense and expert axis."""
-        return {**self.dense.coordinate(rank), **self.expert.coordinate(rank)}
+        """``rank``'s position on every dense and expert axis (and HSDP axis where ``dp_replicate > 1``)."""
+        hsdp = self.hsdp.coordinate(rank) if self.config.dp_replicate > 1 else {}
+        return {**self.dense.coordinate(rank), **self.expert.coordinate(rank), **hsdp}
 
     def resolve_base(self, base: str | tuple[str, ...]) -> tuple[Grid, tuple[str, ...]]:
         """The view and the major-to-minor axes of a key or an axis tuple."""
@@ -541,6 +670,8 @@ class ParallelLayout:
             _, grid, axes = self.resolve(base)
             return grid, axes
         grid = self.resolve("-".join(base))[1]
+        if not set(base) <= set(grid.axes):  # dp's parts, which name dp as a key
+            grid = self.hsdp
         return grid, tuple(base)
 
     def members(self, rank: int, key: Key) -> Sequence[int] | None:

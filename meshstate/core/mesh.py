@@ -47,11 +47,14 @@ from meshstate.core.layout import (
     DENSE_AXES,
     EXPERT_AXES,
     GROUP_KINDS,
+    HSDP_AXES,
+    HSDP_KINDS,
     DerivedGroup,
     Grid,
     Key,
     ParallelLayout,
     spellings,
+    splits_dp,
 )
 
 
@@ -127,10 +130,11 @@ class ParallelMesh:
         self._ordered_groups: dict[str | tuple[str, ...], OrderedGroup] = {}
         # Every spelling of every key -> the key as declared. Spellings are interned, so a
         # lookup by an interned string (as a façade's constants are) matches by identity.
+        split_dp = splits_dp(self.keys())  # "dp_replicate-dp_shard" spells "dp" beside HSDP keys
         self._declared: dict[Key, Key] = {
             sys.intern(spelling) if isinstance(spelling, str) else spelling: key
             for key in self.keys()
-            for spelling in spellings(key)
+            for spelling in spellings(key, split_dp=split_dp)
         }
         self.rank_in: dict[Key, int] = {}
         self.size_of: dict[Key, int] = {}
@@ -164,6 +168,17 @@ class ParallelMesh:
         if "dense" in self.__dict__:
             _compat.share_rank_map(expert, self.dense)
         return expert
+
+    @cached_property
+    def hsdp(self) -> DeviceMesh:
+        """The HSDP DeviceMesh (dims pp, dp_replicate, dp_shard, cp, tp for the default
+        order, torchtitan's world mesh), made on first use; ``mesh["dp_replicate",
+        "dp_shard"]`` slices it for FSDP2's HSDP.
+        """
+        hsdp = self._root_mesh(self.layout.hsdp)
+        if "dense" in self.__dict__:
+            _compat.share_rank_map(hsdp, self.dense)
+        return hsdp
 
     def keys(self) -> tuple[Key, ...]:
         """Every group key: the kinds, the declared joint groups, then the derived groups."""
@@ -382,34 +397,48 @@ class ParallelMesh:
 
     def _root_mesh(self, grid: Grid) -> DeviceMesh:
         return DeviceMesh.from_group(
-            [self.group_of[axis] for axis in grid.mesh_axes],
+            [
+                self.group_of[axis] if axis in self.group_of else self.ordered(axis).group
+                for axis in grid.mesh_axes
+            ],
             self.device_type,
             mesh=grid.rank_grid(),
             mesh_dim_names=grid.mesh_axes,
         )
 
-    def _flattened(self, key: str) -> DeviceMesh:
-        canonical, grid, axes = self.layout.resolve(key)
-        if (canonical,) in self._device_meshes:
+    def _root(self, grid: Grid) -> DeviceMesh:
+        if grid is self.layout.hsdp:
+            return self.hsdp
+        return self.dense if grid is self.layout.dense else self.expert
+
+    def _flattened(self, key: str, view: Grid | None = None) -> DeviceMesh:
+        """The flattened 1-D mesh of ``key``, flattened from ``view``'s root (default: its own)."""
+        canonical, grid, axes = self.layout.resolve(key, view)
+        cached = view is None or grid is self.layout.resolve(key)[1]
+        if cached and (canonical,) in self._device_meshes:
             return self._device_meshes[(canonical,)]
-        root = self.dense if grid is self.layout.dense else self.expert
         group = self.ordered(axes).group
-        flattened = _compat.flatten_with_group(root, axes, canonical, group)
+        flattened = _compat.flatten_with_group(self._root(grid), axes, canonical, group)
         self._check_consistent(flattened, (canonical,))
-        self._device_meshes[(canonical,)] = flattened
+        if cached:
+            self._device_meshes[(canonical,)] = flattened
         return flattened
 
     def _slice(self, names: tuple[str, ...]) -> DeviceMesh:
         valid = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
+        if self.config.dp_replicate > 1:
+            valid += f", HSDP axes {HSDP_AXES}"
         for name in names:
-            known = isinstance(name, str) and ("-" in name or name in DENSE_AXES + EXPERT_AXES)
+            known = isinstance(name, str) and (
+                "-" in name or name in DENSE_AXES + EXPERT_AXES + HSDP_AXES
+            )
             if not known:
                 raise AxisError(f"mesh has no axis {name!r}; valid are {valid}")
-        resolved = [self.layout.resolve(name) for name in names]
+        resolved = self.layout.resolve_together(names)
         grids = {id(grid) for _, grid, _ in resolved}
         if len(grids) > 1:
             raise AxisError(f"axes {names} mix dense and expert axes; valid are {valid}")
-        root = self.dense if resolved[0][1] is self.layout.dense else self.expert
+        root = self._root(resolved[0][1])
         root_axes = root.mesh_dim_names or ()
         axes = [axis for _, _, joint in resolved for axis in joint]
         in_mesh_order = tuple(axis for axis in root_axes if axis in axes)
@@ -421,9 +450,9 @@ class ParallelMesh:
                 f"DeviceMesh keeps its dims in mesh order; slice mesh{list(in_mesh_order)} and give "
                 f"the order in the spec instead: P({tuple(axes)!r}) lays a dim out major to minor"
             )
-        for canonical, _, joint in resolved:
+        for canonical, grid, joint in resolved:
             if len(joint) > 1:
-                self._flattened(canonical)
+                self._flattened(canonical, grid)
         keys = tuple(canonical if len(joint) > 1 else joint[0] for canonical, _, joint in resolved)
         view = _compat.slice_with_flattened(root, keys)
         _compat.share_rank_map(view, root)
@@ -551,6 +580,7 @@ def init_mesh(
     ep: int = ...,
     etp: int | None = ...,
     pp: int = ...,
+    dp_replicate: int = ...,
     device_type: str | None = ...,
     backend: str | None = ...,
     timeout: timedelta | None = ...,
@@ -572,6 +602,7 @@ def init_mesh(
     ep: int = ...,
     etp: int | None = ...,
     pp: int = ...,
+    dp_replicate: int = ...,
     device_type: str | None = ...,
     backend: str | None = ...,
     timeout: timedelta | None = ...,
@@ -592,6 +623,7 @@ def init_mesh(
     ep: int = 1,
     etp: int | None = None,
     pp: int = 1,
+    dp_replicate: int = 1,
     device_type: str | None = None,
     backend: str | None = None,
     timeout: timedelta | None = None,
@@ -606,7 +638,12 @@ def init_mesh(
 
     Uses the initialised default process group, or initialises one from the
     torchrun environment (NCCL when CUDA is available, else gloo). ``dp`` is
-    inferred from the world size and ``etp`` defaults to ``tp``. ``backend``
+    inferred from the world size and ``etp`` defaults to ``tp``. ``dp_replicate``
+    splits ``dp`` for FSDP2's HSDP into ``dp_replicate`` (outer) x ``dp_shard``
+    (inner), torchtitan's layout: with ``dp_replicate > 1`` the mesh has the keys
+    ``"dp_replicate"``, ``"dp_shard"`` and ``"dp_shard-cp"`` (``joint_groups``
+    declares them, or others such as ``"dp_replicate-cp"``, at any size), and
+    ``"dp_replicate-dp_shard"`` is ``"dp"`` in every spelling. ``backend``
     and ``timeout`` reach every group created; ``device_type`` defaults to
     ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise. ``joint_groups``
     declares joint groups beyond Megatron's (e.g. ``"cp-pp"``); ``derived``
@@ -615,9 +652,10 @@ def init_mesh(
     backend and options per key; ``group_creation`` forces ``"split"`` or
     ``"local"`` group creation (default: split where the backend can, see
     :mod:`meshstate.core.groups`). ``ranks`` (a ``range`` or a list of
-    consecutive ranks) builds the mesh over those ranks only, its groups
+    increasing ranks, consecutive or not) builds the mesh over those ranks only,
+    local rank ``i`` of the layout on global rank ``ranks[i]``, its groups
     member-local; the other ranks get ``None`` and may build meshes of their
-    own beside it.
+    own beside it, over interleaved ranks too.
 
     First every rank agrees on these arguments (and ``agree_on``, for callers
     with more to agree on) through the store, within ``timeout`` (torch's
@@ -629,6 +667,9 @@ def init_mesh(
 
         mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, ep=2, etp=1)
         mesh["dp-cp"]   # what FSDP2 shards over
+        hsdp = meshstate.init_mesh(tp=2, dp_replicate=2)
+        hsdp["dp_replicate", "dp_shard"]   # on rank 5: [[1, 3], [5, 7]]
+        evens = meshstate.init_mesh(tp=2, ranks=[0, 2, 4, 6])  # None on odd ranks
     """
     owns_default_group = _init_default_group_from_env(backend, timeout)
     span = None if ranks is None else _sub_world(ranks)
@@ -638,7 +679,7 @@ def init_mesh(
         build_id = agree(
             {
                 "order": order, "tp": tp, "cp": cp, "ep": ep, "etp": etp, "pp": pp,
-                "device_type": device_type, "backend": backend,
+                "dp_replicate": dp_replicate, "device_type": device_type, "backend": backend,
                 "timeout": None if timeout is None else timeout.total_seconds(),
                 "joint_groups": list(joint_groups),
                 "derived": [str(spec) for spec in derived],
@@ -647,7 +688,9 @@ def init_mesh(
                     for key, value in (group_options or {}).items()
                 },
                 "group_creation": group_creation,
-                "ranks": None if span is None else [span.start, span.stop],
+                "ranks": None if span is None else (
+                    [span.start, span.stop] if isinstance(span, range) else list(span)
+                ),
                 **(agree_on or {}),
             },
             timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
@@ -655,8 +698,12 @@ def init_mesh(
         )
         world = span or range(dist.get_world_size())
         layout = ParallelLayout(
-            MeshConfig(len(world), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp),
-            rank_offset=world.start,
+            MeshConfig(
+                len(world), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp,
+                dp_replicate=dp_replicate,
+            ),
+            rank_offset=world.start if isinstance(world, range) else 0,
+            ranks=None if isinstance(world, range) else world,
         )
         kinds, declared = _declared_keys(layout, joint_groups, derived)
         options = _options_by_key(layout, kinds + declared, group_options or {})
@@ -685,19 +732,27 @@ def init_mesh(
         raise
 
 
-def _sub_world(ranks: Sequence[int]) -> range:
-    """``ranks`` as a range of consecutive ranks of the world, or a ConfigError."""
+def _sub_world(ranks: Sequence[int]) -> range | tuple[int, ...]:
+    """``ranks`` as a range where consecutive (a ``range`` is never listed), else a tuple;
+    a ConfigError unless they are increasing ranks of the world."""
     world_size = dist.get_world_size()
-    listed = list(ranks)
+    wrong = (
+        f"ranks must be increasing ranks of the world 0..{world_size - 1} (local rank i "
+        "of the mesh is ranks[i]), got "
+    )
+    if isinstance(ranks, range):
+        if ranks and ranks.step > 0 and 0 <= ranks[0] and ranks[-1] < world_size:
+            return ranks if ranks.step == 1 else tuple(ranks)
+        raise ConfigError(f"{wrong}{ranks!r}")
+    listed = tuple(ranks) if isinstance(ranks, Sequence) and not isinstance(ranks, str) else ()
     if not listed or any(isinstance(r, bool) or not isinstance(r, int) for r in listed):
         raise ConfigError(f"ranks must be a non-empty range or list of ranks, got {ranks!r}")
-    span = range(listed[0], listed[0] + len(listed))
-    if listed != list(span) or not 0 <= span.start < span.stop <= world_size:
-        raise ConfigError(
-            f"ranks must be consecutive ranks of the world 0..{world_size - 1} in order, got "
-            f"{listed if len(listed) <= 16 else f'{listed[:16]} ...'}"
-        )
-    return span
+    increasing = all(a < b for a, b in zip(listed, listed[1:]))
+    if not increasing or not 0 <= listed[0] <= listed[-1] < world_size:
+        raise ConfigError(wrong + str(list(listed) if len(listed) <= 16 else f"{list(listed[:16])} ..."))
+    if listed[-1] - listed[0] + 1 == len(listed):
+        return range(listed[0], listed[-1] + 1)
+    return listed
 
 
 def _declared_keys(
@@ -705,7 +760,8 @@ def _declared_keys(
 ) -> tuple[tuple[str, ...], tuple[DerivedGroup, ...]]:
     """The kinds with the joint groups, and the derived groups, spelled canonically."""
     joints = dict.fromkeys(map(layout.canonical, joint_groups))
-    kinds = GROUP_KINDS + tuple(key for key in joints if key not in GROUP_KINDS)
+    base_kinds = GROUP_KINDS + (HSDP_KINDS if layout.config.dp_replicate > 1 else ())
+    kinds = base_kinds + tuple(key for key in joints if key not in base_kinds)
     declared: list[DerivedGroup] = []
     for spec in derived:
         if not isinstance(spec, DerivedGroup):
@@ -723,7 +779,10 @@ def _options_by_key(
     layout: ParallelLayout, keys: tuple[Key, ...], given: Mapping[Key, GroupOptions]
 ) -> dict[Key, GroupOptions]:
     """Each key's group options: ``given`` (in any spelling) with a derived group's own backend."""
-    canonical = {spelling: key for key in keys for spelling in spellings(key)}
+    split_dp = splits_dp(keys)
+    canonical = {
+        spelling: key for key in keys for spelling in spellings(key, split_dp=split_dp)
+    }
     unknown = [str(key) for key in given if key not in canonical]
     if unknown:
         raise ConfigError(
