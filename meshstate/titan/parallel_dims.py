@@ -2,9 +2,10 @@
 
 torchtitan unflattens its world mesh four times and lets every DeviceMesh
 create its own groups. Here every axis name is a key of one
-:class:`~meshstate.core.mesh.ParallelMesh` (order ``tp-cp-ep-dp-pp``, ``etp=1``)
-and each DeviceMesh is assembled from its groups, so a rank set gets one
-communicator however many names share it.
+:class:`~meshstate.core.mesh.ParallelMesh` (order ``tp-cp-ep-dp-pp``, ``etp=1``,
+its ``dp_replicate``, ``dp_shard`` and ``dp_shard-cp`` keys for torchtitan's
+``dp_replicate``, ``dp_shard`` and ``fsdp``) and each DeviceMesh is assembled
+from its groups, so a rank set gets one communicator however many names share it.
 
 Example (``torchrun --nproc-per-node 8``)::
 
@@ -25,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshstate.core import compat as _compat
 from meshstate.core.config import check_positive_int
 from meshstate.core.errors import ConfigError, DimNameError
-from meshstate.core.layout import Chunks, DerivedGroup, Instances, Key
+from meshstate.core.layout import HSDP_KINDS, Chunks, DerivedGroup, Key
 from meshstate.core.mesh import ParallelMesh, init_mesh
 
 SpmdBackend = Literal["partial_dtensor", "full_dtensor", "spmd_types"]
@@ -101,6 +102,7 @@ class ParallelDims:
         if self._mesh is None:
             self._mesh = init_mesh(
                 "tp-cp-ep-dp-pp", tp=self.tp, cp=self.cp, ep=self.ep, etp=1, pp=self.pp,
+                dp_replicate=self.dp_replicate, joint_groups=HSDP_KINDS,
                 derived=[key for key in self._key_of.values() if isinstance(key, DerivedGroup)],
             )
             self._world_mesh = DeviceMesh.from_group(
@@ -209,19 +211,18 @@ class ParallelDims:
             "pp": "pp",
             "batch": "dp",
             "loss": "dp-cp",
-            "dp_replicate": DerivedGroup("dp", Instances(self.dp_replicate, inter=True)),
+            "dp_replicate": "dp_replicate",
             "cp": "cp",
             "tp": "tp",
             "ep": "ep",
             "efsdp": DerivedGroup("edp", Chunks(efsdp)),
         }
-        dp_shard = DerivedGroup("dp", Chunks(self.dp_shard))
         if self.spmd_backend == "full_dtensor":
-            keys["dp_shard"] = dp_shard
+            keys["dp_shard"] = "dp_shard"
         elif self.spmd_backend == "spmd_types":
-            keys.update(dp="dp", dp_shard=dp_shard)
+            keys.update(dp="dp", dp_shard="dp_shard")
         else:
-            keys["fsdp"] = DerivedGroup("dp-cp", Chunks(self.dp_shard * self.cp))
+            keys["fsdp"] = "dp_shard-cp"
         return keys
 
     def _sizes(self) -> dict[str, int]:
