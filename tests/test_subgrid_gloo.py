@@ -33,12 +33,52 @@ def test_two_meshes_over_disjoint_halves_run_collectives_at_once():
     mesh.destroy()
 
 
-def test_ranks_must_be_consecutive_ranks_of_the_world():
-    with fake_world(0, 8):
-        with pytest.raises(meshstate.ConfigError, match=r"ranks must be consecutive ranks of the world 0..7 in order, got \[0, 2\]"):
-            meshstate.init_mesh(ranks=[0, 2])
-        with pytest.raises(meshstate.ConfigError, match="world size 3 is not divisible by tp"):
-            meshstate.init_mesh(tp=2, ranks=range(0, 3))
+@distributed(world_size=8)
+def test_two_meshes_over_interleaved_halves_run_collectives_at_once():
+    rank = dist.get_rank()
+    evens = meshstate.init_mesh(tp=2, ranks=[0, 2, 4, 6])
+    odds = meshstate.init_mesh(tp=2, ranks=range(1, 8, 2))
+    assert (evens is None) == (rank % 2 == 1) and (odds is None) == (rank % 2 == 0)
+    mesh = evens or odds
+    assert mesh is not None
+    low = rank % 2  # local rank i of a half is global rank 2*i + low
+    assert mesh.ranks("tp") == ((low, low + 2) if rank < 4 else (low + 4, low + 6))
+    assert mesh.ranks("dp") == ((rank % 4, rank % 4 + 4))
+    assert mesh["dp", "tp"].mesh.tolist() == [[low, low + 2], [low + 4, low + 6]]
+    # both halves all-reduce over their own groups at the same time
+    for key, members in (("tp", mesh.ranks("tp")), ("dp", mesh.ranks("dp")), ("tp-dp", range(low, 8, 2))):
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=mesh.group(key))
+        assert total.item() == sum(members), key
+    gathered = [torch.zeros(1) for _ in range(2)]
+    dist.all_gather(gathered, torch.tensor([float(rank)]), group=mesh["dp", "tp"].get_group("tp"))
+    assert [t.item() for t in gathered] == [float(r) for r in mesh.ranks("tp")]
+    mesh.destroy()
+
+
+@distributed(world_size=8)
+def test_hsdp_keys_groups_by_collectives():
+    rank = dist.get_rank()
+    mesh = meshstate.init_mesh(cp=2, dp_replicate=2)  # dp=4: dp_replicate=2 x dp_shard=2
+    # torchtitan's [dp_replicate, dp_shard, cp]: rank = 4*replicate + 2*shard + cp
+    replicate, shard, cp = rank // 4, rank // 2 % 2, rank % 2
+    expected = {
+        "dp_replicate": [shard * 2 + cp, 4 + shard * 2 + cp],
+        "dp_shard": [replicate * 4 + cp, replicate * 4 + 2 + cp],
+        "dp_shard-cp": list(range(replicate * 4, replicate * 4 + 4)),
+        "dp_replicate-dp_shard": list(range(cp, 8, 2)),
+    }
+    for key, members in expected.items():
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=mesh.group(key))
+        assert total.item() == sum(members) and list(mesh.ranks(key)) == members, key
+    hsdp = mesh["dp_replicate", "dp_shard"]
+    assert hsdp.mesh.tolist() == [[cp, 2 + cp], [4 + cp, 6 + cp]]
+    for dim, members in enumerate((expected["dp_replicate"], expected["dp_shard"])):
+        gathered = [torch.zeros(1) for _ in members]
+        dist.all_gather(gathered, torch.tensor([float(rank)]), group=hsdp.get_group(dim))
+        assert [t.item() for t in gathered] == [float(r) for r in members]
+    mesh.destroy()
 
 
 def test_layout_with_offset_gives_groups_of_those_ranks():

@@ -414,6 +414,8 @@ class ParallelMesh:
     def _flattened(self, key: str, view: Grid | None = None) -> DeviceMesh:
         """The flattened 1-D mesh of ``key``, flattened from ``view``'s root (default: its own)."""
         canonical, grid, axes = self.layout.resolve(key, view)
+        if len(axes) == 1:  # "dp_replicate-dp_shard" is the axis dp
+            return self[axes[0]]
         cached = view is None or grid is self.layout.resolve(key)[1]
         if cached and (canonical,) in self._device_meshes:
             return self._device_meshes[(canonical,)]
