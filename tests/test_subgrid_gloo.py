@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
 import meshstate
 from meshstate.core.config import MeshConfig
@@ -78,6 +79,12 @@ def test_hsdp_keys_groups_by_collectives():
         gathered = [torch.zeros(1) for _ in members]
         dist.all_gather(gathered, torch.tensor([float(rank)]), group=hsdp.get_group(dim))
         assert [t.item() for t in gathered] == [float(r) for r in members]
+    # FSDP2's HSDP on it: gradients average over the 4 ranks of this rank's hsdp mesh
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    fully_shard(model, mesh=hsdp)
+    model(torch.full((1, 4), float(rank))).sum().backward()
+    assert model.weight.grad.full_tensor().tolist() == [[float(sum(hsdp.mesh.flatten()) / 4)] * 4]
     mesh.destroy()
 
 
