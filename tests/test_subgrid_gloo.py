@@ -54,6 +54,8 @@ def test_two_meshes_over_interleaved_halves_run_collectives_at_once():
     gathered = [torch.zeros(1) for _ in range(2)]
     dist.all_gather(gathered, torch.tensor([float(rank)]), group=mesh["dp", "tp"].get_group("tp"))
     assert [t.item() for t in gathered] == [float(r) for r in mesh.ranks("tp")]
+    collection = meshstate.ProcessGroupCollection.from_mesh(mesh)
+    assert dist.get_process_group_ranks(collection.dp) == list(mesh.ranks("dp"))
     mesh.destroy()
 
 
