@@ -124,7 +124,7 @@ def test_hsdp_key_errors() -> None:
     layout = ParallelLayout(MeshConfig(8, tp=2, dp_replicate=2))
     with pytest.raises(AxisError, match=r"key 'dp-dp_shard' names dp and a part of it"):
         layout.resolve("dp-dp_shard")
-    with pytest.raises(AxisError, match="mixes dense and expert axes; a joint group uses .* or the HSDP axes"):
+    with pytest.raises(AxisError, match="mixes dense and expert axes; a joint group uses the dense axes .*, the HSDP axes .* or the expert"):
         layout.resolve("dp_shard-ep")
     with fake_world(0, 8):
         mesh = meshstate.init_mesh(tp=2, dp_replicate=2)

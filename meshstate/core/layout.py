@@ -46,7 +46,7 @@ EXPERT_KINDS = ("ep", "etp", "etp-ep", "etp-ep-pp", "edp")
 """Megatron's expert group kinds, in the order ``meshstate plan`` lists them."""
 GROUP_KINDS = DENSE_KINDS + EXPERT_KINDS
 HSDP_KINDS = ("dp_replicate", "dp_shard", "dp_shard-cp")
-"""The keys a mesh with ``dp_replicate > 1`` adds: FSDP2's replicate, shard and shard-with-cp groups."""
+"""The keys a mesh with ``dp_replicate > 1`` adds: FSDP2's replicate, shard and shard+cp groups."""
 
 # How a joint key is spelled: "dp-cp" not "cp-dp", "etp-ep-pp" not "pp-ep-etp".
 _KEY_SPELLING_ORDER = ("tp", "etp", "dp", "dp_replicate", "dp_shard", "cp", "ep", "edp", "pp")
@@ -249,10 +249,11 @@ class ListedGrid(Grid):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.rank_offset:
-            raise ConfigError(f"a grid over listed ranks takes no rank_offset, got {self.rank_offset}")
+            raise ConfigError(f"listed ranks take no rank_offset, got {self.rank_offset}")
         if len(self.ranks) != self.world_size:
             raise ConfigError(
-                f"a grid of sizes {self.sizes} needs {self.world_size} ranks, got {len(self.ranks)}"
+                f"a grid of sizes {self.sizes} needs {self.world_size} ranks, "
+                f"got {len(self.ranks)}"
             )
         if any(b <= a for a, b in zip(self.ranks, self.ranks[1:])) or self.ranks[0] < 0:
             raise ConfigError(f"listed ranks must increase from >= 0, got {_shown(self.ranks)}")
@@ -268,7 +269,7 @@ class ListedGrid(Grid):
         return tuple(self.ranks[i] for i in self._plain.group_of(self._local(rank), axes))
 
     def members_at(self, rank: int, axes: Sequence[str], positions: range) -> tuple[int, ...]:
-        """The members at ``positions`` of ``rank``'s group of ``axes`` (major to minor), sorted."""
+        """The members at ``positions`` of ``rank``'s group of ``axes``, sorted."""
         local = self._plain.members_at(self._local(rank), axes, positions)
         return tuple(self.ranks[i] for i in local)
 
@@ -589,9 +590,9 @@ class ParallelLayout:
     hsdp: Grid = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dense", _listed(_dense_grid(self.config, self.rank_offset), self.ranks))
-        object.__setattr__(self, "expert", _listed(_expert_grid(self.config, self.rank_offset), self.ranks))
-        object.__setattr__(self, "hsdp", _listed(_hsdp_grid(self.config, self.rank_offset), self.ranks))
+        for name, view in (("dense", _dense_grid), ("expert", _expert_grid), ("hsdp", _hsdp_grid)):
+            grid = view(self.config, self.rank_offset)
+            object.__setattr__(self, name, _listed(grid, self.ranks))
 
     def resolve(self, key: str, view: Grid | None = None) -> tuple[str, Grid, tuple[str, ...]]:
         """Canonical key, view and mesh-ordered axes of ``key``.
@@ -629,9 +630,10 @@ class ParallelLayout:
         elif all(n in HSDP_AXES for n in names):
             grid = self.hsdp
         else:
-            views = f"the dense axes {', '.join(DENSE_AXES)} or the expert axes {', '.join(EXPERT_AXES)}"
+            views = f"the dense axes {', '.join(DENSE_AXES)}"
             if hsdp or any(n in _DP_PARTS for n in names):
-                views = views.replace(" or", ",") + f" or the HSDP axes {', '.join(HSDP_AXES)}"
+                views += f", the HSDP axes {', '.join(HSDP_AXES)}"
+            views += f" or the expert axes {', '.join(EXPERT_AXES)}"
             raise AxisError(f"key {key!r} mixes dense and expert axes; a joint group uses {views}")
         return canonical, grid, grid.mesh_order(names)
 
@@ -660,7 +662,7 @@ class ParallelLayout:
         return grid.group_of(rank, axes)
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        """``rank``'s position on every dense and expert axis (and HSDP axis where ``dp_replicate > 1``)."""
+        """``rank``'s position on every dense and expert axis (HSDP too if dp_replicate > 1)."""
         hsdp = self.hsdp.coordinate(rank) if self.config.dp_replicate > 1 else {}
         return {**self.dense.coordinate(rank), **self.expert.coordinate(rank), **hsdp}
 

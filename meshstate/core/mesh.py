@@ -751,7 +751,8 @@ def _sub_world(ranks: Sequence[int]) -> range | tuple[int, ...]:
         raise ConfigError(f"ranks must be a non-empty range or list of ranks, got {ranks!r}")
     increasing = all(a < b for a, b in zip(listed, listed[1:]))
     if not increasing or not 0 <= listed[0] <= listed[-1] < world_size:
-        raise ConfigError(wrong + str(list(listed) if len(listed) <= 16 else f"{list(listed[:16])} ..."))
+        shown = list(listed) if len(listed) <= 16 else f"{list(listed[:16])} ..."
+        raise ConfigError(f"{wrong}{shown}")
     if listed[-1] - listed[0] + 1 == len(listed):
         return range(listed[0], listed[-1] + 1)
     return listed
