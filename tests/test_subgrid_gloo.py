@@ -1,6 +1,5 @@
-"""Sub-grids: meshes over disjoint halves of 8 gloo ranks, side by side."""
+"""Sub-grids: meshes over disjoint halves of 8 gloo ranks, side by side; HSDP keys by collectives."""
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
@@ -8,7 +7,8 @@ from torch.distributed.fsdp import fully_shard
 import meshstate
 from meshstate.core.config import MeshConfig
 from meshstate.core.layout import ParallelLayout
-from meshstate.testing import distributed, fake_world
+from meshstate.testing import distributed
+from meshstate.tools.verify import verify_mesh
 
 
 @distributed(world_size=8)
@@ -56,6 +56,7 @@ def test_two_meshes_over_interleaved_halves_run_collectives_at_once():
     assert [t.item() for t in gathered] == [float(r) for r in mesh.ranks("tp")]
     collection = meshstate.ProcessGroupCollection.from_mesh(mesh)
     assert dist.get_process_group_ranks(collection.dp) == list(mesh.ranks("dp"))
+    assert [check.problems for check in verify_mesh(mesh)] == [()] * len(mesh.kinds)
     mesh.destroy()
 
 
@@ -75,6 +76,9 @@ def test_hsdp_keys_groups_by_collectives():
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=mesh.group(key))
         assert total.item() == sum(members) and list(mesh.ranks(key)) == members, key
+    checks = verify_mesh(mesh)  # every kind, HSDP ones too: all_reduce, all_gather, DeviceMesh
+    assert [check.key for check in checks][-3:] == ["dp_replicate", "dp_shard", "dp_shard-cp"]
+    assert [check.problems for check in checks] == [()] * len(checks)
     hsdp = mesh["dp_replicate", "dp_shard"]
     assert hsdp.mesh.tolist() == [[cp, 2 + cp], [4 + cp, 6 + cp]]
     for dim, members in enumerate((expected["dp_replicate"], expected["dp_shard"])):
