@@ -60,11 +60,9 @@ def test_hsdp_axes_are_torchtitans_world_mesh(config: tuple[int, ...], ranks: tu
             mesh.destroy()
 
 
-titan_parallel_dims = pytest.importorskip("torchtitan.distributed.parallel_dims")
-
-
 @pytest.mark.parametrize(("config", "ranks"), HSDP, ids=[str(c[0]) for c in HSDP])
 def test_hsdp_meshes_equal_torchtitans(config: tuple[int, ...], ranks: tuple[int, ...]) -> None:
+    titan_parallel_dims = pytest.importorskip("torchtitan.distributed.parallel_dims")
     world, dpr, cp, tp, pp = config
     for rank in ranks:
         with fake_world(rank, world):
