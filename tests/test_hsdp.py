@@ -140,6 +140,8 @@ def test_listed_grid_maps_each_local_rank() -> None:
         grid.group_of(2, ["tp"])
     with pytest.raises(ConfigError, match=r"listed ranks must increase from >= 0, got \[3, 1, 5, 7\]"):
         ListedGrid(("tp", "dp"), (2, 2), ranks=(3, 1, 5, 7))
+    with pytest.raises(ConfigError, match="listed ranks take no rank_offset, got 4"):
+        ParallelLayout(MeshConfig(4, tp=2), rank_offset=4, ranks=(0, 2, 4, 6))
     layout = ParallelLayout(MeshConfig(4, tp=2), ranks=(0, 2, 4, 6))
     assert layout.groups("dp").tolist() == [[0, 4], [2, 6]] and layout.group_of(6, "tp") == (4, 6)
 
