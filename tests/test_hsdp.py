@@ -138,6 +138,8 @@ def test_listed_grid_maps_each_local_rank() -> None:
     assert grid.members_at(7, ["dp", "tp"], range(1, 3)) == (3, 5)
     with pytest.raises(ConfigError, match=r"rank 2 is not one of the grid's ranks \[1, 3, 5, 7\]"):
         grid.group_of(2, ["tp"])
+    with pytest.raises(ConfigError, match=r"a grid over listed ranks has no strides; ask group_of\(5, \['dp'\]\)"):
+        grid.lattice_of(5, ["dp"])
     with pytest.raises(ConfigError, match=r"listed ranks must increase from >= 0, got \[3, 1, 5, 7\]"):
         ListedGrid(("tp", "dp"), (2, 2), ranks=(3, 1, 5, 7))
     with pytest.raises(ConfigError, match="listed ranks take no rank_offset, got 4"):

@@ -27,6 +27,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NoReturn
 
 import einops
 import torch
@@ -267,6 +268,10 @@ class ListedGrid(Grid):
     def group_of(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
         """The group of ``axes`` (major to minor) that contains ``rank``."""
         return tuple(self.ranks[i] for i in self._plain.group_of(self._local(rank), axes))
+
+    def lattice_of(self, rank: int, axes: Sequence[str]) -> NoReturn:
+        """Refused: listed ranks are no lattice; :meth:`group_of` lists the group."""
+        raise ConfigError(f"a grid over listed ranks has no strides; ask group_of({rank}, {axes})")
 
     def members_at(self, rank: int, axes: Sequence[str], positions: range) -> tuple[int, ...]:
         """The members at ``positions`` of ``rank``'s group of ``axes``, sorted."""
@@ -685,6 +690,8 @@ class ParallelLayout:
         """
         if isinstance(key, str):
             _, grid, axes = self.resolve(key)
+            if self.ranks is not None:  # listed ranks: no strides to keep
+                return grid.group_of(rank, axes)
             return listed_if_small(grid.lattice_of(rank, axes))
         grid, axes = self.resolve_base(key.base)
         split = key.split
