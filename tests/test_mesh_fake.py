@@ -248,3 +248,18 @@ def test_bad_derived_declarations_fail_before_any_group_exists(kwargs, message):
             meshstate.init_mesh(tp=2, cp=4, **kwargs)
         assert str(raised.value) == message
         assert live_group_count() == before
+
+
+def test_facts_are_the_tables_by_attribute_for_every_kind():
+    with fake_world(37, 64):
+        mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, ep=2, etp=1, joint_groups=["cp-pp"])
+        try:
+            for key in mesh.kinds:
+                name = key.replace("-", "_")
+                assert getattr(mesh.facts, f"{name}_rank") == mesh.rank(key)
+                assert getattr(mesh.facts, f"{name}_size") == mesh.size(key)
+                assert getattr(mesh.facts, f"{name}_group") is mesh.group(key)
+                assert getattr(mesh.facts, f"{name}_ranks") == mesh.ranks(key)
+            assert mesh.facts.dp_cp_size == mesh.size("cp-dp") == 16  # dp=8 x cp=2
+        finally:
+            mesh.destroy()

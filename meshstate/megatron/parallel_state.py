@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial, reduce
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, Protocol, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -377,9 +377,70 @@ _symmetric_buffer: GlobalSymmetricMemoryBuffer | None = None
 
 
 def _serve(mesh: ParallelMesh | None) -> None:
-    global _mesh, _rank_in, _size_of, _group_of, _ranks_of
+    global _mesh, _rank_in, _size_of, _group_of, _ranks_of, _facts
     _mesh = mesh
     _rank_in, _size_of, _group_of, _ranks_of = _tables(mesh, _overrides)
+    overridden = any(value is not None for value in _overrides.values())
+    _facts = cast(_GetterFacts, mesh.facts if mesh is not None and not overridden else _TABLE_FACTS)
+
+
+class _TableFacts:
+    """The tables above read by attribute, as a mesh's ``facts`` are (``tp_rank`` is
+    ``_rank_in["tp"]``): what the getters read before init or under a ``set_*`` override.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        ident, _, field = name.rpartition("_")
+        tables = {"rank": _rank_in, "size": _size_of, "group": _group_of, "ranks": _ranks_of}
+        return tables[field][_KEY_OF_IDENT[ident]]
+
+
+_KEY_OF_IDENT: dict[str, Key] = {
+    key.replace("-", "_"): key
+    for key in ("tp", "pp", "dp", "cp", "ep", "etp", "edp", _TP_PP, _TP_CP, _TP_DP, _TP_DP_CP,
+                _DP_CP, _ETP_EP, _ETP_EP_PP)
+}
+_TABLE_FACTS = _TableFacts()
+
+
+class _GetterFacts(Protocol):
+    """The attributes of a mesh's ``facts`` the getters read (types for the checker)."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+    ep_rank: int
+    ep_size: int
+    tp_cp_rank: int
+    tp_cp_size: int
+    dp_cp_rank: int
+    dp_cp_size: int
+    etp_ep_rank: int
+    etp_ep_size: int
+    tp_group: ProcessGroup
+    pp_group: ProcessGroup
+    dp_group: ProcessGroup
+    cp_group: ProcessGroup
+    ep_group: ProcessGroup
+    etp_group: ProcessGroup
+    tp_cp_group: ProcessGroup
+    dp_cp_group: ProcessGroup
+    tp_pp_group: ProcessGroup
+    etp_ep_group: ProcessGroup
+    etp_ep_pp_group: ProcessGroup
+    tp_ranks: Sequence[int]
+    pp_ranks: Sequence[int]
+    ep_ranks: Sequence[int]
+    tp_pp_ranks: Sequence[int]
+
+
+# What the getters read: the served mesh's own ``facts``, or the tables (overrides, no mesh).
+_facts: _GetterFacts = cast(_GetterFacts, _TABLE_FACTS)
 
 
 def _not_initialized(what: str) -> NotInitializedError:
@@ -675,7 +736,7 @@ def get_model_parallel_group(check_initialized: Literal[True] = True) -> Process
 def get_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The model-parallel (tensor + pipeline) group of the caller."""
-    return _group_of[_TP_PP] if check_initialized else _group_of.get(_TP_PP)
+    return _facts.tp_pp_group if check_initialized else _group_of.get(_TP_PP)
 
 
 @overload
@@ -684,7 +745,7 @@ def get_tensor_model_parallel_group(check_initialized: Literal[True] = True) -> 
 def get_tensor_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_tensor_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor-model-parallel group of the caller."""
-    return _group_of["tp"] if check_initialized else _group_of.get("tp")
+    return _facts.tp_group if check_initialized else _group_of.get("tp")
 
 
 @overload
@@ -693,7 +754,7 @@ def get_pipeline_model_parallel_group(check_initialized: Literal[True] = True) -
 def get_pipeline_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_pipeline_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The pipeline-model-parallel group of the caller."""
-    return _group_of["pp"] if check_initialized else _group_of.get("pp")
+    return _facts.pp_group if check_initialized else _group_of.get("pp")
 
 
 def get_data_parallel_group(
@@ -707,10 +768,10 @@ def get_data_parallel_group(
     instance; ``independent_all_gather`` the separate all-gather communicator.
     """
     if not with_context_parallel:
-        return _partial_dp_group("dp") if partial_data_parallel else _group_of["dp"]
+        return _partial_dp_group("dp") if partial_data_parallel else _facts.dp_group
     if independent_all_gather and not partial_data_parallel:
         return _group(families.DP_CP_ALL_GATHER)
-    return _group_of[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
+    return _group_of[_INTRA_DP_CP] if partial_data_parallel else _facts.dp_cp_group
 
 
 def _partial_dp_group(key: Key) -> ProcessGroup:
@@ -739,7 +800,7 @@ def get_context_parallel_group(check_initialized: Literal[True] = True) -> Proce
 def get_context_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The context-parallel group of the caller."""
-    return _group_of["cp"] if check_initialized else _group_of.get("cp")
+    return _facts.cp_group if check_initialized else _group_of.get("cp")
 
 
 @overload
@@ -849,7 +910,7 @@ def get_tensor_and_context_parallel_group(
 def get_tensor_and_context_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor+context parallel group of the caller."""
-    return _group_of[_TP_CP] if check_initialized else _group_of.get(_TP_CP)
+    return _facts.tp_cp_group if check_initialized else _group_of.get(_TP_CP)
 
 
 @overload
@@ -858,7 +919,7 @@ def get_expert_model_parallel_group(check_initialized: Literal[True] = True) -> 
 def get_expert_model_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_expert_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-model-parallel group of the caller."""
-    return _group_of["ep"] if check_initialized else _group_of.get("ep")
+    return _facts.ep_group if check_initialized else _group_of.get("ep")
 
 
 @overload
@@ -867,7 +928,7 @@ def get_expert_tensor_parallel_group(check_initialized: Literal[True] = True) ->
 def get_expert_tensor_parallel_group(check_initialized: bool) -> ProcessGroup | None: ...
 def get_expert_tensor_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-tensor-parallel group of the caller."""
-    return _group_of["etp"] if check_initialized else _group_of.get("etp")
+    return _facts.etp_group if check_initialized else _group_of.get("etp")
 
 
 @overload
@@ -882,7 +943,7 @@ def get_expert_tensor_and_model_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The expert tensor+model parallel group of the caller."""
-    return _group_of[_ETP_EP] if check_initialized else _group_of.get(_ETP_EP)
+    return _facts.etp_ep_group if check_initialized else _group_of.get(_ETP_EP)
 
 
 @overload
@@ -897,7 +958,7 @@ def get_expert_tensor_model_pipeline_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The expert tensor+model+pipeline parallel group of the caller."""
-    return _group_of[_ETP_EP_PP] if check_initialized else _group_of.get(_ETP_EP_PP)
+    return _facts.etp_ep_pp_group if check_initialized else _group_of.get(_ETP_EP_PP)
 
 
 @overload
@@ -974,35 +1035,35 @@ def get_inter_distributed_optimizer_instance_group(
 
 def get_tensor_model_parallel_world_size() -> int:
     """Size of the caller's tensor-model-parallel group."""
-    return _size_of["tp"]
+    return _facts.tp_size
 
 
 def get_tensor_model_parallel_rank() -> int:
     """The caller's rank in its tensor-model-parallel group."""
-    return _rank_in["tp"]
+    return _facts.tp_rank
 
 
 def get_pipeline_model_parallel_world_size() -> int:
     """Number of pipeline stages."""
-    return _size_of["pp"]
+    return _facts.pp_size
 
 
 def get_pipeline_model_parallel_rank() -> int:
     """The caller's pipeline stage."""
-    return _rank_in["pp"]
+    return _facts.pp_rank
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller is the first pipeline stage (and virtual stage 0 if asked)."""
     if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == 0:
-        return not _rank_in["pp"]
+        return not _facts.pp_rank
     return False
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller is the last pipeline stage (and last virtual stage if asked)."""
     if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == _vpp_size - 1:
-        return _rank_in["pp"] == _size_of["pp"] - 1
+        return _facts.pp_rank == _facts.pp_size - 1
     return False
 
 
@@ -1011,8 +1072,8 @@ def get_data_parallel_world_size(
 ) -> int:
     """Size of the caller's data-parallel group (0 without torch.distributed)."""
     if with_context_parallel:
-        return _size_of[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
-    return _partial_without_cp(_size_of) if partial_data_parallel else _size_of["dp"]
+        return _size_of[_INTRA_DP_CP] if partial_data_parallel else _facts.dp_cp_size
+    return _partial_without_cp(_size_of) if partial_data_parallel else _facts.dp_size
 
 
 def get_data_parallel_rank(
@@ -1020,38 +1081,38 @@ def get_data_parallel_rank(
 ) -> int:
     """The caller's rank in its data-parallel group (0 without torch.distributed)."""
     if with_context_parallel:
-        return _rank_in[_INTRA_DP_CP if partial_data_parallel else _DP_CP]
-    return _partial_without_cp(_rank_in) if partial_data_parallel else _rank_in["dp"]
+        return _rank_in[_INTRA_DP_CP] if partial_data_parallel else _facts.dp_cp_rank
+    return _partial_without_cp(_rank_in) if partial_data_parallel else _facts.dp_rank
 
 
 def get_context_parallel_world_size() -> int:
     """Size of the caller's context-parallel group (0 without torch.distributed)."""
-    return _size_of["cp"]
+    return _facts.cp_size
 
 
 def get_context_parallel_rank() -> int:
     """The caller's rank in its context-parallel group (0 without torch.distributed)."""
-    return _rank_in["cp"]
+    return _facts.cp_rank
 
 
 def get_tensor_and_context_parallel_world_size() -> int:
     """Size of the caller's tensor+context group (0 without torch.distributed)."""
-    return _size_of[_TP_CP]
+    return _facts.tp_cp_size
 
 
 def get_tensor_and_context_parallel_rank() -> int:
     """The caller's rank in its tensor+context group (0 without torch.distributed)."""
-    return _rank_in[_TP_CP]
+    return _facts.tp_cp_rank
 
 
 def get_expert_model_parallel_world_size() -> int:
     """Size of the caller's expert-model-parallel group (0 without torch.distributed)."""
-    return _size_of["ep"]
+    return _facts.ep_size
 
 
 def get_expert_model_parallel_rank() -> int:
     """The caller's rank in its expert-model-parallel group (0 without torch.distributed)."""
-    return _rank_in["ep"]
+    return _facts.ep_rank
 
 
 def get_expert_tensor_parallel_world_size() -> int | None:
@@ -1066,12 +1127,12 @@ def get_expert_tensor_parallel_rank() -> int | None:
 
 def get_expert_tensor_and_model_parallel_world_size() -> int:
     """Size of the caller's expert tensor+model group (0 without torch.distributed)."""
-    return _size_of[_ETP_EP]
+    return _facts.etp_ep_size
 
 
 def get_expert_tensor_and_model_parallel_rank() -> int:
     """The caller's rank in its expert tensor+model group (0 without torch.distributed)."""
-    return _rank_in[_ETP_EP]
+    return _facts.etp_ep_rank
 
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
@@ -1114,12 +1175,12 @@ def is_rank_in_position_embedding_group() -> bool:
 
 def get_tensor_model_parallel_src_rank() -> int:
     """Global rank of the first member of the caller's tensor-parallel group."""
-    return _ranks_of["tp"][0]
+    return _facts.tp_ranks[0]
 
 
 def get_model_parallel_src_rank() -> int:
     """Global rank of the first member of the caller's model-parallel group."""
-    return _ranks_of[_TP_PP][0]
+    return _facts.tp_pp_ranks[0]
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
@@ -1129,28 +1190,28 @@ def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
 
 def get_expert_model_parallel_src_rank() -> int:
     """Global rank of the first member of the caller's expert-parallel group."""
-    return _ranks_of["ep"][0]
+    return _facts.ep_ranks[0]
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
     """Global rank of the first stage of the caller's pipeline."""
-    return _ranks_of["pp"][0]
+    return _facts.pp_ranks[0]
 
 
 def get_pipeline_model_parallel_last_rank() -> int:
     """Global rank of the last stage of the caller's pipeline."""
-    return _ranks_of["pp"][get_pipeline_model_parallel_world_size() - 1]
+    return _facts.pp_ranks[get_pipeline_model_parallel_world_size() - 1]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
     """Global rank of the next stage of the caller's pipeline (wrapping around)."""
-    stages = _ranks_of["pp"]
+    stages = _facts.pp_ranks
     return stages[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     """Global rank of the previous stage of the caller's pipeline (wrapping around)."""
-    stages = _ranks_of["pp"]
+    stages = _facts.pp_ranks
     return stages[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
 
 
