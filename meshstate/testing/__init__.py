@@ -6,9 +6,10 @@ per world size and reused by later tests, so a suite stays fast. A failure is
 shown once with the ranks that raised it (``ranks 0-3: AssertionError: …``), a
 hung run ends in a timeout that shows each unfinished rank's stack, a fixture
 that cannot be sent to the workers fails at once, and worker output lines start
-with ``[rank N]``. Workers fork from a server that imports torch once, started
-when the first test is decorated. Ctrl-C, SIGTERM or the death of pytest takes
-the workers down.
+with ``[rank N]``. Workers fork from a server started when the first test is
+decorated: on Linux without a GPU a fork of pytest itself, which has imported
+torch already, so the first world starts in well under a second. Ctrl-C,
+SIGTERM or the death of pytest takes the workers down.
 ``fake_world`` simulates one rank of a large world in the calling process with
 torch's fake backend (collectives do nothing).
 
@@ -85,7 +86,7 @@ def distributed(
     """
 
     def decorate(body: _F) -> _F:
-        warm_up()  # while pytest collects, the fork server imports torch for the workers
+        warm_up()  # the fork server, ready (or importing torch) before the first test runs
         @functools.wraps(body)
         def run_on_ranks(*args: Any, **kwargs: Any) -> None:
             import pytest

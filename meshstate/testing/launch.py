@@ -17,10 +17,12 @@ out: ``close``, an interrupted ``run``, SIGTERM (the handler then chains to the
 one it replaced) and interpreter exit. A worker whose parent dies, even by
 SIGKILL, kills its group itself.
 
-Workers are forked from a fork server that has already imported torch and
-meshstate (multiprocessing's ``forkserver``), so a world starts in a fraction
-of a second instead of N interpreters importing torch; :func:`warm_up` starts
-that server ahead of the first world.
+Workers are forked from a fork server (multiprocessing's ``forkserver``) that
+has already imported torch, so a world starts in a fraction of a second instead
+of N interpreters importing torch. On Linux without a GPU the server is itself
+a fork of the calling process, ready at once with every module the caller had
+imported; elsewhere it is a new interpreter that imports torch and meshstate.
+:func:`warm_up` starts that server ahead of the first world.
 
 :func:`fake_world` instead simulates one rank of a large world in the calling
 process on torch's fake backend (collectives move no data).
@@ -45,25 +47,29 @@ import importlib
 import inspect
 import io
 import itertools
+import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import queue
 import selectors
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Collection, Iterator
+import warnings
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any, TextIO
 
 import torch
@@ -151,13 +157,17 @@ _PRELOADED = ["torch", "torch.distributed", "meshstate", "meshstate.testing.laun
 _CONTEXT = multiprocessing.get_context("forkserver")
 # Set in the fork server's environment and every worker's: such a process never starts a server.
 _WORKER_MARK = "MESHSTATE_WORKER"
+# How multiprocessing starts its fork server: a new interpreter (see _fork_server_from_here).
+_spawnv_passfds = multiprocessing.util.spawnv_passfds
 
 
 def warm_up() -> None:
     """Start the fork server the workers come from, if it is not running; returns at once.
 
-    It imports torch (and pytest, when the caller has) in the background, so a
-    world started later forks its workers from a warm process. Example:
+    Where :func:`_server_can_fork_from_here`, the server is a fork of this
+    process and serves at once; otherwise it is a new interpreter that imports
+    torch (and pytest, when the caller has) in the background, so a world
+    started later forks its workers from a warm process. Example:
     ``warm_up()`` while a test module is collected.
     """
     if _WORKER_MARK in os.environ:
@@ -165,10 +175,110 @@ def warm_up() -> None:
     loaded_extras = [name for name in ("pytest",) if name in sys.modules]
     _CONTEXT.set_forkserver_preload(_PRELOADED + loaded_extras)
     os.environ[_WORKER_MARK] = "1"  # the server inherits it, and so every worker from birth
+    if _server_can_fork_from_here():
+        multiprocessing.util.spawnv_passfds = _fork_server_from_here
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
+        multiprocessing.util.spawnv_passfds = _spawnv_passfds
         del os.environ[_WORKER_MARK]
+
+
+def _server_can_fork_from_here() -> bool:
+    """Whether the fork server may be a fork of this process.
+
+    On Linux, with no world running here (its pipes and threads would be
+    copied) and no GPU (CUDA does not survive a fork; NCCL workers need it).
+    """
+    return sys.platform == "linux" and not _running and torch.cuda.device_count() == 0
+
+
+_SERVER_COMMAND = "from multiprocessing.forkserver import main"
+
+
+def _fork_server_from_here(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
+    """``multiprocessing.util.spawnv_passfds`` that starts the fork server as a fork of the caller.
+
+    The child runs the server's ``-c`` command itself instead of a new
+    interpreter, so it starts with torch and everything else imported here.
+    Any other command is spawned as before. Returns the child's pid.
+    """
+    command = args[-1]
+    if not command.startswith(_SERVER_COMMAND):
+        return _spawnv_passfds(path, args, passfds)
+    other_ends = _other_pipe_ends(passfds)
+    with warnings.catch_warnings():
+        # Python 3.12+ warns of forking a process with threads (torch starts some): the child
+        # takes no lock of theirs; its workers run torch with one thread, as DataLoader's do.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        for fd in other_ends:  # the "alive" pipe must read as closed once the caller is gone
+            os.close(fd)
+        # ensure_running() held the server's lock when it forked; this copy must be free
+        multiprocessing.forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
+        _forget_caller_state()
+        exec(command, {})
+    except SystemExit:  # the server's way out once the caller is gone
+        status = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(status)
+
+
+def _other_pipe_ends(fds: Collection[int]) -> list[int]:
+    """The open descriptors, not in ``fds``, that are the other end of a pipe in ``fds``."""
+    pipes = {_pipe_id(fd) for fd in fds} - {None}
+    ends = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            if fd not in fds and _pipe_id(fd) in pipes:
+                ends.append(fd)
+    return ends
+
+
+def _pipe_id(fd: int) -> tuple[int, int] | None:
+    """What both ends of the pipe ``fd`` share (its device and inode); None if not a pipe."""
+    info = os.fstat(fd)
+    return (info.st_dev, info.st_ino) if stat.S_ISFIFO(info.st_mode) else None
+
+
+def _forget_caller_state() -> None:
+    """In a fork of the caller, undo what a new interpreter would not have.
+
+    pytest's capture of ``sys.stdout``/``sys.stderr``, record of warnings,
+    logging handlers and hooks for uncaught exceptions: in the workers these
+    reach their stderr again. The main script and any module still being
+    imported are dropped, so a worker runs or imports them whole.
+    """
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__
+    threading.excepthook = threading.__excepthook__
+    warnings.showwarning = _print_warning
+    for handler in logging.root.handlers[:]:
+        logging.root.removeHandler(handler)
+    faulthandler.disable()
+    for name, module in list(sys.modules.items()):
+        if getattr(getattr(module, "__spec__", None), "_initializing", False):
+            del sys.modules[name]
+    sys.modules["__main__"] = ModuleType("__main__")
+
+
+def _print_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """Show a warning on stderr, as Python does by default."""
+    (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def _exit_with_parent(parent_alive: Connection) -> None:
@@ -230,13 +340,13 @@ def _worker_main(
         task_id, payload = task
         try:
             function, args, kwargs, timeout = ForkingPickler.loads(payload)
+            task_store = _compat.PrefixStore(f"task{task_id}", store)
             dist.init_process_group(
-                backend,
-                store=_compat.PrefixStore(f"task{task_id}", store),
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
+                backend, store=task_store, rank=rank, world_size=world_size, timeout=timeout
             )
+            # A rank that finishes first and destroys its group must not cut a gloo connection
+            # another rank is still completing.
+            _wait_for_every_rank(task_store, "initialised", world_size)
             value = function.resolve()(*args, **kwargs)
             outcome: tuple[str, Any] = ("ok", _dumps(value))
         except BaseException as error:
@@ -247,6 +357,13 @@ def _worker_main(
         sys.stdout.flush()
         sys.stderr.flush()
         results.put((task_id, rank, outcome))
+
+
+def _wait_for_every_rank(store: _compat.PrefixStore, key: str, world_size: int) -> None:
+    """Return once every rank of the world has called this with ``key``."""
+    if store.add(key, 1) == world_size:
+        store.set(f"{key}/all", "")
+    store.wait([f"{key}/all"])
 
 
 class _OutputRelay:
