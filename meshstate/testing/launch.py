@@ -219,7 +219,8 @@ def _fork_server_from_here(path: Any, args: Sequence[Any], passfds: Sequence[int
         for fd in other_ends:  # the "alive" pipe must read as closed once the caller is gone
             os.close(fd)
         # ensure_running() held the server's lock when it forked; this copy must be free
-        multiprocessing.forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
+        server = multiprocessing.forkserver._forkserver
+        server._lock = threading.Lock()  # type: ignore[attr-defined]
         _forget_caller_state()
         exec(command, {})
     except SystemExit:  # the server's way out once the caller is gone
