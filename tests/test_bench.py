@@ -91,3 +91,19 @@ def test_torchtitan_rows_count_groups_per_rank(monkeypatch):
     # one communicator per distinct rank set; torchtitan takes part in every group of the world
     assert ours.creation_calls == ours.member_groups == ours.distinct_rank_sets
     assert theirs.creation_calls > 10 * ours.creation_calls
+
+
+def test_harness_rows_time_one_test_and_each_count_asked_for(monkeypatch):
+    seconds_per_test = {bench.SINGLE_PROCESS: 3.0, bench.MESHSTATE_HARNESS: 3.5,
+                        bench.MULTI_PROCESS_TEST_CASE: 20.0}
+    monkeypatch.setattr(bench, "time_test_run",
+                        lambda runner, tests, world_size: seconds_per_test[runner] * tests)
+    report = bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(),
+                       with_megatron=False, with_titan=False, harness_tests=[10])
+    assert sorted({row.tests for row in report.harness_rows}) == [1, 10]
+    runners = [row.runner for row in report.harness_rows if row.tests == 10]
+    assert runners[:2] == [bench.SINGLE_PROCESS, bench.MESHSTATE_HARNESS]
+    table = bench.format_report(report)
+    assert ("meshstate @distributed       8 ranks    10 test(s)     35.0 s  "
+            "+5.0 s over one process\n") in table
+    assert "pytest, one process          1 rank      1 test(s)      3.0 s\n" in table

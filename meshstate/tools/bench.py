@@ -17,9 +17,11 @@ same layout with ``dp_replicate=1``, ``dp_shard=dp``.
 Then the same approaches run on real local processes (gloo, NCCL with a GPU
 per rank): the wall time of init, the maximum over ranks.
 
-Last, how long a test suite takes to start N ranks: pytest running one test in
-a single process, the same with ``@distributed(world_size=N)``, and torch's
-``MultiProcessTestCase`` with N ranks, each in a fresh ``pytest`` process.
+Last, how long a test suite takes to start N ranks: pytest running one test (and
+each count of tests asked for) in a single process, the same with
+``@distributed(world_size=N)``, and torch's ``MultiProcessTestCase`` with N
+ranks, each in a fresh ``pytest`` process; the harnesses' rows show their cost
+over the single process.
 """
 
 from __future__ import annotations
@@ -507,7 +509,7 @@ def run(
     if harness_tests and importlib.util.find_spec("expecttest") is None:
         runners.remove(MULTI_PROCESS_TEST_CASE)
         report.notes.append("torch's MultiProcessTestCase is left out: it needs expecttest")
-    for tests in harness_tests:
+    for tests in sorted({1, *harness_tests}) if harness_tests else []:  # one: the start-up cost
         for runner in runners:
             progress(f"harness start-up: {runner}, {tests} test(s)")
             wall = time_test_run(runner, tests, harness_world_size)
@@ -707,11 +709,17 @@ def format_report(report: Report) -> str:
             )
     if report.harness_rows:
         lines += ["", "test harness start-up: wall seconds of a fresh pytest, all-reduce tests"]
+        single = {row.tests: row.seconds for row in report.harness_rows
+                  if row.runner == SINGLE_PROCESS}
         for harness_row in report.harness_rows:
-            ranks = "1 rank" if harness_row.runner == SINGLE_PROCESS else f"{harness_row.world_size} ranks"
+            is_single = harness_row.runner == SINGLE_PROCESS
+            ranks = "1 rank" if is_single else f"{harness_row.world_size} ranks"
+            over = single.get(harness_row.tests)
+            extra = "" if is_single or over is None else (
+                f"  {harness_row.seconds - over:+.1f} s over one process")
             lines.append(
                 f"  {harness_row.runner:<28} {ranks:<9} {harness_row.tests:>3} test(s) "
-                f"{harness_row.seconds:>8.1f} s"
+                f"{harness_row.seconds:>8.1f} s{extra}"
             )
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)

@@ -253,7 +253,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument(
         "--harness-tests", type=_process_world_sizes, default="1",
         help="time a fresh pytest running this many 8-rank tests with meshstate's harness and "
-        "with torch's MultiProcessTestCase (comma-separated counts); 0 for none",
+        "with torch's MultiProcessTestCase (comma-separated counts; one test is timed too); "
+        "0 for none",
     )
     bench_parser.add_argument("--json", action="store_true", help="print one JSON object")
     _add_force_flag(bench_parser)
