@@ -1,7 +1,9 @@
 """Functions the harness tests run on worker ranks (module level, so they reach the workers)."""
 
+import logging
 import os
 import time
+import warnings
 
 import torch.distributed as dist
 
@@ -20,6 +22,11 @@ def say_hello():
     return os.getpgrp()
 
 
+def log_and_warn():
+    logging.getLogger("meshstate.tests").warning("logged on %d", dist.get_rank())
+    warnings.warn(f"warned on {dist.get_rank()}")
+
+
 def takes_anything(value):
     return value is not None
 
@@ -32,7 +39,9 @@ def wait_forever_on_rank_two():
 
 
 def record_pid_then_sleep():
-    """For the signal tests: leave this worker's pid in $MESHSTATE_PID_DIR, then block."""
-    with open(os.path.join(os.environ["MESHSTATE_PID_DIR"], str(os.getpid())), "w"):
-        pass
+    """For the signal tests: leave the pids of this worker and its fork server in
+    $MESHSTATE_PID_DIR, then block."""
+    for pid in (os.getpid(), os.getppid()):
+        with open(os.path.join(os.environ["MESHSTATE_PID_DIR"], str(pid)), "w"):
+            pass
     time.sleep(600)

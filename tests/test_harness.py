@@ -21,6 +21,7 @@ from meshstate.testing.launch import RankFailure, RankTimeout
 from meshstate.testing import local_world
 from harness_bodies import (
     all_ranks_assert,
+    log_and_warn,
     low_and_high_ranks_disagree,
     say_hello,
     takes_anything,
@@ -55,6 +56,15 @@ def test_worker_output_carries_its_rank_and_workers_have_their_own_group(capfd):
     assert os.getpgrp() not in groups
 
 
+def test_worker_logging_and_warnings_reach_its_stderr(capfd):
+    """Workers may fork from pytest itself; its capture of logs and warnings is not theirs."""
+    local_world(4).run(log_and_warn)
+    err = capfd.readouterr().err
+    for rank in range(4):
+        assert f"[rank {rank}] logged on {rank}\n" in err
+        assert f"UserWarning: warned on {rank}\n" in err
+
+
 def test_an_argument_that_cannot_reach_the_workers_fails_at_once():
     world = local_world(4)
     with pytest.raises(MeshStateError, match=r"takes_anything: argument 'value' \(a _thread.lock\) "
@@ -84,8 +94,8 @@ def test_sleeps():
 """
 
 
-def _running_workers(pid_dir):
-    """The workers that recorded their pid in ``pid_dir`` and still run (not zombies)."""
+def _running(pid_dir):
+    """The workers and fork server recorded in ``pid_dir`` that still run (not zombies)."""
     marker = f"MESHSTATE_PID_DIR={pid_dir}\0".encode()
     running = []
     for path in pid_dir.iterdir():
@@ -112,7 +122,7 @@ def test_a_signalled_test_run_leaves_no_worker(tmp_path, how):
     )
     try:
         deadline = time.monotonic() + 120
-        while len(list(pid_dir.iterdir())) < 2:
+        while len(list(pid_dir.iterdir())) < 3:   # two workers and their fork server
             assert pytest_run.poll() is None, pytest_run.communicate()[0].decode()
             assert time.monotonic() < deadline, "the workers did not start within 120 s"
             time.sleep(0.2)
@@ -125,11 +135,11 @@ def test_a_signalled_test_run_leaves_no_worker(tmp_path, how):
                            "SIGKILL": -signal.SIGKILL}[how]
         assert pytest_run.returncode == expected_status, output
         deadline = time.monotonic() + 10
-        while _running_workers(pid_dir) and time.monotonic() < deadline:
+        while _running(pid_dir) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _running_workers(pid_dir)
+        assert not _running(pid_dir)
     finally:
         if pytest_run.poll() is None:
             os.killpg(pytest_run.pid, signal.SIGKILL)
-        for pid in _running_workers(pid_dir):
+        for pid in _running(pid_dir):
             os.kill(pid, signal.SIGKILL)
