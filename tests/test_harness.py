@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from meshstate.core.errors import MeshStateError
+from meshstate.testing import launch
 from meshstate.testing.launch import RankFailure, RankTimeout
 from meshstate.testing import local_world
 from harness_bodies import (
@@ -63,6 +64,21 @@ def test_worker_logging_and_warnings_reach_its_stderr(capfd):
     for rank in range(4):
         assert f"[rank {rank}] logged on {rank}\n" in err
         assert f"UserWarning: warned on {rank}\n" in err
+
+
+def test_a_fork_server_forked_from_the_caller_drops_its_handlers_and_captured_streams():
+    """A caller's SIGTERM handler (meshstate check's) must not run in the server."""
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)
+            launch._forget_caller_state()
+            status = int(signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+                         or sys.stdout is not sys.__stdout__)
+        finally:
+            os._exit(status)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def test_an_argument_that_cannot_reach_the_workers_fails_at_once():

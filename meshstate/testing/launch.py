@@ -254,9 +254,15 @@ def _forget_caller_state() -> None:
 
     pytest's capture of ``sys.stdout``/``sys.stderr``, record of warnings,
     logging handlers and hooks for uncaught exceptions: in the workers these
-    reach their stderr again. The main script and any module still being
-    imported are dropped, so a worker runs or imports them whole.
+    reach their stderr again. Signal handlers are the defaults again (a
+    caller's SIGTERM handler must not run in the server). The main script and
+    any module still being imported are dropped, so a worker runs or imports
+    them whole.
     """
+    for signum in signal.valid_signals():
+        if callable(signal.getsignal(signum)):
+            default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, default)
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__
     threading.excepthook = threading.__excepthook__
