@@ -89,6 +89,10 @@ def run_megatron_layers(mode):
     """``tensor_parallel_step`` for each tp size, with install() per ``mode``:
     "before" megatron-core is imported, "after" it, or "megatron" (never)."""
     if mode == "before":
+        # Workers fork from a copy of pytest, which imported megatron-core (conftest's oracle):
+        # forget it, so this worker imports it afresh, after install().
+        for name in [name for name in sys.modules if name.split(".")[0] == "megatron"]:
+            del sys.modules[name]
         assert "megatron" not in sys.modules
         install()
         assert "megatron" not in sys.modules  # install() itself never imports megatron-core

@@ -392,6 +392,8 @@ class _TableFacts:
     def __getattr__(self, name: str) -> Any:
         ident, _, field = name.rpartition("_")
         tables = {"rank": _rank_in, "size": _size_of, "group": _group_of, "ranks": _ranks_of}
+        if field not in tables or ident not in _KEY_OF_IDENT:
+            raise AttributeError(f"no table answers {name!r}")
         return tables[field][_KEY_OF_IDENT[ident]]
 
 
