@@ -223,7 +223,9 @@ def _fork_server_from_here(path: Any, args: Sequence[Any], passfds: Sequence[int
         server._lock = threading.Lock()  # type: ignore[attr-defined]
         _forget_caller_state()
         exec(command, {})
-    except SystemExit:  # the server's way out once the caller is gone
+    except (SystemExit, EOFError, ConnectionError):
+        # The server's way out once the caller is gone; a caller killed while it was
+        # sending a request (a signal to the whole process group) ends it with EOF.
         status = 0
     except BaseException:
         traceback.print_exc()
