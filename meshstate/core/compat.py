@@ -55,9 +55,11 @@ def new_member_group(
     default_backend, default_store = world.pg_map[world_group]
     resolved_backend = dist.Backend(backend or default_backend)
     resolved_timeout = timeout or c10d._get_default_timeout(resolved_backend)
+    caller = world_group.rank()
+    caller_index = ranks.index(caller)
     group = _torch_group(
         ranks,
-        ranks.index(world_group.rank()),
+        caller_index,
         resolved_backend,
         default_store,
         c10d.GroupName(name),
@@ -66,7 +68,7 @@ def new_member_group(
         group_desc=description,
     )
     world.pg_group_ranks[group] = (
-        cast(dict[int, int], _GroupRanks(ranks, world_group.rank()))
+        cast(dict[int, int], _GroupRanks(ranks, caller, caller_index))
         if isinstance(ranks, Ranks)
         else dict(zip(ranks, range(len(ranks))))
     )
@@ -92,10 +94,10 @@ class _GroupRanks(Mapping[int, int]):
     the caller's own entry (``dist.get_rank(group)``) is kept at hand.
     """
 
-    def __init__(self, ranks: Ranks, caller: int) -> None:
+    def __init__(self, ranks: Ranks, caller: int, caller_index: int) -> None:
         self.ranks = ranks
         self.caller = caller
-        self.caller_index = ranks.index(caller)
+        self.caller_index = caller_index
 
     def __getitem__(self, rank: int) -> int:
         if rank == self.caller:

@@ -170,6 +170,13 @@ class Grid:
         base = rank - sum(coordinate[a] * self._strides[a] for a in major_to_minor)
         return Ranks(base, [(self._strides[a], self.size(a)) for a in major_to_minor])
 
+    def members_of(self, rank: int, axes: Sequence[str]) -> Sequence[int]:
+        """:meth:`group_of` as a mesh keeps it: strides for more than 4,096 ranks, else a tuple.
+
+        Example: ``Grid(("tp", "dp"), (2, 4)).members_of(5, ["dp"])`` is ``(1, 3, 5, 7)``.
+        """
+        return listed_if_small(self.lattice_of(rank, axes))
+
     def members_at(self, rank: int, axes: Sequence[str], positions: range) -> Sequence[int]:
         """The members at ``positions`` of ``rank``'s group of ``axes`` (major to minor), sorted.
 
@@ -272,6 +279,10 @@ class ListedGrid(Grid):
     def lattice_of(self, rank: int, axes: Sequence[str]) -> NoReturn:
         """Refused: listed ranks are no lattice; :meth:`group_of` lists the group."""
         raise ConfigError(f"a grid over listed ranks has no strides; ask group_of({rank}, {axes})")
+
+    def members_of(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
+        """The group, listed: listed ranks have no strides to keep."""
+        return self.group_of(rank, axes)
 
     def members_at(self, rank: int, axes: Sequence[str], positions: range) -> tuple[int, ...]:
         """The members at ``positions`` of ``rank``'s group of ``axes``, sorted."""
@@ -690,9 +701,7 @@ class ParallelLayout:
         """
         if isinstance(key, str):
             _, grid, axes = self.resolve(key)
-            if self.ranks is not None:  # listed ranks: no strides to keep
-                return grid.group_of(rank, axes)
-            return listed_if_small(grid.lattice_of(rank, axes))
+            return grid.members_of(rank, axes)
         grid, axes = self.resolve_base(key.base)
         split = key.split
         if split is None or isinstance(split, (Chunks, Instances, Level)):
