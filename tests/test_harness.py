@@ -159,3 +159,29 @@ def test_a_signalled_test_run_leaves_no_worker(tmp_path, how):
             os.killpg(pytest_run.pid, signal.SIGKILL)
         for pid in _running(pid_dir):
             os.kill(pid, signal.SIGKILL)
+
+
+EOF_REQUEST = '''
+import multiprocessing.forkserver as forkserver, os, socket, time
+from meshstate.testing.launch import warm_up
+
+warm_up()
+server = forkserver._forkserver
+with socket.socket(socket.AF_UNIX) as request:
+    request.connect(server._forkserver_address)  # a caller killed before it sent its request
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    pid, status = os.waitpid(server._forkserver_pid, os.WNOHANG)
+    if pid:
+        print("server exit", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.05)
+'''
+
+
+@pytest.mark.skipif(not launch._server_can_fork_from_here(), reason="the server is a new interpreter here")
+def test_a_request_cut_off_ends_the_copied_fork_server_quietly():
+    done = subprocess.run([sys.executable, "-c", EOF_REQUEST], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip() == "server exit 0"
+    assert "Traceback" not in done.stderr
