@@ -117,3 +117,19 @@ def dtensor_matmul_on_a_fresh_mesh():
 def test_dtensors_on_a_rebuilt_mesh_do_not_reach_the_destroyed_groups():
     # DTensor caches sharding decisions by mesh layout; destroy() must forget them.
     assert dtensor_matmul_on_a_fresh_mesh() == dtensor_matmul_on_a_fresh_mesh() == 48.0
+
+
+@distributed(world_size=4)
+def test_no_rank_returns_with_a_group_before_every_member_has_it():
+    # gloo's constructor can return on one member while another is still connecting; a
+    # member that then destroyed the group would cut that connection.
+    from torch.distributed import distributed_c10d as c10d
+
+    from meshstate.core import compat
+
+    mesh = meshstate.init_mesh(tp=2, pp=2)
+    store = compat.default_store()
+    for group in mesh.process_groups.owned:
+        name = c10d._world.pg_names[group]
+        assert store.add(f"{name}/formed", 0) == group.size(), name
+    mesh.destroy()

@@ -215,15 +215,18 @@ class _Builder:
         self, members: Sequence[int], name: Key, backend: str, pg_options: Any
     ) -> dist.ProcessGroup:
         # A family's groups are disjoint, so its name and the group's first rank name the group.
+        group_name = f"meshstate-{self.build_id}-{backend}-{name}-{members[0]}"
         try:
             group = _compat.new_member_group(
                 members,
-                f"meshstate-{self.build_id}-{backend}-{name}-{members[0]}",
+                group_name,
                 backend=backend,
                 timeout=self.timeout,
                 pg_options=pg_options,
                 description=f"meshstate:{name}",
             )
+            if backend != "fake":  # a simulated world has no connections to wait for
+                self._wait_for_members(group_name, len(members), backend)
         except RuntimeError as error:
             what = f"the {str(name)!r} group of ranks {_short(members)} did not form"
             if isinstance(error, dist.DistStoreError) or "timed out" in str(error).lower():
@@ -232,6 +235,15 @@ class _Builder:
         self.result.creation_calls += 1
         self.result.owned.append(group)
         return group
+
+    def _wait_for_members(self, group_name: str, size: int, backend: str) -> None:
+        """Return once every member has its group: a member whose constructor returned
+        first (gloo's) must not destroy the group while another is still connecting."""
+        store = _compat.default_store()
+        key = f"{group_name}/formed"
+        if store.add(key, 1) == size:
+            store.set(f"{key}/all", "")
+        store.wait([f"{key}/all"], self.timeout or _compat.default_timeout(backend))
 
     def _split(
         self, family: tuple[tuple[int, ...], ...], name: Key, pg_options: Any
