@@ -10,9 +10,9 @@ import sys
 import time
 import warnings
 from datetime import timedelta
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,16 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore as PrefixStore
 from torch._C._distributed_c10d import Store
 from torch._C._distributed_c10d import TCPStore as TCPStore
+from torch.distributed import _functional_collectives as _funcol
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core.ranks import Ranks
+
+# torch's traceable collectives: ops that return a new tensor, waited on by wait_tensor.
+_functional = torch.ops._c10d_functional
+_wait = _functional.wait_tensor
 
 
 def new_member_group(
@@ -115,6 +120,61 @@ class _GroupRanks(Mapping[int, int]):
 
     def __len__(self) -> int:
         return len(self.ranks)
+
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+def constant_when_traced(function: _Function) -> _Function:
+    """``function``, which ``torch.compile`` calls while tracing and keeps the result of
+    as a constant (``torch.compiler.assume_constant_result``, typed here)."""
+    return cast(_Function, torch.compiler.assume_constant_result(function))  # type: ignore[no-untyped-call]
+
+
+def tracing() -> bool:
+    """Whether torch is tracing the caller (dynamo, AOT, export, ``make_fx``), so that
+    only traceable collectives may run. Uses ``_functional_collectives._are_we_tracing``.
+    """
+    traced: bool = _funcol._are_we_tracing()
+    return traced
+
+
+def traced_all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """``x`` reduced with ``op`` (``"sum"``, ``"max"``, ``"min"``) over the group; a new tensor.
+
+    torch's traceable collective ``_c10d_functional.all_reduce`` (private), then its
+    ``wait_tensor``; differentiable for ``"sum"`` (the backward is the same all-reduce).
+    """
+    return cast(torch.Tensor, _wait(_functional.all_reduce(x, op, group_name)))
+
+
+def traced_all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Every group rank's ``x`` concatenated along dim 0, in group-rank order.
+
+    ``_c10d_functional.all_gather_into_tensor`` (private); the backward is a reduce-scatter.
+    """
+    return cast(torch.Tensor, _wait(_functional.all_gather_into_tensor(x, group_size, group_name)))
+
+
+def traced_reduce_scatter(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """The sum over the group of ``x``'s dim-0 chunk numbered by the caller's group rank.
+
+    ``_c10d_functional.reduce_scatter_tensor`` (private); the backward is an all-gather.
+    """
+    scattered = _functional.reduce_scatter_tensor(x, "sum", group_size, group_name)
+    return cast(torch.Tensor, _wait(scattered))
+
+
+def traced_all_to_all(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str
+) -> torch.Tensor:
+    """``x``'s dim-0 pieces of ``input_splits`` sent to group ranks 0, 1, ...; what arrives,
+    joined along dim 0 in sender order (sizes ``output_splits``).
+
+    ``_c10d_functional.all_to_all_single`` (private); the backward swaps the splits.
+    """
+    exchanged = _functional.all_to_all_single(x, output_splits, input_splits, group_name)
+    return cast(torch.Tensor, _wait(exchanged))
 
 
 def default_group() -> dist.ProcessGroup:

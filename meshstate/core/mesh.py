@@ -14,8 +14,8 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from datetime import timedelta
@@ -84,6 +84,10 @@ class OrderedGroup:
     index: int
     group: dist.ProcessGroup
     group_ranks: tuple[int, ...]
+    group_name: str
+    """``group.group_name``, which torch's traceable collectives take."""
+    by_group_rank: tuple[int, ...] | None
+    """The axis index of each group rank; ``None`` where they agree (no reordering)."""
 
 
 class Facts:
@@ -245,11 +249,15 @@ class ParallelMesh:
         ranks = grid.group_of(self.global_rank, major_to_minor)
         group = self._axis_set_group(grid.mesh_order(major_to_minor), ranks)
         position = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
+        group_ranks = tuple(position[rank] for rank in ranks)
+        in_group_order = group_ranks == tuple(range(len(ranks)))
         found = OrderedGroup(
             ranks=ranks,
             index=ranks.index(self.global_rank),
             group=group,
-            group_ranks=tuple(position[rank] for rank in ranks),
+            group_ranks=group_ranks,
+            group_name=group.group_name,
+            by_group_rank=None if in_group_order else _inverse(group_ranks),
         )
         self._ordered_groups[key] = found
         return found
@@ -373,9 +381,9 @@ class ParallelMesh:
         if self._destroyed_at is not None:
             return
         destroyed_at = _first_caller_outside_meshstate()
-        if _set_mesh.get() is self:
-            _set_mesh.set(None)
-        _entered_meshes.set(tuple(mesh for mesh in _entered_meshes.get() if mesh is not self))
+        if _current.set_mesh is self:
+            _current.set_mesh = None
+        _current.entered = tuple(mesh for mesh in _current.entered if mesh is not self)
         self.process_groups.destroy()
         if self._device_meshes:
             _compat.forget_sharding_decisions()
@@ -392,13 +400,13 @@ class ParallelMesh:
         """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
         if self._destroyed_at is not None:
             raise self._destroyed_error()
-        _entered_meshes.set((*_entered_meshes.get(), self))
+        _current.entered = (*_current.entered, self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        entered = _entered_meshes.get()
+        entered = _current.entered
         if entered and entered[-1] is self:
-            _entered_meshes.set(entered[:-1])
+            _current.entered = entered[:-1]
 
     def __repr__(self) -> str:
         sizes = " ".join(f"{name}={size}" for name, size in self.config.sizes().items())
@@ -536,12 +544,27 @@ for _name in sorted(set(dir(DeviceMesh)) - set(dir(ParallelMesh)) - _INSTANCE_AT
     if not _name.startswith("__"):
         setattr(ParallelMesh, _name, _not_a_device_mesh(_name))
 
-# The current mesh is per thread and per asyncio task (contextvars), as in JAX: what
-# set_mesh() set in this context, under the meshes of the `with mesh:` blocks entered in it.
-_set_mesh: ContextVar[ParallelMesh | None] = ContextVar("meshstate_set_mesh", default=None)
-_entered_meshes: ContextVar[tuple[ParallelMesh, ...]] = ContextVar(
-    "meshstate_entered_meshes", default=()
-)
+class _CurrentMeshes(threading.local):
+    """The calling thread's current meshes: what set_mesh() set, under the meshes of the
+    `with mesh:` blocks entered. Per thread, as JAX's mesh context is; a thread-local
+    rather than a ContextVar because torch.compile traces (and guards on) a thread-local
+    attribute, and cannot read a ContextVar.
+    """
+
+    def __init__(self) -> None:
+        self.set_mesh: ParallelMesh | None = None
+        self.entered: tuple[ParallelMesh, ...] = ()
+
+
+_current = _CurrentMeshes()
+
+
+def _inverse(permutation: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes ``permutation``: ``_inverse((2, 0, 1)) == (1, 2, 0)``."""
+    inverse = [0] * len(permutation)
+    for index, value in enumerate(permutation):
+        inverse[value] = index
+    return tuple(inverse)
 
 
 def _first_caller_outside_meshstate() -> str:
@@ -571,24 +594,24 @@ def require_parallel_mesh(mesh: object, where: str) -> ParallelMesh:
 def set_mesh(mesh: ParallelMesh | None) -> None:
     """Make ``mesh`` the current mesh outside any ``with mesh:`` block (``None`` clears it).
 
-    Like ``with mesh:``, it holds for the calling thread or asyncio task (a
-    ``contextvars`` value): a new thread starts with no current mesh.
+    Like ``with mesh:``, it holds for the calling thread (a thread-local value,
+    which ``torch.compile`` guards on): a new thread starts with no current mesh.
 
     Example::
 
         meshstate.set_mesh(meshstate.init_mesh(tp=2))
         meshstate.current_mesh().size("tp")   # 2
     """
-    _set_mesh.set(None if mesh is None else require_parallel_mesh(mesh, "set_mesh()"))
+    _current.set_mesh = None if mesh is None else require_parallel_mesh(mesh, "set_mesh()")
 
 
 def current_mesh() -> ParallelMesh:
     """The innermost mesh of a ``with mesh:`` block, else the one :func:`set_mesh` set.
 
-    Both are per thread and per asyncio task; a destroyed mesh is never current.
+    Both are per thread; a destroyed mesh is never current.
     ``initialize_model_parallel`` sets its mesh too.
     """
-    for mesh in reversed((_set_mesh.get(), *_entered_meshes.get())):
+    for mesh in reversed((_current.set_mesh, *_current.entered)):
         if mesh is not None and not isinstance(mesh, _DestroyedMesh):
             return mesh
     raise NotInitializedError(

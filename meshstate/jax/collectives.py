@@ -20,6 +20,15 @@ Every function takes ``mesh=`` and defaults to :func:`meshstate.current_mesh`.
 ``ppermute`` are differentiable (the backward of each is its transpose);
 ``pmax`` and ``pmin`` refuse tensors that require grad.
 
+Compiled and eager alike: under ``torch.compile`` (or any torch tracer), and
+wherever a gradient is needed, each call is one of torch's traceable functional
+collectives, so ``torch.compile(fullgraph=True)`` sees one graph with no break
+and autograd gets torch's own backward. In eager code that needs no gradient
+the call is the in-place c10d collective in tensor form (``all_reduce`` on a
+copy, ``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``),
+the cost of the hand-written call. No copy is made
+to reorder shards where the axis order is the group's rank order.
+
 Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 
     with mesh:
@@ -30,12 +39,12 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from meshstate.core import compat as _compat
 from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
 
@@ -57,8 +66,24 @@ __all__ = [
 
 def _ordered(axes: Axes, mesh: ParallelMesh | None, name: str) -> OrderedGroup:
     if mesh is None:
-        return current_mesh().ordered(axes)
-    return require_parallel_mesh(mesh, f"{name}(mesh=...)").ordered(axes)
+        return _ordered_group(current_mesh(), axes)
+    return _ordered_group(require_parallel_mesh(mesh, f"{name}(mesh=...)"), axes)
+
+
+@_compat.constant_when_traced
+def _ordered_group(mesh: ParallelMesh, axes: Axes) -> OrderedGroup:
+    """``mesh.ordered(axes)``. To ``torch.compile`` a constant, made while tracing (a
+    first use creates its group there, outside the graph) and guarded by the mesh's
+    identity, so a compiled call under another mesh traces again."""
+    return mesh.ordered(axes)
+
+
+def _traced(x: object, name: str) -> bool:
+    """Whether ``x`` must go through torch's traceable collectives: torch is tracing,
+    or autograd records ``x``. A ConfigError if ``x`` is not a tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError(f"{name} takes a torch.Tensor, got {type(x).__name__}")
+    return (x.requires_grad and torch.is_grad_enabled()) or _compat.tracing()
 
 
 def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
@@ -73,23 +98,23 @@ def axis_size(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
 
 def psum(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The sum of ``x`` over ``axes``, on every rank."""
-    return _all_reduce_sum(x, _ordered(axes, mesh, "psum"))
+    return _all_reduce(x, _ordered(axes, mesh, "psum"), "sum", "psum")
 
 
 def pmean(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The mean of ``x`` over ``axes``, on every rank."""
     group = _ordered(axes, mesh, "pmean")
-    return _all_reduce_sum(x, group) / len(group.ranks)
+    return _all_reduce(x, group, "sum", "pmean") / len(group.ranks)
 
 
 def pmax(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The elementwise maximum of ``x`` over ``axes`` (not differentiable)."""
-    return _all_reduce_no_grad(x, _ordered(axes, mesh, "pmax"), dist.ReduceOp.MAX, "pmax")
+    return _all_reduce(x, _ordered(axes, mesh, "pmax"), "max", "pmax")
 
 
 def pmin(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The elementwise minimum of ``x`` over ``axes`` (not differentiable)."""
-    return _all_reduce_no_grad(x, _ordered(axes, mesh, "pmin"), dist.ReduceOp.MIN, "pmin")
+    return _all_reduce(x, _ordered(axes, mesh, "pmin"), "min", "pmin")
 
 
 def all_gather(
@@ -104,8 +129,32 @@ def all_gather(
 
     Stacked along a new dim ``axis``; with ``tiled=True`` concatenated along ``axis``.
     """
-    pieces = _all_gather(x, _ordered(axes, mesh, "all_gather"))
-    return torch.cat(pieces, dim=axis) if tiled else torch.stack(pieces, dim=axis)
+    group = _ordered(axes, mesh, "all_gather")
+    traced = _traced(x, "all_gather")
+    axis = _dim(axis, x.dim() + (not tiled), "all_gather", "axis")
+    return gather(x, group, axis, tiled=tiled, traced=traced)
+
+
+def gather(
+    x: torch.Tensor, group: OrderedGroup, axis: int, *, tiled: bool, traced: bool
+) -> torch.Tensor:
+    """:func:`all_gather` over ``group`` with ``axis`` checked (non-negative); ``traced``
+    picks torch's traceable collective over the in-place one."""
+    n = len(group.ranks)
+    source = x.contiguous()
+    if traced:
+        stacked = _compat.traced_all_gather(source, n, group.group_name)
+    else:
+        stacked = source.new_empty((n * source.numel(),))
+        dist.all_gather_single(stacked, source.view(-1), group=group.group)
+    stacked = stacked.view(n, *x.shape)
+    if group.by_group_rank is not None:
+        stacked = stacked[list(group.group_ranks)]
+    if not tiled:
+        return stacked.movedim(0, axis)
+    if axis == 0:
+        return stacked.view(n * x.shape[0], *x.shape[1:])
+    return stacked.movedim(0, axis).flatten(axis, axis + 1)
 
 
 def psum_scatter(
@@ -122,8 +171,14 @@ def psum_scatter(
     ``tiled=True`` it is split into axis-size chunks and the caller keeps its own.
     """
     group = _ordered(axes, mesh, "psum_scatter")
-    chunks = _split(x, scatter_dimension, len(group.ranks), tiled, "psum_scatter")
-    return _reduce_scatter_op(group, *chunks)
+    traced = _traced(x, "psum_scatter")
+    chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
+    if traced:
+        flat = _compat.traced_reduce_scatter(chunks.reshape(-1), len(group.ranks), group.group_name)
+    else:
+        flat = x.new_empty((chunks[0].numel(),))
+        dist.reduce_scatter_single(flat, chunks.reshape(-1), group=group.group)
+    return flat.view(chunks.shape[1:])
 
 
 def all_to_all(
@@ -143,9 +198,22 @@ def all_to_all(
     added or removed.
     """
     group = _ordered(axes, mesh, "all_to_all")
-    chunks = _split(x, split_axis, len(group.ranks), tiled, "all_to_all")
-    received = _all_to_all(group, *chunks)
-    return torch.cat(received, dim=concat_axis) if tiled else torch.stack(received, dim=concat_axis)
+    traced = _traced(x, "all_to_all")
+    chunks = _chunks(x, group, split_axis, tiled, "all_to_all", "split_axis")
+    concat_axis = _dim(concat_axis, chunks.dim() - 1 + (not tiled), "all_to_all", "concat_axis")
+    n = len(group.ranks)
+    if traced:
+        splits = [chunks[0].numel()] * n
+        flat = _compat.traced_all_to_all(chunks.reshape(-1), splits, splits, group.group_name)
+    else:
+        flat = torch.empty_like(chunks).view(-1)
+        dist.all_to_all_single(flat, chunks.reshape(-1), group=group.group)
+    received = flat.view(chunks.shape)
+    if group.by_group_rank is not None:
+        received = received[list(group.group_ranks)]
+    if not tiled:
+        return received.movedim(0, concat_axis)
+    return received.movedim(0, concat_axis).flatten(concat_axis, concat_axis + 1)
 
 
 def ppermute(
@@ -161,37 +229,77 @@ def ppermute(
     as a source and once as a destination.
     """
     group = _ordered(axes, mesh, "ppermute")
+    traced = _traced(x, "ppermute")
     pairs = _check_perm(perm, len(group.ranks))
-    return _ppermute(x, group, pairs)
+    # One all_to_all_single whose only non-empty pieces go to the destination and
+    # come from the source: a point-to-point exchange that traces, and whose
+    # backward (the splits swapped) is the inverse permutation.
+    numel = x.numel()
+    sends = [0] * len(group.ranks)
+    receives = [0] * len(group.ranks)
+    for source, destination in pairs:
+        if source == group.index:
+            sends[group.group_ranks[destination]] = numel
+        if destination == group.index:
+            receives[group.group_ranks[source]] = numel
+    flat = x.contiguous().view(-1)
+    sent = flat[: sum(sends)]
+    if traced:
+        arrived = _compat.traced_all_to_all(sent, receives, sends, group.group_name)
+        if not any(receives):  # keep the collective in the graph: its backward is collective
+            arrived = torch.cat([arrived, flat.new_zeros(numel)])
+        return arrived.view(x.shape)
+    arrived = flat.new_zeros(numel)
+    dist.all_to_all_single(arrived[: sum(receives)], sent, receives, sends, group=group.group)
+    return arrived.view(x.shape)
 
 
-def _all_reduce_no_grad(
-    x: torch.Tensor, group: OrderedGroup, op: Any, name: str
-) -> torch.Tensor:
-    if x.requires_grad:
+def _all_reduce(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Tensor:
+    traced = _traced(x, name)
+    if op != "sum" and x.requires_grad:
         raise ConfigError(f"{name} is not differentiable; call it on x.detach()")
-    result = x.clone()
-    dist.all_reduce(result, op=op, group=group.group)
+    if traced:
+        return _compat.traced_all_reduce(x, op, group.group_name)
+    result: torch.Tensor = x.clone()
+    dist.all_reduce(result, op=_REDUCE_OPS[op], group=group.group)
     return result
 
 
-def _split(
-    x: torch.Tensor, dim: int, parts: int, tiled: bool, name: str
-) -> tuple[torch.Tensor, ...]:
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _dim(dim: int, ndim: int, name: str, parameter: str) -> int:
+    """``dim`` as a non-negative dim of a tensor of ``ndim`` dims, else a ConfigError."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ConfigError(f"{name}: {parameter}={dim!r} is not a dim of a {ndim}-dim result")
+    return dim % ndim
+
+
+def _chunks(
+    x: torch.Tensor, group: OrderedGroup, dim: int, tiled: bool, name: str, parameter: str
+) -> torch.Tensor:
+    """``x`` cut along ``dim`` into one chunk per rank, stacked on a new dim 0 in group-rank
+    order (the chunk for axis index ``i`` at group rank ``group_ranks[i]``); contiguous."""
+    n = len(group.ranks)
+    dim = _dim(dim, x.dim(), name, parameter)
     size = x.shape[dim]
     if tiled:
-        if size % parts:
+        if size % n:
             raise ConfigError(
                 f"{name}: dim {dim} of shape {tuple(x.shape)} has size {size}, "
-                f"not divisible by the axis size {parts}"
+                f"not divisible by the axis size {n}"
             )
-        return tuple(chunk.contiguous() for chunk in x.chunk(parts, dim=dim))
-    if size != parts:
-        raise ConfigError(
-            f"{name}: dim {dim} of shape {tuple(x.shape)} has size {size}, but without "
-            f"tiled=True it must equal the axis size {parts}"
-        )
-    return tuple(piece.contiguous() for piece in x.unbind(dim))
+        chunks = x.reshape(*x.shape[:dim], n, size // n, *x.shape[dim + 1 :]).movedim(dim, 0)
+    else:
+        if size != n:
+            raise ConfigError(
+                f"{name}: dim {dim} of shape {tuple(x.shape)} has size {size}, but without "
+                f"tiled=True it must equal the axis size {n}"
+            )
+        chunks = x.movedim(dim, 0)
+    if group.by_group_rank is not None:
+        chunks = chunks[list(group.by_group_rank)]
+    return chunks.contiguous()
 
 
 def _check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, int], ...]:
@@ -204,119 +312,3 @@ def _check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, 
     if len(set(sources)) != len(sources) or len(set(destinations)) != len(destinations):
         raise ConfigError(f"ppermute perm {list(perm)} repeats a source or a destination")
     return pairs
-
-
-def _gather(x: torch.Tensor, group: OrderedGroup) -> tuple[torch.Tensor, ...]:
-    by_group_rank = [torch.empty_like(x) for _ in group.ranks]
-    dist.all_gather(by_group_rank, x.contiguous(), group=group.group)
-    return tuple(by_group_rank[group_rank] for group_rank in group.group_ranks)
-
-
-def _reduce_scatter(chunks: Sequence[torch.Tensor], group: OrderedGroup) -> torch.Tensor:
-    by_group_rank: list[torch.Tensor] = [chunks[0]] * len(chunks)
-    for index, group_rank in enumerate(group.group_ranks):
-        by_group_rank[group_rank] = chunks[index]
-    result = torch.empty_like(chunks[group.index])
-    dist.reduce_scatter(result, by_group_rank, group=group.group)
-    return result
-
-
-def _exchange(chunks: Sequence[torch.Tensor], group: OrderedGroup) -> tuple[torch.Tensor, ...]:
-    outgoing: list[torch.Tensor] = [chunks[0]] * len(chunks)
-    for index, group_rank in enumerate(group.group_ranks):
-        outgoing[group_rank] = chunks[index]
-    incoming = [torch.empty_like(chunk) for chunk in outgoing]
-    dist.all_to_all(incoming, outgoing, group=group.group)
-    return tuple(incoming[group_rank] for group_rank in group.group_ranks)
-
-
-def _permute(
-    x: torch.Tensor, group: OrderedGroup, pairs: tuple[tuple[int, int], ...]
-) -> torch.Tensor:
-    result = torch.zeros_like(x)
-    operations = []
-    for source, destination in pairs:
-        if source == group.index and destination == group.index:
-            result = x.clone()
-        elif source == group.index:
-            operations.append(
-                dist.P2POp(dist.isend, x.contiguous(), group.ranks[destination], group.group)
-            )
-        elif destination == group.index:
-            operations.append(dist.P2POp(dist.irecv, result, group.ranks[source], group.group))
-    if operations:
-        for work in dist.batch_isend_irecv(operations):
-            work.wait()
-    return result
-
-
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
-        ctx.group = group
-        result = x.clone()
-        dist.all_reduce(result, group=group.group)
-        return result
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        result = grad.clone()
-        dist.all_reduce(result, group=ctx.group.group)
-        return result, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: OrderedGroup) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter([grad.contiguous() for grad in grads], ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, group: OrderedGroup, *chunks: torch.Tensor) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter(chunks, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *_gather(grad.contiguous(), ctx.group))
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, group: OrderedGroup, *chunks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
-        return _exchange(chunks, group)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *_exchange([grad.contiguous() for grad in grads], ctx.group))
-
-
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: OrderedGroup, pairs: tuple[tuple[int, int], ...]
-    ) -> torch.Tensor:
-        ctx.group, ctx.pairs = group, pairs
-        return _permute(x, group, pairs)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        inverse = tuple((destination, source) for source, destination in ctx.pairs)
-        return _permute(grad, ctx.group, inverse), None, None
-
-
-# Function.apply is untyped; these name each one's signature.
-_all_reduce_sum: Callable[[torch.Tensor, OrderedGroup], torch.Tensor] = _AllReduceSum.apply
-_all_gather: Callable[[torch.Tensor, OrderedGroup], tuple[torch.Tensor, ...]] = _AllGather.apply
-_reduce_scatter_op: Callable[..., torch.Tensor] = _ReduceScatter.apply
-_all_to_all: Callable[..., tuple[torch.Tensor, ...]] = _AllToAll.apply
-_ppermute: Callable[
-    [torch.Tensor, OrderedGroup, tuple[tuple[int, int], ...]], torch.Tensor
-] = _Permute.apply

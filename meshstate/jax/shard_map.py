@@ -38,16 +38,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from meshstate.core import compat as _compat
 from meshstate.core.errors import AxisError, ConfigError, MeshStateError
 from meshstate.core.layout import DENSE_AXES, EXPERT_AXES
 from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.jax.collectives import gather
 from meshstate.jax.sharding import NamedSharding, P, _axes_of, to_placements
 
 __all__ = ["reshard", "shard_map"]
@@ -71,6 +74,9 @@ def shard_map(
     pytrees like JAX's: one ``P`` stands for every argument (or result), a
     tuple, list or dict matches the arguments (results) it describes. While
     ``f`` runs, ``mesh`` (default: the current mesh when called) is current.
+    What the specs need of a mesh (its view, placements, groups) is worked out
+    on the first call and kept; under ``torch.compile`` the call traces as part
+    of the caller's graph (with ``check_vma=False``).
 
     Example (8 ranks, ``init_mesh(tp=2, cp=2)``, so dp=2)::
 
@@ -84,28 +90,26 @@ def shard_map(
         MeshStateError: with ``check_vma``, a result differs along an axis its
             out-spec leaves out; the message names the axis and two ranks.
     """
+    specs = _Specs(in_specs, out_specs)
 
     def mapped(*args: Any) -> Any:
         parallel_mesh = (
             current_mesh() if mesh is None else require_parallel_mesh(mesh, "shard_map(mesh=...)")
         )
-        view = _view(parallel_mesh, [*_specs(in_specs), *_specs(out_specs)])
-        local_args = _map(
-            in_specs, args, "in_specs", lambda spec, x: _to_local(x, spec, view, parallel_mesh)
-        )
-        with parallel_mesh:
+        plan = _plan(parallel_mesh, specs)
+        even = [True]
+        local_args = _map(in_specs, args, "in_specs", partial(plan.to_local, even=even))
+        parallel_mesh.__enter__()  # not `with`: torch.compile traces enter and exit calls only
+        try:
             results = f(*local_args)
+        finally:
+            parallel_mesh.__exit__(None, None, None)
         outputs: list[tuple[P, torch.Tensor]] = []
         _map(out_specs, results, "out_specs", lambda spec, y: outputs.append((spec, y)))
         if check_vma:
-            _check_replicated(outputs, view, parallel_mesh)
-        shapes = iter(_global_shapes(outputs, view, parallel_mesh))
-        return _map(
-            out_specs,
-            results,
-            "out_specs",
-            lambda spec, y: _to_dtensor(y, spec, view, next(shapes)),
-        )
+            _check_replicated(outputs, plan)
+        shapes = iter(plan.global_shapes(outputs, even[0]))
+        return _map(out_specs, results, "out_specs", lambda spec, y: plan.to_dtensor(y, spec, next(shapes)))
 
     return mapped
 
@@ -115,7 +119,8 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
 
     A ``DTensor`` moves on its own DeviceMesh; a plain tensor (the full global
     value on every rank) is cut on the view of ``mesh`` (default: the current
-    mesh) whose axes the spec names. Differentiable.
+    mesh) whose axes the spec names, by local slicing where its dims divide.
+    Differentiable, and traced by ``torch.compile``.
 
     Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
 
@@ -123,14 +128,149 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
         reshard(y, P("tp")).to_local()                  # [0, 1, 2, 3] on tp=0
     """
     if isinstance(x, DTensor):
-        return x.redistribute(x.device_mesh, to_placements(spec, x.device_mesh))
+        return x.redistribute(x.device_mesh, _placements(x.device_mesh, spec))
     parallel_mesh = (
         current_mesh() if mesh is None else require_parallel_mesh(mesh, "reshard(mesh=...)")
     )
-    view = _view(parallel_mesh, [spec])
-    NamedSharding(view, spec).shard_shape(x.shape)
-    replicated = DTensor.from_local(x, view, [Replicate()] * view.ndim, run_check=False)
-    return replicated.redistribute(view, to_placements(spec, view))
+    plan = _plan(parallel_mesh, _Specs(spec, spec))
+    local = plan.to_local(spec, x, even=[True], jax_grads=False)
+    return plan.to_dtensor(local, spec, x.shape, share=False)
+
+
+class _Specs:
+    """A shard_map's in- and out-spec trees, checked once; a plan is kept per mesh."""
+
+    def __init__(self, in_specs: SpecTree, out_specs: SpecTree) -> None:
+        self.all = [*_specs(in_specs), *_specs(out_specs)]
+        self.last: tuple[ParallelMesh, _Plan] | None = None
+
+
+@_compat.constant_when_traced
+def _plan(parallel_mesh: ParallelMesh, specs: _Specs) -> _Plan:
+    """The plan of ``specs`` on ``parallel_mesh``: kept for the last mesh, and a constant
+    to ``torch.compile`` (made while tracing, guarded by both objects' identity)."""
+    if specs.last is None or specs.last[0] is not parallel_mesh:
+        specs.last = (parallel_mesh, _Plan(parallel_mesh, specs.all))
+    return specs.last[1]
+
+
+@_compat.constant_when_traced
+def _placements(device_mesh: DeviceMesh, spec: P) -> tuple[Placement, ...]:
+    """``to_placements(spec, device_mesh)``, a constant to ``torch.compile``."""
+    return to_placements(spec, device_mesh)
+
+
+class _Plan:
+    """What shard_map's specs need of one mesh, worked out once.
+
+    ``view`` is the dense or expert DeviceMesh; per spec, its placements, the
+    groups of its split dims (each dim's axes, major to minor), and the group
+    of the view's axes it leaves out (``None`` if none of size > 1).
+    """
+
+    def __init__(self, parallel_mesh: ParallelMesh, specs: Sequence[P]) -> None:
+        self.parallel_mesh = parallel_mesh
+        self.view = _view(parallel_mesh, specs)
+        self.mesh_axes = self.view.mesh_dim_names or ()
+        self.sizes = dict(zip(self.mesh_axes, self.view.shape))
+        self.placements = {spec: to_placements(spec, self.view) for spec in specs}
+        self.split_dims = {
+            spec: [
+                (dim, parallel_mesh.ordered(_axes_of(entry)))
+                for dim, entry in enumerate(spec.dims)
+                if entry is not None
+            ]
+            for spec in specs
+        }
+        self.left_out = {spec: self._left_out(spec) for spec in specs}
+        self.replicas = {
+            spec: math.prod(self.sizes[axis] for axis in self.left_out_axes(spec)) for spec in specs
+        }
+        self.whole = parallel_mesh.ordered(self.mesh_axes)
+
+    def left_out_axes(self, spec: P) -> tuple[str, ...]:
+        """The view's axes of size > 1 that ``spec`` does not name (unreduced axes are named)."""
+        named = set(spec.axes)
+        return tuple(a for a in self.mesh_axes if a not in named and self.sizes[a] > 1)
+
+    def _left_out(self, spec: P) -> OrderedGroup | None:
+        axes = self.left_out_axes(spec)
+        return self.parallel_mesh.ordered(axes) if axes else None
+
+    def to_local(
+        self, spec: P, x: torch.Tensor, *, even: list[bool], jax_grads: bool = True
+    ) -> torch.Tensor:
+        """This rank's block of ``x`` under ``spec``; clears ``even[0]`` for an uneven one.
+
+        With ``jax_grads`` the gradient is also summed over the axes ``spec``
+        leaves out (JAX's rule); without, it is DTensor's (each replica's own).
+        """
+        if isinstance(x, DTensor) and x.device_mesh is not self.view:
+            x = x.full_tensor()
+        if isinstance(x, DTensor):
+            even[0] &= self._divides(spec, x.shape)
+            if x.placements != self.placements[spec]:
+                x = x.redistribute(self.view, self.placements[spec])
+            local = x.to_local()
+            left_out = self.left_out[spec]
+            if left_out is None or not jax_grads or not local.requires_grad:
+                return local
+            return _sum_grad(local, left_out.group_name)
+        NamedSharding(self.view, spec).shard_shape(x.shape)
+        if not self._divides(spec, x.shape):
+            even[0] = False
+            replicated = DTensor.from_local(
+                x, self.view, [Replicate()] * self.view.ndim, run_check=False
+            )
+            return self.to_local(spec, replicated, even=even, jax_grads=jax_grads)
+        # The full value on every rank: this rank's block is a slice, whose gradient
+        # is gathered back whole (as DTensor's Replicate -> Shard gives it).
+        split_dims = self.split_dims[spec]
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return _block(x, split_dims)
+        local = _take_block(x, split_dims)
+        left_out = self.left_out[spec]
+        if left_out is None or not jax_grads:
+            return local
+        return _sum_grad(local, left_out.group_name)
+
+    def _divides(self, spec: P, shape: Sequence[int]) -> bool:
+        return all(shape[dim] % len(group.ranks) == 0 for dim, group in self.split_dims[spec])
+
+    def to_dtensor(
+        self, y: torch.Tensor, spec: P, shape: Sequence[int], *, share: bool = True
+    ) -> DTensor:
+        """``y``, this rank's block, as a DTensor of global ``shape`` laid out by ``spec``.
+
+        With ``share``, a result replicated over the axes ``spec`` leaves out
+        hands each replica its share of the cotangent (JAX counts it once).
+        """
+        if isinstance(y, DTensor):
+            raise ConfigError("shard_map: f returned a DTensor; return local blocks (plain tensors)")
+        if share and self.replicas[spec] > 1 and y.requires_grad:
+            y = _share_grad(y, self.replicas[spec])
+        return DTensor.from_local(
+            y,
+            self.view,
+            self.placements[spec],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=_contiguous_strides(shape),
+        )
+
+    def global_shapes(self, outputs: list[tuple[P, torch.Tensor]], even: bool) -> list[torch.Size]:
+        """Each result's global shape: a split dim times its axes' sizes where every
+        argument divided (JAX's rule), else summed over the ranks (one all-reduce)."""
+        if even:
+            shapes = []
+            for spec, y in outputs:
+                shape = list(y.shape)
+                for dim, group in self.split_dims[spec]:
+                    if dim < y.dim():
+                        shape[dim] *= len(group.ranks)
+                shapes.append(torch.Size(shape))
+            return shapes
+        return _summed_shapes(outputs, self.view, self.parallel_mesh)
 
 
 def _specs(tree: SpecTree) -> list[P]:
@@ -198,49 +338,12 @@ def _view(parallel_mesh: ParallelMesh, specs: Sequence[P]) -> DeviceMesh:
     )
 
 
-def _left_out(spec: P, view: DeviceMesh) -> tuple[str, ...]:
-    """The view's axes of size > 1 that ``spec`` does not name (unreduced axes are named)."""
-    named = set(spec.axes)
-    return tuple(
-        axis
-        for mesh_dim, axis in enumerate(view.mesh_dim_names or ())
-        if axis not in named and view.size(mesh_dim) > 1
-    )
-
-
-def _to_local(
-    x: torch.Tensor, spec: P, view: DeviceMesh, parallel_mesh: ParallelMesh
-) -> torch.Tensor:
-    placements = to_placements(spec, view)
-    if isinstance(x, DTensor) and x.device_mesh is not view:
-        x = x.full_tensor()
-    if not isinstance(x, DTensor):
-        NamedSharding(view, spec).shard_shape(x.shape)
-        x = DTensor.from_local(x, view, [Replicate()] * view.ndim, run_check=False)
-    local = x.redistribute(view, placements).to_local()
-    left_out = _left_out(spec, view)
-    if not left_out or not local.requires_grad:
-        return local
-    return _sum_grad(local, parallel_mesh.ordered(left_out))
-
-
-def _to_dtensor(y: torch.Tensor, spec: P, view: DeviceMesh, shape: torch.Size) -> DTensor:
-    if isinstance(y, DTensor):
-        raise ConfigError("shard_map: f returned a DTensor; return local blocks (plain tensors)")
-    replicated = _left_out(spec, view)
-    if replicated and y.requires_grad:
-        sizes = math.prod(view.size((view.mesh_dim_names or ()).index(axis)) for axis in replicated)
-        y = _share_grad(y, sizes)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        y, view, to_placements(spec, view), run_check=False, shape=shape, stride=stride
-    )
-
-
-def _global_shapes(
+def _summed_shapes(
     outputs: list[tuple[P, torch.Tensor]], view: DeviceMesh, parallel_mesh: ParallelMesh
 ) -> list[torch.Size]:
-    """Each result's global shape: its sharded dims summed over their axes (one all-reduce)."""
+    """Each result's global shape: its sharded dims summed over their axes (one all-reduce).
+
+    Where an argument was cut unevenly a rank cannot know the others' blocks."""
     mesh_axes = view.mesh_dim_names or ()
     coordinate = parallel_mesh.coordinate
     counted = []
@@ -264,15 +367,13 @@ def _global_shapes(
     return shapes
 
 
-def _check_replicated(
-    outputs: list[tuple[P, torch.Tensor]], view: DeviceMesh, parallel_mesh: ParallelMesh
-) -> None:
+def _check_replicated(outputs: list[tuple[P, torch.Tensor]], plan: _Plan) -> None:
     """Raise on every rank if a result differs along an axis its out-spec leaves out."""
-    mesh_axes = view.mesh_dim_names or ()
+    view, parallel_mesh, mesh_axes = plan.view, plan.parallel_mesh, plan.mesh_axes
     checks = [
         (number, spec, axis)
         for number, (spec, _) in enumerate(outputs)
-        for axis in _left_out(spec, view)
+        for axis in plan.left_out_axes(spec)
     ]
     if not checks:
         return
@@ -300,29 +401,66 @@ def _check_replicated(
             )
 
 
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``: ``(6, 2, 1)`` for ``(4, 3, 2)``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _device(view: DeviceMesh) -> torch.device:
     if view.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(view.device_type)
 
 
-class _SumGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over ``group``."""
+def _block(x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]) -> torch.Tensor:
+    """The caller's block of ``x``: each split dim narrowed to its chunk along the dim's axes."""
+    for dim, group in split_dims:
+        step = x.shape[dim] // len(group.ranks)
+        x = x.narrow(dim, group.index * step, step)
+    return x
+
+
+class _TakeBlock(torch.autograd.Function):
+    """The caller's block of a value every rank holds whole; backward gathers the
+    gradient whole again. Hand-written: torch has no slice whose backward gathers."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(
+        ctx: Any, x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]
+    ) -> torch.Tensor:
+        ctx.split_dims = split_dims
+        return _block(x, split_dims)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        for dim, group in ctx.split_dims:
+            grad = gather(grad, group, dim, tiled=True, traced=True)
+        return grad, None
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group named ``group_name``.
+
+    Hand-written: torch's functional collectives have no identity-forward op."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        summed = grad.contiguous().clone()
-        dist.all_reduce(summed, group=ctx.group.group)
-        return summed, None
+        return _compat.traced_all_reduce(grad.contiguous(), "sum", ctx.group_name), None
 
 
 class _ShareGrad(torch.autograd.Function):
-    """Identity forward; backward divides the gradient into ``parts`` equal shares."""
+    """Identity forward; backward divides the gradient into ``parts`` equal shares.
+
+    Hand-written: torch has no identity-forward op that scales the gradient."""
 
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, parts: int) -> torch.Tensor:
@@ -335,5 +473,8 @@ class _ShareGrad(torch.autograd.Function):
 
 
 # Function.apply is untyped; these name each one's signature.
-_sum_grad: Callable[[torch.Tensor, OrderedGroup], torch.Tensor] = _SumGrad.apply
+_take_block: Callable[
+    [torch.Tensor, Sequence[tuple[int, OrderedGroup]]], torch.Tensor
+] = _TakeBlock.apply
+_sum_grad: Callable[[torch.Tensor, str], torch.Tensor] = _SumGrad.apply
 _share_grad: Callable[[torch.Tensor, int], torch.Tensor] = _ShareGrad.apply
