@@ -51,7 +51,7 @@ from meshstate.core.errors import AxisError, ConfigError, MeshStateError
 from meshstate.core.layout import DENSE_AXES, EXPERT_AXES
 from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.jax.collectives import gather
-from meshstate.jax.sharding import NamedSharding, P, _axes_of, to_placements
+from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
 
 __all__ = ["reshard", "shard_map"]
 
@@ -96,7 +96,7 @@ def shard_map(
         parallel_mesh = (
             current_mesh() if mesh is None else require_parallel_mesh(mesh, "shard_map(mesh=...)")
         )
-        plan = _plan(parallel_mesh, specs)
+        plan = specs.plan_for(parallel_mesh)
         even = [True]
         local_args = _map(in_specs, args, "in_specs", partial(plan.to_local, even=even))
         parallel_mesh.__enter__()  # not `with`: torch.compile traces enter and exit calls only
@@ -132,26 +132,51 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
     parallel_mesh = (
         current_mesh() if mesh is None else require_parallel_mesh(mesh, "reshard(mesh=...)")
     )
-    plan = _plan(parallel_mesh, _Specs(spec, spec))
+    signature = (spec.dims, spec.unreduced)
+    _keep_reshard_plan(parallel_mesh, signature)
+    plan = _reshard_specs[signature].plan_for(parallel_mesh)
     local = plan.to_local(spec, x, even=[True], jax_grads=False)
     return plan.to_dtensor(local, spec, x.shape, share=False)
 
 
 class _Specs:
-    """A shard_map's in- and out-spec trees, checked once; a plan is kept per mesh."""
+    """A shard_map's in- and out-spec trees, checked once, and the plan of the last mesh."""
 
     def __init__(self, in_specs: SpecTree, out_specs: SpecTree) -> None:
         self.all = [*_specs(in_specs), *_specs(out_specs)]
-        self.last: tuple[ParallelMesh, _Plan] | None = None
+        self.mesh: ParallelMesh | None = None
+        self.plan: _Plan | None = None
+
+    def plan_for(self, parallel_mesh: ParallelMesh) -> _Plan:
+        """The plan on ``parallel_mesh``, made on first use (under torch.compile, made
+        while tracing and then read like any attribute, which torch guards on)."""
+        _keep_plan(self, parallel_mesh)
+        assert self.plan is not None
+        return self.plan
 
 
 @_compat.constant_when_traced
-def _plan(parallel_mesh: ParallelMesh, specs: _Specs) -> _Plan:
-    """The plan of ``specs`` on ``parallel_mesh``: kept for the last mesh, and a constant
-    to ``torch.compile`` (made while tracing, guarded by both objects' identity)."""
-    if specs.last is None or specs.last[0] is not parallel_mesh:
-        specs.last = (parallel_mesh, _Plan(parallel_mesh, specs.all))
-    return specs.last[1]
+def _keep_plan(specs: _Specs, parallel_mesh: ParallelMesh) -> bool:
+    """Make ``specs.plan`` the plan on ``parallel_mesh``. A constant to torch.compile, so
+    it runs while tracing: the plan's groups and views are made outside the graph."""
+    if specs.mesh is not parallel_mesh:
+        specs.plan = _Plan(parallel_mesh, specs.all)
+        specs.mesh = parallel_mesh
+    return True
+
+
+_reshard_specs: dict[tuple[tuple[DimAxes, ...], frozenset[str]], _Specs] = {}
+"""reshard's specs by their contents (a spec may be made inside a compiled function)."""
+
+
+@_compat.constant_when_traced
+def _keep_reshard_plan(
+    parallel_mesh: ParallelMesh, signature: tuple[tuple[DimAxes, ...], frozenset[str]]
+) -> bool:
+    """Keep ``_reshard_specs[signature]`` and its plan on ``parallel_mesh`` (see _keep_plan)."""
+    spec = P(*signature[0], unreduced=signature[1])
+    specs = _reshard_specs.setdefault(signature, _Specs(spec, spec))
+    return _keep_plan(specs, parallel_mesh)
 
 
 @_compat.constant_when_traced
@@ -216,8 +241,12 @@ class _Plan:
             if left_out is None or not jax_grads or not local.requires_grad:
                 return local
             return _sum_grad(local, left_out.group_name)
-        NamedSharding(self.view, spec).shard_shape(x.shape)
+        if len(spec.dims) > x.dim():
+            raise ConfigError(
+                f"{spec!r} has {len(spec.dims)} dims but the shape {tuple(x.shape)} has {x.dim()}"
+            )
         if not self._divides(spec, x.shape):
+            NamedSharding(self.view, spec).shard_shape(x.shape)  # refuses what DTensor cannot cut
             even[0] = False
             replicated = DTensor.from_local(
                 x, self.view, [Replicate()] * self.view.ndim, run_check=False
