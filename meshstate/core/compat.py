@@ -371,6 +371,15 @@ def strided_shard(dim: int, split_factor: int) -> torch.distributed.tensor.Place
     return _StridedShard(dim, split_factor=split_factor)
 
 
+def sharded_dim(placement: torch.distributed.tensor.Placement) -> int | None:
+    """The tensor dim a ``Shard`` or torch's strided shard (private ``_StridedShard``,
+    not a ``Shard`` subclass) splits; ``None`` for any other placement."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
+
+
 def mesh_copies(device_mesh: DeviceMesh) -> torch.Tensor:
     """Global ranks of every copy of ``device_mesh`` in its root mesh.
 

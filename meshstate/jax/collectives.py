@@ -79,11 +79,16 @@ def _ordered_group(mesh: ParallelMesh, axes: Axes) -> OrderedGroup:
 
 
 def _traced(x: object, name: str) -> bool:
-    """Whether ``x`` must go through torch's traceable collectives: torch is tracing,
+    """Whether ``x`` must go through torch's traceable collectives: torch.compile is
+    tracing, ``x`` is a tensor subclass (a tracer's fake or functional tensor, a DTensor),
     or autograd records ``x``. A ConfigError if ``x`` is not a tensor."""
-    if not isinstance(x, torch.Tensor):
-        raise ConfigError(f"{name} takes a torch.Tensor, got {type(x).__name__}")
-    return (x.requires_grad and torch.is_grad_enabled()) or _compat.tracing()
+    kind = type(x)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        if not isinstance(x, torch.Tensor):
+            raise ConfigError(f"{name} takes a torch.Tensor, got {kind.__name__}")
+        return True
+    recorded: bool = x.requires_grad and torch.is_grad_enabled()  # type: ignore[attr-defined]
+    return recorded or torch.compiler.is_compiling()
 
 
 def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
@@ -98,7 +103,12 @@ def axis_size(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
 
 def psum(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The sum of ``x`` over ``axes``, on every rank."""
-    return _all_reduce(x, _ordered(axes, mesh, "psum"), "sum", "psum")
+    group = _ordered(axes, mesh, "psum")
+    if _traced(x, "psum"):
+        return _compat.traced_all_reduce(x, "sum", group.group_name)
+    result: torch.Tensor = x.clone()
+    dist.all_reduce(result, group=group.group)
+    return result
 
 
 def pmean(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
@@ -141,6 +151,10 @@ def gather(
     """:func:`all_gather` over ``group`` with ``axis`` checked (non-negative); ``traced``
     picks torch's traceable collective over the in-place one."""
     n = len(group.ranks)
+    if _in_place(x, traced, axis, tiled, group):
+        gathered = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(gathered, x, group=group.group)
+        return gathered
     source = x.contiguous()
     if traced:
         stacked = _compat.traced_all_gather(source, n, group.group_name)
@@ -172,9 +186,14 @@ def psum_scatter(
     """
     group = _ordered(axes, mesh, "psum_scatter")
     traced = _traced(x, "psum_scatter")
+    n = len(group.ranks)
+    if _in_place(x, traced, scatter_dimension, tiled, group) and x.shape[0] % n == 0:
+        scattered = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+        dist.reduce_scatter_single(scattered, x, group=group.group)
+        return scattered
     chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
     if traced:
-        flat = _compat.traced_reduce_scatter(chunks.reshape(-1), len(group.ranks), group.group_name)
+        flat = _compat.traced_reduce_scatter(chunks.reshape(-1), n, group.group_name)
     else:
         flat = x.new_empty((chunks[0].numel(),))
         dist.reduce_scatter_single(flat, chunks.reshape(-1), group=group.group)
@@ -199,6 +218,12 @@ def all_to_all(
     """
     group = _ordered(axes, mesh, "all_to_all")
     traced = _traced(x, "all_to_all")
+    if concat_axis == 0 and _in_place(x, traced, split_axis, tiled, group) and (
+        x.shape[0] % len(group.ranks) == 0
+    ):
+        exchanged = torch.empty_like(x)
+        dist.all_to_all_single(exchanged, x, group=group.group)
+        return exchanged
     chunks = _chunks(x, group, split_axis, tiled, "all_to_all", "split_axis")
     concat_axis = _dim(concat_axis, chunks.dim() - 1 + (not tiled), "all_to_all", "concat_axis")
     n = len(group.ranks)
@@ -252,6 +277,17 @@ def ppermute(
     arrived = flat.new_zeros(numel)
     dist.all_to_all_single(arrived[: sum(receives)], sent, receives, sends, group=group.group)
     return arrived.view(x.shape)
+
+
+def _in_place(
+    x: torch.Tensor, traced: bool, dim: int, tiled: bool, group: OrderedGroup
+) -> bool:
+    """Whether a tiled collective along dim 0 can run on ``x`` as it is: eager,
+    contiguous, chunks in the group's rank order (dim 0 must divide, but for all_gather)."""
+    return (
+        not traced and dim == 0 and tiled and group.by_group_rank is None and x.dim() > 0
+        and x.is_contiguous()
+    )
 
 
 def _all_reduce(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Tensor:

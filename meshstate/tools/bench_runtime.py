@@ -1,0 +1,217 @@
+"""``meshstate bench``'s runtime table: what a JAX-layer call costs beside torch's own.
+
+One rank of an 8-rank world on torch's fake backend (collectives move nothing,
+so the figures are the Python and dispatch cost of a call), ``init_mesh(tp=2,
+cp=2)``, a 1024-float tensor. Each meshstate call is timed eager beside the
+hand-written torch call that does the same work (its output allocated, as a
+caller's would be), torch's functional collective
+and, for ``shard_map``, torch's ``local_map``; then compiled
+(``torch.compile(fullgraph=True, backend="aot_eager")``), with the graphs and
+breaks ``torch._dynamo.explain`` counts.
+
+Example::
+
+    rows = measure_runtime(progress=print)
+    print(format_runtime(rows))
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshstate.core import compat as _compat
+from meshstate.core.mesh import ParallelMesh, init_mesh
+from meshstate.testing.launch import fake_world
+
+RUNTIME_WORLD = 8
+RUNTIME_TP, RUNTIME_CP = 2, 2
+"""The simulated world and layout the runtime table is measured on (dp=2)."""
+
+
+@dataclass(frozen=True)
+class RuntimeRow:
+    """One call: meshstate's eager and compiled cost beside torch's, microseconds per call."""
+
+    call: str
+    eager_us: float
+    torch_call: str
+    torch_us: float
+    functional_us: float | None
+    """torch's functional collective (or ``local_map``) doing the same, eager."""
+    compiled_us: float | None
+    graphs: int
+    graph_breaks: int
+
+
+def _us_per_call(call: Callable[[], object], calls: int = 2000, repeats: int = 7) -> float:
+    """Median over ``repeats`` of the mean microseconds of ``calls`` calls, after a warm-up."""
+    for _ in range(50):
+        call()
+    means = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(calls):
+            call()
+        means.append((time.perf_counter() - started) / calls * 1e6)
+    return statistics.median(means)
+
+
+def _explain(function: Callable[..., object], *args: torch.Tensor) -> tuple[int, int]:
+    """(graphs, graph breaks) that ``torch._dynamo.explain`` counts for ``function(*args)``."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(function)(*args)
+    return explained.graph_count, explained.graph_break_count
+
+
+def _compiled_us(function: Callable[..., object], *args: torch.Tensor) -> float:
+    compiled = torch.compile(function, fullgraph=True, backend="aot_eager")
+    return _us_per_call(lambda: compiled(*args), calls=500)
+
+
+def measure_runtime(progress: Callable[[str], object] = lambda message: None) -> list[RuntimeRow]:
+    """Every row of the runtime table, measured in this process."""
+    with fake_world(0, RUNTIME_WORLD), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's fake backend and funcol deprecations
+        mesh = init_mesh(tp=RUNTIME_TP, cp=RUNTIME_CP)
+        try:
+            with mesh:
+                return _rows(mesh, progress)
+        finally:
+            mesh.destroy()
+
+
+def _rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import local_map
+
+    from meshstate.jax import collectives as lax
+    from meshstate.jax.sharding import P
+    from meshstate.jax.shard_map import reshard, shard_map
+
+    tp, cp = mesh.group("tp"), mesh.group("cp")
+    x = torch.ones(1024)
+    ring = [(0, 1), (1, 0)]
+
+    collectives: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], str, Callable[[], object],
+                            Callable[[], object]]] = [
+        ("psum(x, 'tp')", lambda v: lax.psum(v, "tp"),
+         "all_reduce(x.clone())", lambda: dist.all_reduce(x.clone(), group=tp),
+         lambda: _compat.traced_all_reduce(x, "sum", tp.group_name)),
+        ("all_gather(x, 'tp', tiled=True)", lambda v: lax.all_gather(v, "tp", tiled=True),
+         "all_gather_single", lambda: dist.all_gather_single(torch.empty(2048), x, group=tp),
+         lambda: _compat.traced_all_gather(x, 2, tp.group_name)),
+        ("psum_scatter(x, 'tp', tiled=True)", lambda v: lax.psum_scatter(v, "tp", tiled=True),
+         "reduce_scatter_single",
+         lambda: dist.reduce_scatter_single(torch.empty(512), x, group=tp),
+         lambda: _compat.traced_reduce_scatter(x, 2, tp.group_name)),
+        ("all_to_all(x, 'tp', 0, 0, tiled=True)",
+         lambda v: lax.all_to_all(v, "tp", 0, 0, tiled=True),
+         "all_to_all_single", lambda: dist.all_to_all_single(torch.empty(1024), x, group=tp),
+         lambda: _compat.traced_all_to_all(x, [512, 512], [512, 512], tp.group_name)),
+        ("ppermute(x, 'cp', ring)", lambda v: lax.ppermute(v, "cp", ring),
+         "all_to_all_single(splits)",
+         lambda: dist.all_to_all_single(
+             torch.zeros(1024), x, [0, 1024], [0, 1024], group=cp),
+         lambda: _compat.traced_all_to_all(x, [0, 1024], [0, 1024], cp.group_name)),
+    ]
+    rows = []
+    for name, call, torch_name, torch_call, functional in collectives:
+        progress(f"runtime: {name}")
+        graphs, breaks = _explain(call, x)
+        rows.append(RuntimeRow(
+            name, _us_per_call(lambda: call(x)), torch_name, _us_per_call(torch_call),
+            _us_per_call(functional), _compiled_us(call, x), graphs, breaks,
+        ))
+
+    progress("runtime: shard_map row-parallel matmul")
+    dense = mesh.dense
+    tp_dim = (dense.mesh_dim_names or ()).index("tp")
+    x_full, w_full = torch.ones(16, 32), torch.ones(32, 8)
+    x_dt = distribute_tensor(x_full, dense, [Replicate()] * tp_dim + [Shard(1)])
+    w_dt = distribute_tensor(w_full, dense, [Replicate()] * tp_dim + [Shard(0)])
+    x_block, w_block = x_full[:, :16].contiguous(), w_full[:16].contiguous()
+
+    def row_parallel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return lax.psum(a @ b, "tp")
+
+    mapped = shard_map(row_parallel, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P())
+
+    def local_body(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _compat.traced_all_reduce(a @ b, "sum", tp.group_name)
+
+    torch_mapped = local_map(
+        local_body, out_placements=((Replicate(),) * dense.ndim,),
+        in_placements=(x_dt.placements, w_dt.placements), device_mesh=dense,
+    )
+
+    def by_hand() -> torch.Tensor:
+        y = x_block @ w_block
+        dist.all_reduce(y, group=tp)
+        return y
+
+    graphs, breaks = _explain(mapped, x_dt, w_dt)
+    rows.append(RuntimeRow(
+        "shard_map row-parallel (DTensors)", _us_per_call(lambda: mapped(x_dt, w_dt)),
+        "local matmul + all_reduce", _us_per_call(by_hand),
+        _us_per_call(lambda: torch_mapped(x_dt, w_dt)), _compiled_us(mapped, x_dt, w_dt),
+        graphs, breaks,
+    ))
+    graphs, breaks = _explain(mapped, x_full, w_full)
+    rows.append(RuntimeRow(
+        "shard_map row-parallel (plain)", _us_per_call(lambda: mapped(x_full, w_full)),
+        "local matmul + all_reduce", rows[-1].torch_us, None,
+        _compiled_us(mapped, x_full, w_full), graphs, breaks,
+    ))
+
+    progress("runtime: reshard")
+    table = torch.ones(16, 8)
+    source = reshard(table, P(("dp", "cp")))
+    target = P("tp")
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return reshard(t, target)
+
+    placements = source.placements
+    target_placements = tuple(
+        Shard(0) if axis == "tp" else Replicate() for axis in dense.mesh_dim_names or ()
+    )
+    graphs, breaks = _explain(move, source)
+    rows.append(RuntimeRow(
+        "reshard P(('dp','cp')) -> P('tp')", _us_per_call(lambda: move(source), calls=200),
+        "DTensor.redistribute",
+        _us_per_call(lambda: source.redistribute(dense, target_placements), calls=200),
+        None, _compiled_us(move, source), graphs, breaks,
+    ))
+    assert placements == source.placements
+    return rows
+
+
+def format_runtime(rows: list[RuntimeRow]) -> str:
+    """The runtime table, one line per call."""
+    sizes = f"tp={RUNTIME_TP}, cp={RUNTIME_CP}"
+    lines = [
+        f"runtime per call, us: rank 0 of {RUNTIME_WORLD} (fake backend), init_mesh({sizes}), "
+        "1024 floats; compiled: torch.compile(fullgraph=True, backend='aot_eager')",
+        f"  {'meshstate call':<36} {'eager':>7} {'torch call':<27} {'torch':>7} {'x':>5} "
+        f"{'funcol':>7} {'compiled':>8} {'graphs':>6} {'breaks':>6}",
+    ]
+    for row in rows:
+        functional = "-" if row.functional_us is None else f"{row.functional_us:7.1f}"
+        compiled = "-" if row.compiled_us is None else f"{row.compiled_us:8.1f}"
+        lines.append(
+            f"  {row.call:<36} {row.eager_us:>7.1f} {row.torch_call:<27} {row.torch_us:>7.1f} "
+            f"{row.eager_us / row.torch_us:>5.2f} {functional:>7} {compiled:>8} "
+            f"{row.graphs:>6} {row.graph_breaks:>6}"
+        )
+    lines.append("  (funcol: torch's functional collective, or local_map for shard_map; "
+                 "x: meshstate eager / torch call)")
+    return "\n".join(lines)
