@@ -256,27 +256,50 @@ def ppermute(
     group = _ordered(axes, mesh, "ppermute")
     traced = _traced(x, "ppermute")
     pairs = _check_perm(perm, len(group.ranks))
-    # One all_to_all_single whose only non-empty pieces go to the destination and
-    # come from the source: a point-to-point exchange that traces, and whose
-    # backward (the splits swapped) is the inverse permutation.
-    numel = x.numel()
-    sends = [0] * len(group.ranks)
-    receives = [0] * len(group.ranks)
+    # One all_to_all_single whose only non-empty pieces go to the destination and come
+    # from the source: a point-to-point exchange that traces, and whose backward (the
+    # splits swapped) is the inverse permutation.
+    if traced:
+        return _traced_ppermute(x, group, pairs)
+    numel, n = x.numel(), len(group.ranks)
+    sends, receives = [0] * n, [0] * n
     for source, destination in pairs:
         if source == group.index:
             sends[group.group_ranks[destination]] = numel
         if destination == group.index:
             receives[group.group_ranks[source]] = numel
-    flat = x.contiguous().view(-1)
-    sent = flat[: sum(sends)]
-    if traced:
-        arrived = _compat.traced_all_to_all(sent, receives, sends, group.group_name)
-        if not any(receives):  # keep the collective in the graph: its backward is collective
-            arrived = torch.cat([arrived, flat.new_zeros(numel)])
-        return arrived.view(x.shape)
-    arrived = flat.new_zeros(numel)
-    dist.all_to_all_single(arrived[: sum(receives)], sent, receives, sends, group=group.group)
-    return arrived.view(x.shape)
+    arrived = x.new_zeros(x.shape)
+    dist.all_to_all_single(
+        arrived.view(-1)[: sum(receives)], x.contiguous().view(-1)[: sum(sends)],
+        receives, sends, group=group.group,
+    )
+    return arrived
+
+
+def _traced_ppermute(
+    x: torch.Tensor, group: OrderedGroup, pairs: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
+    """ppermute with the same shapes on every rank, as a compiled graph needs.
+
+    A compiled backward orders independent collectives by its graph, which must
+    then be the same on every rank: the perm is completed to a whole one (each
+    index that sends nothing sends to one that receives nothing) and a rank
+    outside ``pairs`` as a destination masks what it gets to zeros (no gradient
+    goes back through the mask).
+    """
+    n = len(group.ranks)
+    destination_of = dict(pairs)
+    idle_sources = [i for i in range(n) if i not in destination_of]
+    idle_destinations = [i for i in range(n) if i not in set(destination_of.values())]
+    destination_of.update(zip(idle_sources, idle_destinations))
+    source = next(s for s, d in destination_of.items() if d == group.index)
+    numel = x.numel()
+    sends, receives = [0] * n, [0] * n
+    sends[group.group_ranks[destination_of[group.index]]] = numel
+    receives[group.group_ranks[source]] = numel
+    arrived = _compat.traced_all_to_all(x.contiguous().view(-1), receives, sends, group.group_name)
+    received = torch.tensor((source, group.index) in pairs)
+    return arrived.view(x.shape).where(received, 0)
 
 
 def _in_place(
