@@ -69,3 +69,11 @@ def test_titan_hsdp_tp_trains_like_one_process():
 def test_shard_map_mlp_matches_one_process():
     example = load_example("shard_map_mlp")
     assert example.max_difference(tp=2, cp=2) <= example.TOLERANCE
+
+
+@distributed(world_size=8)
+def test_compiled_block_matches_one_process():
+    example = load_example("compiled_block")
+    worst, graphs, breaks = example.max_difference(tp=2, cp=2)  # dp=2
+    assert (graphs, breaks) == (1, 0)
+    assert worst <= example.TOLERANCE
