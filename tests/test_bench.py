@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from meshstate.tools import bench
+from meshstate.tools import bench, bench_runtime
 from meshstate.tools.cli import main
 
 SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
@@ -14,7 +14,8 @@ SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
 @pytest.fixture(scope="module")
 def report():
     return bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(4,),
-                     process_sizes=dict(tp=2, pp=2, ep=2, etp=1), with_titan=False)
+                     process_sizes=dict(tp=2, pp=2, ep=2, etp=1), with_titan=False,
+                     with_runtime=False)
 
 
 def test_every_approach_measured(report):
@@ -49,7 +50,7 @@ def test_table_and_json(report):
     decoded = json.loads(bench.report_json(report))
     assert set(decoded) == {
         "machine", "config", "rows", "process_config", "process_rows", "axis_set_rows",
-        "harness_rows", "notes"}
+        "harness_rows", "runtime_rows", "notes"}
     assert [(r["world_size"], r["axes"], r["declared"]) for r in decoded["axis_set_rows"]] == [
         (4, list(bench.UNDECLARED_AXES), bench.DECLARED_KEY)]
     assert "psum of 1024 floats over an axis tuple not declared at init" in table
@@ -65,7 +66,8 @@ def test_table_and_json(report):
 def test_cli_bench_json_and_bad_input(capsys):
     assert main(["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
                  "--etp", "1", "--repeat", "1", "--processes", "0", "--without-megatron",
-                 "--without-torchtitan", "--harness-tests", "0", "--json"]) == 0
+                 "--without-torchtitan", "--without-runtime", "--harness-tests", "0",
+                 "--json"]) == 0
     decoded = json.loads(capsys.readouterr().out)
     assert [row["approach"] for row in decoded["rows"]] == [
         bench.INIT_MESH, bench.PARALLEL_STATE, bench.DEVICE_MESH]
@@ -84,7 +86,8 @@ def test_megatron_counts_as_absent_when_no_megatron_package_is_installed(monkeyp
 def test_torchtitan_rows_count_groups_per_rank(monkeypatch):
     pytest.importorskip("torchtitan.distributed.parallel_dims")
     monkeypatch.setattr(bench, "_ns_per_call", lambda statement, function: 1.0)
-    report = bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(), with_megatron=False)
+    report = bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(), with_megatron=False,
+                       with_runtime=False)
     rows = {row.approach: row for row in report.rows}
     assert list(rows)[-2:] == list(bench.TITAN_APPROACHES)
     ours, theirs = rows[bench.MESHSTATE_TITAN], rows[bench.TITAN]
@@ -99,7 +102,8 @@ def test_harness_rows_time_one_test_and_each_count_asked_for(monkeypatch):
     monkeypatch.setattr(bench, "time_test_run",
                         lambda runner, tests, world_size: seconds_per_test[runner] * tests)
     report = bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(),
-                       with_megatron=False, with_titan=False, harness_tests=[10])
+                       with_megatron=False, with_titan=False, with_runtime=False,
+                       harness_tests=[10])
     assert sorted({row.tests for row in report.harness_rows}) == [1, 10]
     runners = [row.runner for row in report.harness_rows if row.tests == 10]
     assert runners[:2] == [bench.SINGLE_PROCESS, bench.MESHSTATE_HARNESS]
@@ -107,3 +111,18 @@ def test_harness_rows_time_one_test_and_each_count_asked_for(monkeypatch):
     assert ("meshstate @distributed       8 ranks    10 test(s)     35.0 s  "
             "+5.0 s over one process\n") in table
     assert "pytest, one process          1 rank      1 test(s)      3.0 s\n" in table
+
+
+def test_runtime_table_has_every_call_traced_as_one_graph(monkeypatch):
+    monkeypatch.setattr(bench_runtime, "_us_per_call", lambda call, calls=0: (call(), 2.0)[1])
+    monkeypatch.setattr(bench_runtime, "_compiled_us", lambda function, *args: 3.0)
+    seen = []
+    rows = bench_runtime.measure_runtime(progress=seen.append)
+    assert [row.call.split("(")[0].strip() for row in rows] == [
+        "psum", "all_gather", "psum_scatter", "all_to_all", "ppermute", "shard_map row-parallel",
+        "shard_map row-parallel", "reshard P"]
+    assert all((row.graphs, row.graph_breaks) == (1, 0) for row in rows)
+    assert len(seen) == 7 and seen[0] == "runtime: psum(x, 'tp')"
+    table = bench_runtime.format_runtime(rows)
+    assert "  psum(x, 'tp')                            2.0 all_reduce(x.clone())" in table
+    assert " 1.00     2.0      3.0      1      0" in table

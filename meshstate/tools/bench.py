@@ -17,6 +17,9 @@ same layout with ``dp_replicate=1``, ``dp_shard=dp``.
 Then the same approaches run on real local processes (gloo, NCCL with a GPU
 per rank): the wall time of init, the maximum over ranks.
 
+Then the runtime table (:mod:`meshstate.tools.bench_runtime`): what each
+JAX-layer call costs per call, eager and compiled, beside torch's own.
+
 Last, how long a test suite takes to start N ranks: pytest running one test (and
 each count of tests asked for) in a single process, the same with
 ``@distributed(world_size=N)``, and torch's ``MultiProcessTestCase`` with N
@@ -54,6 +57,7 @@ from meshstate.core.errors import ConfigError
 from meshstate.testing.launch import LocalWorld, default_backend, fake_world
 from meshstate.core.layout import GROUP_KINDS, ParallelLayout
 from meshstate.core.mesh import init_mesh
+from meshstate.tools.bench_runtime import RuntimeRow, format_runtime, measure_runtime
 
 INIT_MESH = "meshstate init_mesh"
 PARALLEL_STATE = "meshstate parallel_state"
@@ -145,6 +149,7 @@ class Report:
     process_rows: list[ProcessRow] = field(default_factory=list)
     axis_set_rows: list[AxisSetRow] = field(default_factory=list)
     harness_rows: list[HarnessRow] = field(default_factory=list)
+    runtime_rows: list[RuntimeRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -445,6 +450,7 @@ def run(
     process_sizes: dict[str, Any] | None = None,
     with_megatron: bool = True,
     with_titan: bool = True,
+    with_runtime: bool = True,
     harness_tests: Sequence[int] = (),
     harness_world_size: int = 8,
     progress: Callable[[str], object] = lambda message: None,
@@ -505,6 +511,8 @@ def run(
             ))
     if process_world_sizes and not torch.cuda.is_available():
         report.notes.append("no GPU here: the NCCL path (and split_group) was not measured")
+    if with_runtime:
+        report.runtime_rows = measure_runtime(progress)
     runners = list(HARNESS_RUNNERS)
     if harness_tests and importlib.util.find_spec("expecttest") is None:
         runners.remove(MULTI_PROCESS_TEST_CASE)
@@ -721,6 +729,8 @@ def format_report(report: Report) -> str:
                 f"  {harness_row.runner:<28} {ranks:<9} {harness_row.tests:>3} test(s) "
                 f"{harness_row.seconds:>8.1f} s{extra}"
             )
+    if report.runtime_rows:
+        lines += ["", format_runtime(report.runtime_rows)]
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)
 

@@ -251,6 +251,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--without-torchtitan", action="store_true", help="leave torchtitan's ParallelDims out"
     )
     bench_parser.add_argument(
+        "--without-runtime", action="store_true",
+        help="leave out the runtime table (JAX-layer calls, eager and compiled, beside torch's)",
+    )
+    bench_parser.add_argument(
         "--harness-tests", type=_process_world_sizes, default="1",
         help="time a fresh pytest running this many 8-rank tests with meshstate's harness and "
         "with torch's MultiProcessTestCase (comma-separated counts; one test is timed too); "
@@ -597,7 +601,7 @@ def _bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     report = bench.run(
         args.world_sizes, sizes, rank=args.rank, repeats=args.repeat,
         process_world_sizes=args.processes, with_megatron=not args.without_megatron,
-        with_titan=not args.without_torchtitan,
+        with_titan=not args.without_torchtitan, with_runtime=not args.without_runtime,
         harness_tests=args.harness_tests, progress=progress,
     )
     return 0, bench.report_json(report) if args.json else bench.format_report(report)
