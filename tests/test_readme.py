@@ -9,6 +9,7 @@ run the way a user runs one: saved as a file and given to pytest.
 
 import ast
 import io
+import linecache
 import re
 import subprocess
 import sys
@@ -75,8 +76,16 @@ def with_checked_comments(source: str, first_line: int) -> ast.Module:
 
 
 def run_block(source: str, first_line: int = 1) -> None:
-    """Run one README block in a fresh namespace (called on every rank)."""
-    code = compile(with_checked_comments(source, first_line), str(README), "exec")
+    """Run one README block in a fresh namespace (called on every rank).
+
+    Its code is filed under the README's name with the block at its own lines
+    (``linecache``), so a traceback shows the README's line and tools that read
+    a function's source (torch.compile does) find it.
+    """
+    filename = f"{README}#L{first_line}"
+    lines = ["\n"] * (first_line - 1) + source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    code = compile(with_checked_comments(source, first_line), filename, "exec")
     exec(code, {"__name__": "readme"})
 
 
