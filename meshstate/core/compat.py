@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore as PrefixStore
 from torch._C._distributed_c10d import Store
 from torch._C._distributed_c10d import TCPStore as TCPStore
-from torch.distributed import _functional_collectives as _funcol
+# Imported for what it does on import: register the backward of torch.ops._c10d_functional.
+import torch.distributed._functional_collectives  # noqa: F401
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
@@ -129,14 +130,6 @@ def constant_when_traced(function: _Function) -> _Function:
     """``function``, which ``torch.compile`` calls while tracing and keeps the result of
     as a constant (``torch.compiler.assume_constant_result``, typed here)."""
     return cast(_Function, torch.compiler.assume_constant_result(function))  # type: ignore[no-untyped-call]
-
-
-def tracing() -> bool:
-    """Whether torch is tracing the caller (dynamo, AOT, export, ``make_fx``), so that
-    only traceable collectives may run. Uses ``_functional_collectives._are_we_tracing``.
-    """
-    traced: bool = _funcol._are_we_tracing()
-    return traced
 
 
 def traced_all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
