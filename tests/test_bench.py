@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from meshstate.tools import bench, bench_runtime
+from meshstate.tools import bench, bench_harness, bench_init, bench_processes, bench_runtime
 from meshstate.tools.cli import main
 
 SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
@@ -19,27 +19,27 @@ def report():
 
 
 def test_every_approach_measured(report):
-    assert [row.approach for row in report.rows] == list(bench.APPROACHES)
+    assert [row.approach for row in report.rows] == list(bench_init.APPROACHES)
     assert [(r.world_size, r.backend, r.approach) for r in report.process_rows] == [
-        (4, "gloo", approach) for approach in bench.APPROACHES]
+        (4, "gloo", approach) for approach in bench_init.APPROACHES]
     for row in report.rows:
-        assert set(bench.GETTERS[:4]) <= set(row.getter_ns) <= set(bench.GETTERS)
+        assert set(bench_init.GETTERS[:4]) <= set(row.getter_ns) <= set(bench_init.GETTERS)
 
 
 def test_group_counts(report):
     rows = {row.approach: row for row in report.rows}
     # meshstate creates one group per distinct rank set it is in, nothing for other ranks.
-    for approach in (bench.INIT_MESH, bench.PARALLEL_STATE):
+    for approach in (bench_init.INIT_MESH, bench_init.PARALLEL_STATE):
         row = rows[approach]
         assert row.creation_calls == row.member_groups == row.distinct_rank_sets
     # tp cp dp pp tp-cp dp-cp tp-dp tp-dp-cp tp-pp ep etp etp-ep etp-ep-pp edp on rank 5 of 64
     # (tp=2 cp=2 pp=2 ep=2 etp=1): 10 distinct sets, including the one single-rank group.
-    assert rows[bench.INIT_MESH].distinct_rank_sets == 10
+    assert rows[bench_init.INIT_MESH].distinct_rank_sets == 10
     # megatron-core takes part in creating every group of the world and keeps duplicates.
-    megatron = rows[bench.MEGATRON]
+    megatron = rows[bench_init.MEGATRON]
     assert megatron.creation_calls > 300 and megatron.member_groups > megatron.distinct_rank_sets
-    assert rows[bench.DEVICE_MESH].creation_calls > 300
-    assert megatron.layout_seconds is not None and rows[bench.INIT_MESH].layout_seconds is not None
+    assert rows[bench_init.DEVICE_MESH].creation_calls > 300
+    assert megatron.layout_seconds is not None and rows[bench_init.INIT_MESH].layout_seconds is not None
 
 
 def test_table_and_json(report):
@@ -52,7 +52,7 @@ def test_table_and_json(report):
         "machine", "config", "rows", "process_config", "process_rows", "axis_set_rows",
         "harness_rows", "runtime_rows", "notes"}
     assert [(r["world_size"], r["axes"], r["declared"]) for r in decoded["axis_set_rows"]] == [
-        (4, list(bench.UNDECLARED_AXES), bench.DECLARED_KEY)]
+        (4, list(bench_processes.UNDECLARED_AXES), bench_processes.DECLARED_KEY)]
     assert "psum of 1024 floats over an axis tuple not declared at init" in table
     assert set(decoded["rows"][0]) == {
         "world_size", "approach", "init_seconds", "creation_calls", "member_groups",
@@ -70,7 +70,7 @@ def test_cli_bench_json_and_bad_input(capsys):
                  "--json"]) == 0
     decoded = json.loads(capsys.readouterr().out)
     assert [row["approach"] for row in decoded["rows"]] == [
-        bench.INIT_MESH, bench.PARALLEL_STATE, bench.DEVICE_MESH]
+        bench_init.INIT_MESH, bench_init.PARALLEL_STATE, bench_init.DEVICE_MESH]
     assert main(["bench", "--world-sizes", "12", "--tp", "8"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "meshstate bench: error: world size 12 is not divisible by tp*cp*pp = 8*2*8 = 128"]
@@ -80,33 +80,33 @@ def test_megatron_counts_as_absent_when_no_megatron_package_is_installed(monkeyp
     # A fresh `pip install -e .` has no `megatron` package at all.
     monkeypatch.setitem(sys.modules, "megatron", None)
     monkeypatch.delitem(sys.modules, "megatron.core", raising=False)
-    assert not bench.megatron_available()
+    assert not bench_init.megatron_available()
 
 
 def test_torchtitan_rows_count_groups_per_rank(monkeypatch):
     pytest.importorskip("torchtitan.distributed.parallel_dims")
-    monkeypatch.setattr(bench, "_ns_per_call", lambda statement, function: 1.0)
+    monkeypatch.setattr(bench_init, "_ns_per_call", lambda statement, function: 1.0)
     report = bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(), with_megatron=False,
                        with_runtime=False)
     rows = {row.approach: row for row in report.rows}
-    assert list(rows)[-2:] == list(bench.TITAN_APPROACHES)
-    ours, theirs = rows[bench.MESHSTATE_TITAN], rows[bench.TITAN]
+    assert list(rows)[-2:] == list(bench_init.TITAN_APPROACHES)
+    ours, theirs = rows[bench_init.MESHSTATE_TITAN], rows[bench_init.TITAN]
     # one communicator per distinct rank set; torchtitan takes part in every group of the world
     assert ours.creation_calls == ours.member_groups == ours.distinct_rank_sets
     assert theirs.creation_calls > 10 * ours.creation_calls
 
 
 def test_harness_rows_time_one_test_and_each_count_asked_for(monkeypatch):
-    seconds_per_test = {bench.SINGLE_PROCESS: 3.0, bench.MESHSTATE_HARNESS: 3.5,
-                        bench.MULTI_PROCESS_TEST_CASE: 20.0}
-    monkeypatch.setattr(bench, "time_test_run",
+    seconds_per_test = {bench_harness.SINGLE_PROCESS: 3.0, bench_harness.MESHSTATE_HARNESS: 3.5,
+                        bench_harness.MULTI_PROCESS_TEST_CASE: 20.0}
+    monkeypatch.setattr(bench_harness, "time_test_run",
                         lambda runner, tests, world_size: seconds_per_test[runner] * tests)
     report = bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(),
                        with_megatron=False, with_titan=False, with_runtime=False,
                        harness_tests=[10])
     assert sorted({row.tests for row in report.harness_rows}) == [1, 10]
     runners = [row.runner for row in report.harness_rows if row.tests == 10]
-    assert runners[:2] == [bench.SINGLE_PROCESS, bench.MESHSTATE_HARNESS]
+    assert runners[:2] == [bench_harness.SINGLE_PROCESS, bench_harness.MESHSTATE_HARNESS]
     table = bench.format_report(report)
     assert ("meshstate @distributed       8 ranks    10 test(s)     35.0 s  "
             "+5.0 s over one process\n") in table

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 
-from meshstate.tools import bench, cli
+from meshstate.tools import bench_init, bench_processes, cli
 from meshstate.tools.cli import LocalCapacity, main
 
 GIB = 2**30
@@ -38,7 +38,7 @@ def no_processes(monkeypatch):
 
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     monkeypatch.setattr(cli, "run_local", refuse)
-    monkeypatch.setattr(bench, "LocalWorld", refuse)
+    monkeypatch.setattr(bench_processes, "LocalWorld", refuse)
 
 
 @pytest.fixture
@@ -254,7 +254,7 @@ def test_head_reads_part_of_the_json_quietly():
 
 BENCH_SMALL = ["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
                "--repeat", "1", "--processes", "0", "--without-megatron", "--without-torchtitan",
-               "--harness-tests", "0",
+               "--harness-tests", "0", "--without-runtime",
                "--json"]
 
 
@@ -265,7 +265,7 @@ def test_bench_progress_only_when_asked_or_on_a_terminal(capsys):
     assert status == 0 and json.loads(out)
     assert err.splitlines() == [
         f"meshstate bench: world 16, rank 9: {approach}"
-        for approach in (bench.INIT_MESH, bench.PARALLEL_STATE, bench.DEVICE_MESH)
+        for approach in (bench_init.INIT_MESH, bench_init.PARALLEL_STATE, bench_init.DEVICE_MESH)
     ]
 
 
@@ -273,7 +273,7 @@ def test_bench_measures_worlds_of_one_and_two_ranks(capsys):
     status, out, err = run_main(capsys, "bench", "--world-sizes", "1,2", "--tp", "1", "--cp", "1",
                                 "--pp", "1", "--ep", "1", "--etp", "1", "--repeat", "1",
                                 "--processes", "0", "--harness-tests", "0", "--without-megatron",
-                                "--without-torchtitan", "--json")
+                                "--without-torchtitan", "--without-runtime", "--json")
     assert (status, err) == (0, "")
     assert {row["world_size"] for row in json.loads(out)["rows"]} == {1, 2}
 
