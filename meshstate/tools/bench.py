@@ -52,6 +52,7 @@ from meshstate.megatron import parallel_state as mpu
 from meshstate.core.config import MeshConfig, check_positive_int
 from meshstate.core.errors import ConfigError
 from meshstate.testing.launch import LocalWorld, default_backend, fake_world
+from meshstate.tools.bench_settings import MAX_SIMULATED_WORLD, PROCESS_SIZES
 from meshstate.core.layout import GROUP_KINDS, ParallelLayout
 from meshstate.core.mesh import init_mesh
 
@@ -66,10 +67,6 @@ TITAN_APPROACHES = (MESHSTATE_TITAN, TITAN)
 """Simulated worlds only, when torchtitan is installed: dp_replicate=1, dp_shard=dp."""
 GETTERS = ("tp rank", "tp size", "first stage", "dp-cp size", "dp group", "cp group", "ep group")
 """The getters timed; torchtitan's rows have the first four."""
-PROCESS_SIZES = dict(tp=2, cp=2, pp=2, ep=2, etp=1)
-"""The layout timed on real local processes unless told otherwise."""
-MAX_SIMULATED_WORLD = 2**22
-"""The largest world one rank is simulated in (meshstate's init does not grow with it)."""
 PEER_BUDGET_SECONDS = 60.0
 """An approach whose init is predicted (linearly from the last world) to take longer is left out."""
 
