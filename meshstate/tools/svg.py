@@ -27,9 +27,9 @@ PALETTE = (
     "#8c564b", "#8db600", "#a6761d", "#c5b0d5", "#7b4173", "#ff9896", "#637939", "#e7298a",
     "#008080", "#848482", "#b3446c", "#98df8a", "#f6a600", "#9467bd", "#9edae5", "#fc8d62",
 )
-"""Group colours, each as far (CIELAB) from those before it as could be picked: any 16
-of the first 16 differ by a Delta-E of 30 or more. Beyond 24 groups colours repeat; the
-number in each cell tells the groups apart."""
+"""Group colours, each picked as far (CIELAB) from those before it as a candidate list
+allowed: any two of the first 16 differ by a Delta-E of 30 or more. Beyond 24 groups the
+colours repeat; the number in each cell tells the groups apart."""
 CROSSING_STROKE = "#222222"
 MAX_LEGEND_ENTRIES = 48
 """Groups the legend lists; the cells of the rest still show their number."""
