@@ -45,7 +45,9 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
     **dict.fromkeys(('reshard', 'shard_map'), "meshstate.jax.shard_map"),
 }
-_SUBMODULES = frozenset({"core", "jax", "megatron", "testing", "tools", "parallel_state", "topology"})
+_SUBMODULES = frozenset(
+    {"core", "jax", "megatron", "testing", "titan", "tools", "parallel_state", "topology"}
+)
 
 
 def __getattr__(name: str) -> Any:

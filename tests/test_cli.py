@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from meshstate.tools.cli import main
-from meshstate.core.layout import GROUP_KINDS
+from meshstate.core.config import MeshConfig
+from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, ParallelLayout
 from meshstate.tools.verify import KindCheck, format_summary, summarize
 
 from conftest import megatron_groups
@@ -51,6 +52,21 @@ def test_plan_json_with_rank_view(capsys):
     assert view["groups"]["tp-pp"] == {"ranks": [4, 5, 12, 13], "index": 1}
 
 
+def test_plan_with_dp_replicate_lists_the_hsdp_groups(capsys):
+    plan = plan_json(capsys, "--world-size", "16", "--cp", "2", "--dp-replicate", "2",
+                     "--rank", "3", "--gpus-per-node", "8")
+    assert plan["sizes"]["dp_replicate"] == 2 and plan["sizes"]["dp_shard"] == 4
+    layout = ParallelLayout(MeshConfig(16, cp=2, dp_replicate=2))
+    for kind in HSDP_KINDS:
+        assert plan["groups"][kind] == layout.groups(kind).tolist()
+    assert plan["groups"]["dp_replicate"][:2] == [[0, 8], [1, 9]]
+    assert plan["rank"]["groups"]["dp_shard"] == {"ranks": [1, 3, 5, 7], "index": 1}
+    assert plan["locality"]["dp_shard-cp"] == {"nodes_spanned": 1, "intra_node": True}
+    assert plan["locality"]["dp_replicate"] == {"nodes_spanned": 2, "intra_node": False}
+    assert main(["plan", "--world-size", "16", "--cp", "2", "--dp-replicate", "2"]) == 0
+    assert "dp_shard-cp       8       2  [0, 1, 2, 3, 4, 5, 6, 7] [8, 9" in capsys.readouterr().out
+
+
 def test_plan_table(capsys):
     assert main(["plan", "--world-size", "8", "--tp", "2", "--cp", "2", "--rank", "3"]) == 0
     out = capsys.readouterr().out
@@ -78,6 +94,19 @@ def test_plan_table(capsys):
          "meshstate check: error: world size 6 is not divisible by tp*cp*pp = 4*1*1 = 4"),
         (["launch"], "meshstate: error: argument command: invalid choice: 'launch' "
                      "(choose from 'plan', 'check', 'bench')"),
+        (["plan", "--world-size", "16", "--tp", "2", "--dp", "4"],
+         "meshstate plan: error: --dp 4: dp is inferred, not given: world size / (tp*cp*pp); "
+         "with tp*cp*pp = 2*1*1 = 2, --world-size 8 gives dp 4"),
+        (["check", "--pp", "2", "--ep", "2", "--edp", "2"],
+         "meshstate check: error: --edp 2: edp is inferred, not given: world size / (etp*ep*pp); "
+         "with etp*ep*pp = 1*2*2 = 4, --world-size 8 gives edp 2"),
+        (["plan", "--world-size", "16", "--dp-replicate", "2", "--cp", "2", "--dp-shard", "2"],
+         "meshstate plan: error: --dp-shard 2: dp_shard is inferred, not given: world size / "
+         "(dp_replicate*tp*cp*pp); with dp_replicate*tp*cp*pp = 2*1*2*1 = 4, --world-size 8 "
+         "gives dp_shard 2"),
+        (["plan", "--world-size", "16", "--dp-replicate", "3"],
+         "meshstate plan: error: dp = 16 (world size 16 / tp*cp*pp = 1) is not divisible by "
+         "dp_replicate = 3"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):
@@ -88,22 +117,24 @@ def test_bad_input_exits_2_with_one_line(args, message):
 
 
 def test_check_spawns_8_ranks_and_verifies_every_kind():
-    result = run_cli("check", "--tp", "2", "--cp", "2", "--pp", "2", "--ep", "2", "--etp", "1",
-                     "--verbose")
+    result = run_cli("check", "--tp", "2", "--cp", "2", "--ep", "2", "--etp", "1",
+                     "--dp-replicate", "2", "--verbose")
     assert result.returncode == 0, result.stderr
     phases = [line.rpartition("meshstate check: ")[2] for line in result.stderr.splitlines()]
+    phases = [phase for phase in phases if phase != "importing torch"]  # said if it took 2 s
     assert phases == ["starting 8 local ranks (gloo)", "8 ranks ready; building the mesh",
                       "verifying every group kind with collectives"]
     lines = result.stdout.splitlines()
     assert lines[0] == (
         "meshstate check: 8 ranks (gloo), order tp-cp-ep-dp-pp, "
-        "tp=2 cp=2 ep=2 etp=1 pp=2 dp=1 edp=2"
+        "tp=2 cp=2 ep=2 etp=1 pp=1 dp=2 edp=4 dp_replicate=2 dp_shard=1"
     )
     rows = {line.split()[0]: line.split() for line in lines[2:-1]}
-    assert list(rows) == list(GROUP_KINDS)
+    assert list(rows) == list(GROUP_KINDS + HSDP_KINDS)
     assert all(row[-1] == "ok" for row in rows.values())
     assert rows["tp-cp"][1:3] == ["4", "2"]
-    assert lines[-1] == "all 14 group kinds verified on 8 ranks"
+    assert rows["dp_replicate"][1:3] == ["2", "4"]
+    assert lines[-1] == "all 17 group kinds verified on 8 ranks"
 
 
 def test_check_summary_reports_failed_ranks():

@@ -13,8 +13,9 @@ import uuid
 import pytest
 import torch
 
-from meshstate.tools import bench_init, bench_processes, cli
-from meshstate.tools.cli import LocalCapacity, main
+from meshstate.tools import bench_init, bench_processes, cli, cli_commands, cli_parser
+from meshstate.tools.cli import main
+from meshstate.tools.cli_commands import LocalCapacity
 
 GIB = 2**30
 
@@ -37,13 +38,13 @@ def no_processes(monkeypatch):
         raise AssertionError("a process was started")
 
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
-    monkeypatch.setattr(cli, "run_local", refuse)
+    monkeypatch.setattr(cli_commands, "run_local", refuse)
     monkeypatch.setattr(bench_processes, "LocalWorld", refuse)
 
 
 @pytest.fixture
 def two_cpus_24_gib(monkeypatch):
-    monkeypatch.setattr(cli, "local_capacity", lambda: LocalCapacity(2, 24 * GIB))
+    monkeypatch.setattr(cli_commands, "local_capacity", lambda: LocalCapacity(2, 24 * GIB))
 
 
 @pytest.mark.parametrize(
@@ -60,7 +61,7 @@ def test_local_capacity(capacity, limit):
 
 
 def test_this_machine_holds_the_default_check_and_bench():
-    assert cli.local_capacity().limit >= 16
+    assert cli_commands.local_capacity().limit >= 16
 
 
 def test_oversize_check_is_refused_before_any_process_starts(capsys, no_processes, two_cpus_24_gib):
@@ -94,7 +95,7 @@ def test_force_starts_an_oversize_world(monkeypatch, two_cpus_24_gib):
     def record(fn, world_size, *args, **kwargs):
         raise Started(world_size)
 
-    monkeypatch.setattr(cli, "run_local", record)
+    monkeypatch.setattr(cli_commands, "run_local", record)
     with pytest.raises(Started) as started:
         main(["check", "--world-size", "4096", "--force"])
     assert started.value.args == (4096,)
@@ -107,8 +108,8 @@ def test_under_torchrun_the_launched_world_is_used_without_a_limit(monkeypatch):
     def record(*args, **kwargs):
         raise Started(os.environ["WORLD_SIZE"])
 
-    monkeypatch.setattr(cli, "local_capacity", unused)
-    monkeypatch.setattr(cli, "init_mesh", record)
+    monkeypatch.setattr(cli_commands, "local_capacity", unused)
+    monkeypatch.setattr(cli_commands, "init_mesh", record)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4096")
@@ -176,7 +177,7 @@ def test_nccl_without_gpus_is_one_line_before_any_process(capsys, monkeypatch, n
 
 def test_nccl_under_torchrun_needs_a_gpu_per_local_rank(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(cli, "init_mesh", lambda *a, **k: pytest.fail("init_mesh was called"))
+    monkeypatch.setattr(cli_commands, "init_mesh", lambda *a, **k: pytest.fail("init_mesh was called"))
     for name, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2").items():
         monkeypatch.setenv(name, value)
     status, out, err = run_main(capsys, "check", "--backend", "nccl")
@@ -191,7 +192,7 @@ def test_a_bug_still_shows_its_traceback(monkeypatch):
     def broken(args, progress):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(cli, "_plan", broken)
+    monkeypatch.setattr(cli_commands, "run_plan", broken)
     with pytest.raises(ZeroDivisionError):
         main(["plan", "--world-size", "8"])
 
@@ -298,7 +299,8 @@ def help_entries(capsys, command):
 @pytest.mark.parametrize("command", ["plan", "check", "bench"])
 def test_help_shows_every_default(capsys, command):
     entries = help_entries(capsys, command)
-    flags = {"-h", "--json", "--verbose", "--force", "--without-megatron", "--without-torchtitan"}
+    flags = {"-h", "--json", "--verbose", "--force", "--without-megatron", "--without-torchtitan",
+             "--without-runtime"}
     required = {"--world-size"} if command == "plan" else set()
     assert "--verbose" in entries
     for option, entry in entries.items():
@@ -307,7 +309,7 @@ def test_help_shows_every_default(capsys, command):
 
 
 def test_the_same_option_has_the_same_default_everywhere():
-    parser = cli._build_parser()
+    parser = cli_parser.build_parser()
     defaults = {
         "plan": vars(parser.parse_args(["plan", "--world-size", "8"])),
         "check": vars(parser.parse_args(["check"])),
@@ -329,6 +331,61 @@ def test_the_same_option_has_the_same_default_everywhere():
 def test_bench_help_names_its_own_layout(capsys):
     entries = help_entries(capsys, "bench")
     assert entries["--tp"] == "--tp TP tensor parallel size of the simulated layout (default: 8)"
+
+
+# --- what is fast: help and argument errors without torch ---------------------------------
+
+WITHOUT_TORCH = [
+    ["--help"], ["plan", "--help"], ["check", "--help"], ["bench", "--help"], ["plan"],
+    ["plan", "--world-size", "8", "--dp", "4"], ["launch"],
+]
+IMPORTS_AFTER = """
+import sys
+from meshstate.tools.cli import main
+for argv in {argvs!r}:
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+    loaded = sorted(name for name in ("torch", "numpy", "einops") if name in sys.modules)
+    print(" ".join(argv), "->", loaded, file=sys.stderr)
+"""
+
+
+def test_help_and_argument_errors_import_no_torch():
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTS_AFTER.format(argvs=WITHOUT_TORCH)],
+        capture_output=True, text=True, timeout=120,
+    )
+    reports = [line for line in result.stderr.splitlines() if " -> " in line]
+    assert reports == [f"{' '.join(argv)} -> []" for argv in WITHOUT_TORCH], result.stderr
+
+
+def test_a_command_without_numpy_prints_no_warning(tmp_path):
+    # A fresh venv has no numpy (torch does not depend on it); hide this one's.
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True,
+                           text=True, env=env, timeout=120)
+    assert "Failed to initialize NumPy" in probe.stderr  # torch itself warns
+    result = subprocess.run([sys.executable, "-m", "meshstate", "plan", "--world-size", "8",
+                             "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0
+    assert result.stderr == ""
+    assert json.loads(result.stdout)["groups"]["dp"] == [list(range(8))]
+
+
+def test_a_slow_step_says_what_it_is_doing(capsys):
+    progress = cli.Progress("plan", enabled=True)
+    with progress.if_slow("importing torch", after=0.01):
+        time.sleep(0.5)
+    with progress.if_slow("listing", after=5):
+        pass
+    time.sleep(0.05)
+    assert capsys.readouterr().err.splitlines() == ["meshstate plan: importing torch"]
 
 
 # --- signals ----------------------------------------------------------------------------

@@ -40,16 +40,13 @@ from meshstate.tools.bench_init import (
     megatron_available,
     titan_available,
 )
-from meshstate.tools.bench_processes import PROCESS_SIZES as PROCESS_SIZES  # the CLI's default
 from meshstate.tools.bench_processes import (
     AxisSetRow,
     ProcessRow,
     measure_processes,
 )
 from meshstate.tools.bench_runtime import RuntimeRow, format_runtime, measure_runtime
-
-MAX_SIMULATED_WORLD = 2**22
-"""The largest world one rank is simulated in (meshstate's init does not grow with it)."""
+from meshstate.tools.bench_settings import MAX_SIMULATED_WORLD, PROCESS_SIZES
 @dataclass
 class Report:
     """Everything ``meshstate bench`` prints."""

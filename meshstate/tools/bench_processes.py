@@ -6,7 +6,7 @@ time of init on the slowest rank. Then a psum over an axis tuple the mesh was
 not built with: the first call (which makes its group) and later ones, beside a
 declared key.
 
-Example: ``measure_processes([8], PROCESS_SIZES, [INIT_MESH], print)``.
+Example: ``measure_processes([8], dict(tp=2, pp=2), [INIT_MESH], print)``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from meshstate.core.mesh import init_mesh
 from meshstate.testing.launch import LocalWorld, default_backend
 from meshstate.tools.bench_init import _BUILDERS, _median_seconds
 
-PROCESS_SIZES = dict(tp=2, cp=2, pp=2, ep=2, etp=1)
-"""The layout timed on real local processes unless told otherwise."""
+
 @dataclass(frozen=True)
 class ProcessRow:
     """One approach on real local processes: init wall time, the slowest rank."""

@@ -1,0 +1,11 @@
+"""What ``meshstate bench`` runs unless told otherwise, readable without importing torch.
+
+The command line's ``--help`` shows these numbers; :mod:`meshstate.tools.bench` uses them.
+"""
+
+from __future__ import annotations
+
+PROCESS_SIZES = dict(tp=2, cp=2, pp=2, ep=2, etp=1)
+"""The layout timed on real local processes unless told otherwise."""
+MAX_SIMULATED_WORLD = 2**22
+"""The largest world one rank is simulated in (meshstate's init does not grow with it)."""

@@ -1,0 +1,407 @@
+"""What ``meshstate plan``, ``check`` and ``bench`` do once their arguments are parsed.
+
+Imports torch: :mod:`meshstate.tools.cli` loads this module only for a command
+that runs. Each ``run_*`` takes the parsed arguments and a progress reporter and
+returns the exit status and what to print on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshstate.core.config import MeshConfig
+from meshstate.core.errors import ConfigError, MeshStateError
+from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Grid, ParallelLayout
+from meshstate.core.mesh import init_mesh
+from meshstate.testing.launch import default_backend, run_local
+from meshstate.tools import bench
+from meshstate.tools.cli import EXIT_MISMATCH, Progress
+from meshstate.tools.cli_parser import (
+    DEFAULT_CHECK_WORLD,
+    MAX_LISTED_WORLD,
+    RANK_MEMORY_BYTES,
+    RANKS_PER_CPU,
+)
+from meshstate.tools.svg import layout_svg
+from meshstate.tools.topology import (
+    LocalityReport,
+    NodeCrossingWarning,
+    locality_report,
+    nodes_spanned,
+)
+from meshstate.tools.verify import KindCheck, format_summary, summarize, verify_mesh
+
+_SLOW_LISTING = 2**16
+"""From this world size on, listing every group takes seconds: say so."""
+
+
+@dataclass(frozen=True)
+class LocalCapacity:
+    """How many local ranks this machine is counted to hold.
+
+    Example: 2 CPUs and 21 GiB available hold ``min(2 * 8, 21 // 0.5) = 16``.
+    """
+
+    cpus: int
+    available_bytes: int | None
+
+    @property
+    def limit(self) -> int:
+        """The most local ranks to start without ``--force``."""
+        by_cpu = RANKS_PER_CPU * self.cpus
+        if self.available_bytes is None:
+            return by_cpu
+        return max(1, min(by_cpu, self.available_bytes // RANK_MEMORY_BYTES))
+
+    def describe(self) -> str:
+        """``"2 CPUs x 8 ranks; 21.3 GiB available / 0.5 GiB per rank"``."""
+        cpus = f"{self.cpus} CPU{'s' if self.cpus != 1 else ''} x {RANKS_PER_CPU} ranks"
+        if self.available_bytes is None:
+            return f"{cpus}; available memory unknown"
+        memory = f"{self.available_bytes / 2**30:.1f} GiB available"
+        return f"{cpus}; {memory} / {RANK_MEMORY_BYTES / 2**30:g} GiB per rank"
+
+
+def _cpu_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _available_memory_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo``; elsewhere the free pages; None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def local_capacity() -> LocalCapacity:
+    """This machine's :class:`LocalCapacity`, measured now."""
+    return LocalCapacity(_cpu_count(), _available_memory_bytes())
+
+
+def _require_capacity(ranks: int, force: bool, instead: str) -> None:
+    """Refuse, before any process starts, to start more local ranks than the machine holds."""
+    if force:
+        return
+    capacity = local_capacity()
+    if ranks > capacity.limit:
+        raise MeshStateError(
+            f"{ranks} local ranks are more than this machine holds: at most {capacity.limit} "
+            f"({capacity.describe()}); {instead}, or add --force to start them anyway"
+        )
+
+
+def _require_gpus(backend: str, local_ranks: int) -> None:
+    """Refuse NCCL, before any process starts, without a GPU for every local rank."""
+    if backend != "nccl":
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < local_ranks:
+        raise MeshStateError(
+            f"--backend nccl needs a GPU per local rank: {local_ranks} ranks, {gpus} GPUs "
+            "visible; use --backend gloo"
+        )
+    if not dist.is_nccl_available():
+        raise MeshStateError("--backend nccl: this torch build has no NCCL; use --backend gloo")
+
+
+def _config(args: argparse.Namespace, world_size: int) -> MeshConfig:
+    return MeshConfig(
+        world_size, order=args.order, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp,
+        pp=args.pp, dp_replicate=args.dp_replicate,
+    )
+
+
+def _describe(config: MeshConfig) -> str:
+    sizes = " ".join(f"{name}={size}" for name, size in config.sizes().items())
+    return f"order {config.order}, {sizes}"
+
+
+def _kinds(config: MeshConfig) -> tuple[str, ...]:
+    """The group kinds ``plan`` lists: Megatron's, and HSDP's where ``dp_replicate > 1``."""
+    return GROUP_KINDS + (HSDP_KINDS if config.dp_replicate > 1 else ())
+
+
+def _plan_json(
+    layout: ParallelLayout, rank: int | None, locality: LocalityReport | None
+) -> dict[str, Any]:
+    config = layout.config
+    kinds = _kinds(config)
+    plan: dict[str, Any] = {
+        "world_size": config.world_size,
+        "order": config.order,
+        "sizes": config.sizes(),
+        "groups": {kind: layout.groups(kind).tolist() for kind in kinds},
+    }
+    if rank is not None:
+        plan["rank"] = {
+            "rank": rank,
+            "coordinate": layout.coordinate(rank),
+            "groups": {
+                kind: {"ranks": list(ranks), "index": ranks.index(rank)}
+                for kind in kinds
+                for ranks in [layout.group_of(rank, kind)]
+            },
+        }
+    if locality is not None:
+        plan["ranks_per_node"] = locality.ranks_per_node
+        plan["locality"] = {
+            kind: {"nodes_spanned": nodes, "intra_node": nodes == 1}
+            for kind, nodes in locality.nodes_spanned.items()
+        }
+        plan["advice"] = [] if locality.advice is None else [locality.advice]
+    return plan
+
+
+def _step(grid: Grid, axes: Sequence[str], index: int) -> int:
+    """How far the ``index``-th rank of a walk over ``axes`` (last fastest) is from the first."""
+    offset = 0
+    for axis in reversed(axes):
+        index, position = divmod(index, grid.size(axis))
+        offset += position * grid.stride(axis)
+    return offset
+
+
+@dataclass(frozen=True)
+class _GroupsPreview:
+    """A kind's group size, group count and first groups, without listing them all."""
+
+    size: int
+    count: int
+    first: list[list[int]]
+
+
+def _preview(layout: ParallelLayout, kind: str, groups: int, members: int) -> _GroupsPreview:
+    """Equals ``layout.groups(kind)[:groups, :members]`` with its shape, in O(groups * members)."""
+    _, grid, axes = layout.resolve(kind)
+    others = [axis for axis in grid.mesh_axes if axis not in axes]
+    size = math.prod(grid.size(axis) for axis in axes)
+    count = grid.world_size // size
+    first = [
+        [grid.rank_offset + _step(grid, others, row) + _step(grid, axes, i)
+         for i in range(min(size, members))]
+        for row in range(min(count, groups))
+    ]
+    return _GroupsPreview(size, count, first)
+
+
+def _rank_group(
+    layout: ParallelLayout, rank: int, kind: str, members: int
+) -> tuple[int, int, list[int]]:
+    """``rank``'s index in its group of ``kind``, the group's size and its first members."""
+    _, grid, axes = layout.resolve(kind)
+    coordinate = grid.coordinate(rank)
+    first_rank = rank - sum(coordinate[axis] * grid.stride(axis) for axis in axes)
+    size = math.prod(grid.size(axis) for axis in axes)
+    shown = [first_rank + _step(grid, axes, i) for i in range(min(size, members))]
+    return grid.index_in_group(rank, axes), size, shown
+
+
+def _short(ranks: Sequence[int], total: int) -> str:
+    return f"[{', '.join(map(str, ranks))}{', …' if total > len(ranks) else ''}]"
+
+
+def _nodes(count: int) -> str:
+    return "node" if count == 1 else f"{count} nodes"
+
+
+def _plan_text(
+    layout: ParallelLayout, rank: int | None, locality: LocalityReport | None
+) -> str:
+    config = layout.config
+    lines = [f"world size {config.world_size}, {_describe(config)}"]
+    if locality is not None:
+        node_count = config.world_size // locality.ranks_per_node
+        lines.append(f"nodes: {node_count} of {locality.ranks_per_node} ranks each")
+    lines.append("")
+    kinds = _kinds(config)
+    width = max(10, *map(len, kinds))
+    locality_header = "" if locality is None else f" {'locality':>9}"
+    lines.append(f"{'kind':<{width}} {'size':>6} {'groups':>7}{locality_header}  first groups")
+    for kind in kinds:
+        preview = _preview(layout, kind, groups=3, members=8)
+        first = " ".join(_short(group, preview.size) for group in preview.first)
+        more = " …" if preview.count > 3 else ""
+        spans = "" if locality is None else f" {_nodes(locality.nodes_spanned[kind]):>9}"
+        lines.append(f"{kind:<{width}} {preview.size:>6} {preview.count:>7}{spans}  {first}{more}")
+    if locality is not None and locality.advice is not None:
+        lines += ["", f"advice: {locality.advice}"]
+    if rank is not None:
+        coordinate = " ".join(f"{a}={i}" for a, i in layout.coordinate(rank).items())
+        lines += ["", f"rank {rank}: {coordinate}", f"{'kind':<{width}} {'index':>6}  group"]
+        for kind in kinds:
+            index, size, shown = _rank_group(layout, rank, kind, members=16)
+            lines.append(f"{kind:<{width}} {index:>6}  {_short(shown, size)}")
+    return "\n".join(lines)
+
+
+def _check_plan_args(args: argparse.Namespace) -> None:
+    """The plan's own limits: a rank inside the world, a world small enough to list."""
+    if args.rank is not None and not 0 <= args.rank < args.world_size:
+        raise MeshStateError(f"--rank {args.rank} is outside 0..{args.world_size - 1}")
+    lists_every_group = [flag for flag, given in (("--json", args.json),
+                         ("--gpus-per-node", args.gpus_per_node is not None)) if given]
+    if lists_every_group and args.world_size > MAX_LISTED_WORLD:
+        raise ConfigError(
+            f"{' and '.join(lists_every_group)}: listing every group needs a world of at most "
+            f"{MAX_LISTED_WORLD} ranks, got {args.world_size}; without "
+            f"{'it' if len(lists_every_group) == 1 else 'them'} the table (and --rank) works "
+            "at any world size"
+        )
+
+
+def _locality(layout: ParallelLayout, ranks_per_node: int) -> LocalityReport:
+    """:func:`locality_report` without its warning (plan prints the advice), HSDP kinds too."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NodeCrossingWarning)
+        report = locality_report(layout, ranks_per_node)
+    spans = {kind: nodes_spanned(layout.groups(kind), ranks_per_node)
+             for kind in _kinds(layout.config) if kind not in report.nodes_spanned}
+    return replace(report, nodes_spanned={**report.nodes_spanned, **spans})
+
+
+def _write_svg(layout: ParallelLayout, args: argparse.Namespace, progress: Progress) -> None:
+    picture = layout_svg(layout, args.color_by, args.gpus_per_node or args.world_size)
+    try:
+        with open(args.svg, "w") as file:
+            file.write(picture)
+    except OSError as error:
+        raise ConfigError(f"--svg {args.svg}: {error.strerror}") from error
+    progress(f"wrote {args.svg}")
+
+
+def run_plan(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
+    """``meshstate plan``: the table (or ``--json``), and ``--svg``'s picture."""
+    layout = ParallelLayout(_config(args, args.world_size))
+    _check_plan_args(args)
+    listed = args.json or args.gpus_per_node is not None
+    if listed and args.world_size >= _SLOW_LISTING:
+        progress(f"listing every group of {args.world_size} ranks")
+    locality = None if args.gpus_per_node is None else _locality(layout, args.gpus_per_node)
+    if args.svg is not None:
+        _write_svg(layout, args, progress)
+    if args.json:
+        return 0, json.dumps(_plan_json(layout, args.rank, locality))
+    return 0, _plan_text(layout, args.rank, locality)
+
+
+def check_layout(config: MeshConfig, progress: Progress | None = None) -> list[KindCheck]:
+    """Build ``config``'s mesh on this rank, verify every group kind, destroy it.
+
+    Rank 0 reports each phase to ``progress``.
+    """
+    say = progress if progress is not None and dist.get_rank() == 0 else None
+    if say:
+        say(f"{dist.get_world_size()} ranks ready; building the mesh")
+    mesh = init_mesh(**config.arguments())
+    try:
+        if say:
+            say("verifying every group kind with collectives")
+        return verify_mesh(mesh)
+    finally:
+        mesh.destroy()
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _check_launched(
+    args: argparse.Namespace, progress: Progress, timeout: timedelta
+) -> tuple[MeshConfig, str, list[Any], bool]:
+    """``check`` on the ranks torchrun launched: the config, backend, checks and whether to report."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    if args.world_size not in (None, world_size):
+        raise MeshStateError(
+            f"--world-size {args.world_size} differs from torchrun's WORLD_SIZE {world_size}"
+        )
+    config = _config(args, world_size)
+    if args.backend is not None:
+        _require_gpus(args.backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    is_reporter = os.environ["RANK"] == "0"
+    say = replace(progress, enabled=progress.enabled and is_reporter)
+    say(f"building the mesh on the {world_size} ranks torchrun launched")
+    mesh = init_mesh(**config.arguments(), backend=args.backend, timeout=timeout)
+    say("verifying every group kind with collectives")
+    checks = verify_mesh(mesh)
+    checks_by_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(checks_by_rank, checks)
+    backend = str(dist.get_backend())
+    mesh.destroy()
+    return config, backend, checks_by_rank, is_reporter
+
+
+def _check_local(
+    args: argparse.Namespace, progress: Progress, timeout: timedelta
+) -> tuple[MeshConfig, str, list[Any]]:
+    """``check`` on local ranks it starts: the config, backend and every rank's checks."""
+    world_size = args.world_size or DEFAULT_CHECK_WORLD
+    config = _config(args, world_size)
+    backend = args.backend or default_backend(world_size)
+    _require_gpus(backend, world_size)
+    _require_capacity(
+        world_size, args.force,
+        f"`meshstate plan --world-size {world_size}` shows the groups without processes, "
+        "`meshstate bench` simulates large worlds",
+    )
+    progress(f"starting {world_size} local ranks ({backend})")
+    checks_by_rank = run_local(
+        check_layout, world_size, config, progress, backend=backend, timeout=timeout
+    )
+    return config, backend, checks_by_rank
+
+
+def run_check(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
+    """``meshstate check``: build the mesh on real ranks and verify every group kind."""
+    timeout = timedelta(seconds=args.timeout)
+    if _under_torchrun():
+        config, backend, checks_by_rank, is_reporter = _check_launched(args, progress, timeout)
+    else:
+        config, backend, checks_by_rank = _check_local(args, progress, timeout)
+        is_reporter = True
+    summaries = summarize(checks_by_rank)
+    status = EXIT_MISMATCH if any(not row.ok for row in summaries) else 0
+    if not is_reporter:
+        return status, ""
+    failed = [row.key for row in summaries if not row.ok]
+    world_size = config.world_size
+    last = (f"FAILED kinds: {', '.join(failed)}" if failed else
+            f"all {len(summaries)} group kinds verified on {world_size} ranks")
+    header = f"meshstate check: {world_size} ranks ({backend}), {_describe(config)}"
+    return status, "\n".join([header, format_summary(summaries), last])
+
+
+def run_bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
+    """``meshstate bench``: time meshstate beside megatron-core, DeviceMesh and torchtitan."""
+    sizes = dict(order=args.order, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, pp=args.pp)
+    if args.processes:
+        _require_capacity(
+            max(args.processes), args.force, "pass smaller --processes (0 for none)"
+        )
+    report = bench.run(
+        args.world_sizes, sizes, rank=args.rank, repeats=args.repeat,
+        process_world_sizes=args.processes, with_megatron=not args.without_megatron,
+        with_titan=not args.without_torchtitan, with_runtime=not args.without_runtime,
+        harness_tests=args.harness_tests, progress=progress,
+    )
+    return 0, bench.report_json(report) if args.json else bench.format_report(report)

@@ -1,0 +1,21 @@
+"""``import meshstate``: every public submodule loads on first use, none at import."""
+
+import subprocess
+import sys
+
+FIRST_USE = """
+import sys
+import meshstate
+print(sorted(name for name in sys.modules if name == "torch" or name.startswith("meshstate.")))
+for name in ("core", "jax", "megatron", "testing", "titan", "tools"):
+    module = getattr(meshstate, name)
+    assert module is sys.modules["meshstate." + name] and name in dir(meshstate), name
+print(meshstate.titan.ParallelDims.__module__)
+"""
+
+
+def test_submodules_load_on_first_use():
+    result = subprocess.run([sys.executable, "-c", FIRST_USE], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "meshstate.titan.parallel_dims"]
