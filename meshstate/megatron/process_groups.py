@@ -310,7 +310,7 @@ def _require_fields(pg_collection: ProcessGroupCollection, names: tuple[str, ...
     missing = [name for name in names if not hasattr(pg_collection, name)]
     if missing:
         raise ConfigError(
-            f"{', '.join(names)} process groups are required{when} but not provided in "
+            f"{', '.join(names[:-1])}, and {names[-1]} process groups are required{when} but not provided in "
             f"pg_collection (missing: {missing})")
 
 
