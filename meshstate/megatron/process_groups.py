@@ -215,7 +215,7 @@ class ProcessGroupCollection:
         groups = {"dp_group": _provided(pg_collection, "dp", "")}
         groups["dp_cp_group"] = _dp_cp_or_dp(pg_collection, _model_config(model_chunks[0]))
         groups["expt_dp_group"] = _provided(
-            pg_collection, "expt_dp", ". Please explicitly set it to None if you don't need it.")
+            pg_collection, "expt_dp", _SET_NONE)
         if ddp_config is None or instances == 1:
             groups.update(intra_dp_cp_group=groups["dp_cp_group"],
                           intra_expt_dp_group=groups["expt_dp_group"], inter_dist_opt_group=None)
@@ -228,12 +228,12 @@ class ProcessGroupCollection:
                           inter_dist_opt_group=pg_collection.inter_dist_opt)
         groups["intra_dist_opt_group"] = (
             _provided(pg_collection, "intra_dist_opt",
-                      ". Please explicitly set it to None if you don't need it.")
+                      _SET_NONE)
             if ddp_config is not None and ddp_config.use_distributed_optimizer else None)
         groups["mp_group"] = _provided(
-            pg_collection, "mp", ". Please explicitly set it to None if you don't need it.")
+            pg_collection, "mp", _SET_NONE)
         groups["expt_tp_pp_group"] = _provided(
-            pg_collection, "tp_ep_pp", ". Please explicitly set it to None if you don't need it.")
+            pg_collection, "tp_ep_pp", _SET_NONE)
         if use_gloo_process_groups:
             raise ConfigError(
                 "Gloo process groups are not supported when pg_collection is provided. "
@@ -273,6 +273,9 @@ def _check_names(names: Iterable[str]) -> None:
     if unknown:
         raise ConfigError(f"unknown process groups {unknown}; fields are {_FIELD_NAMES}")
 
+
+# megatron-core's advice where a collection lacks a field that may be None.
+_SET_NONE = ". Please explicitly set it to None if you don't need it."
 
 # The fields whose groups the two setup helpers read from the mesh for every rank.
 _DDP_FIELDS = ("dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp", "tp", "pp", "ep")
