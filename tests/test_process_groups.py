@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from meshstate.megatron import parallel_state as ours
-from meshstate.core.errors import ConfigError
+from meshstate.core.errors import ConfigError, WrongMeshError
 from meshstate.megatron.process_groups import ProcessGroupCollection
 from meshstate.testing import fake_world
 
@@ -129,8 +129,20 @@ def test_use_mpu_process_groups_and_from_mesh_set_what_megatron_sets(required, r
 def test_unknown_required_groups_are_value_errors_as_in_megatron():
     with fake_world(0, 8):
         ours.initialize_model_parallel(**KWARGS)
-        with pytest.raises(ValueError, match="Invalid process groups requested: \\['tpp'\\]"):
-            Theirs.use_mpu_process_groups(["tpp"])
-        with pytest.raises(ConfigError, match="^unknown process groups \\['tpp'\\]"):
-            ProcessGroupCollection.use_mpu_process_groups(["tpp"])
+        for cls in (Theirs, ProcessGroupCollection):
+            with pytest.raises(ValueError, match="^Invalid process groups requested: \\['nonsense'\\]"):
+                cls.use_mpu_process_groups(["tp", "nonsense"])
+        with pytest.raises(ConfigError):
+            ProcessGroupCollection.from_mesh(ours.get_mesh(), ["nonsense"])
+        ours.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("mesh", [None, "tp"])
+def test_from_mesh_of_no_parallel_mesh_is_a_meshstate_error(mesh):
+    with fake_world(0, 8):
+        ours.initialize_model_parallel(**KWARGS)
+        given = ours.get_mesh()[mesh] if mesh else mesh
+        with pytest.raises(WrongMeshError, match="^ProcessGroupCollection.from_mesh\\(mesh=...\\) takes "
+                           f"a meshstate ParallelMesh, got {type(given).__name__}"):
+            ProcessGroupCollection.from_mesh(given)
         ours.destroy_model_parallel()

@@ -80,11 +80,98 @@ def test_every_axis_list_matches_torchtitan(config: tuple, ranks: tuple[int, ...
             ours.mesh.destroy()
 
 
-def test_bad_degrees_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match=r"dp_replicate\*dp_shard\*cp\*tp\*pp = 2\*2\*1\*3\*1 = 12 is not the world size 8"):
-        ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=3, pp=1, ep=1, world_size=8)
-    with pytest.raises(ConfigError, match="ep=3 does not divide"):
-        ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=3, world_size=8)
+# Degrees torchtitan refuses with an AssertionError: (dp_replicate, dp_shard, cp, tp, pp, ep, world).
+BAD_DEGREES = [
+    ((2, 2, 1, 3, 1, 1, 8), r"dp_replicate\*dp_shard\*cp\*tp\*pp = 2\*2\*1\*3\*1 = 12 is not the world size 8"),
+    ((0, 1, 1, 1, 1, 1, 1), "dp_replicate must be a positive integer, got 0"),
+    ((1, 0, 1, 1, 1, 1, 1), r"dp_shard \(or -1\) must be a positive integer, got 0"),
+    ((1, -1, 1, 4, 1, 1, 2), "dp_shard=-1 leaves no rank: world size 2 < dp_replicate\\*cp\\*tp\\*pp = 4"),
+]
+
+
+@pytest.mark.parametrize(("degrees", "message"), BAD_DEGREES)
+def test_bad_degrees_are_assertion_and_config_errors_as_in_torchtitan(degrees, message) -> None:  # type: ignore[no-untyped-def]
+    args = dict(zip(("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "world_size"), degrees))
+    with pytest.raises(AssertionError):
+        titan.ParallelDims(**args)
+    with pytest.raises(ConfigError, match=f"^{message}$") as raised:
+        ParallelDims(**args)
+    assert isinstance(raised.value, AssertionError)
+
+
+def test_ep_that_does_not_divide_is_refused_when_built_as_in_torchtitan() -> None:
+    args = dict(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=3, world_size=4)
+    assert titan.ParallelDims(**args).ep_enabled  # torchtitan accepts it until it builds
+    dims = ParallelDims(**args)
+    with fake_world(0, 4), pytest.raises(ConfigError, match=r"^ep=3 does not divide dp_shard\*cp\*tp = 2\*1\*1 = 2$"):
+        dims.build_mesh()
+
+
+def test_from_config_reads_torchtitans_parallelism_config() -> None:
+    from torchtitan.config.configs import ParallelismConfig
+
+    config = ParallelismConfig(data_parallel_replicate_degree=2, tensor_parallel_degree=2,
+                               expert_parallel_degree=2, spmd_backend="full_dtensor")
+    theirs, ours = (cls.from_config(config, world_size=16) for cls in (titan.ParallelDims, ParallelDims))
+    fields = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "world_size", "spmd_backend")
+    assert [getattr(ours, name) for name in fields] == [getattr(theirs, name) for name in fields]
+    assert ours.dp_shard == 4
+
+
+def _answer(call):  # type: ignore[no-untyped-def]
+    """What a call gives: the mesh described, ``None``, or the builtin kinds of the error it raised."""
+    try:
+        return _describe(call())
+    except (KeyError, ValueError, AssertionError) as error:
+        return {kind.__name__ for kind in (KeyError, ValueError, AssertionError) if isinstance(error, kind)}
+
+
+def _same(mine: object, theirs: object) -> bool:
+    """The same mesh or ``None``, or an error catchable as torchtitan's."""
+    if isinstance(mine, set) and isinstance(theirs, set):
+        return theirs <= mine
+    return mine == theirs
+
+
+@pytest.mark.parametrize(("config", "ranks"), CONFIGS, ids=[str(c[0]) for c in CONFIGS])
+def test_spmd_mesh_questions_match_torchtitan(config: tuple, ranks: tuple[int, ...]) -> None:  # type: ignore[type-arg]
+    """spmd_meshes, spmd_dense/sparse_mesh, get_dense_tp_mesh, get_activated_mesh,
+    resolve_mesh and resolve_shared_mesh give torchtitan's meshes and Nones."""
+    import spmd_types as spmd
+    from torchtitan.distributed.parallel_dims import MeshAxisName, SpmdLayout
+
+    world, dpr, dps, cp, tp, pp, ep, backend = config
+    args = dict(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=pp, ep=ep, world_size=world, spmd_backend=backend)
+    axis_lists = [list(c) for size in (1, 2, 3, 4) for c in itertools.combinations(
+        (MeshAxisName.DP, MeshAxisName.DP_REPLICATE, MeshAxisName.EFSDP, MeshAxisName.CP,
+         MeshAxisName.TP, MeshAxisName.EP), size)]
+    layouts = [[SpmdLayout({MeshAxisName.TP: spmd.V, MeshAxisName.DP: spmd.V}), None,
+                SpmdLayout({MeshAxisName.TP: spmd.R, MeshAxisName.DP: spmd.V})],
+               [None], [SpmdLayout({MeshAxisName.EP: spmd.V}), SpmdLayout({MeshAxisName.TP: spmd.V})]]
+    for rank in ranks:
+        with fake_world(rank, world):
+            theirs = titan.ParallelDims(**args)
+            theirs.build_mesh()
+            ours = ParallelDims(**args)
+            for dims in (theirs, ours):
+                meshes = dims.spmd_meshes()
+                assert dims.spmd_meshes() is meshes or dims.spmd_meshes() == meshes
+            assert [_describe(m) for m in ours.spmd_meshes()] == [_describe(m) for m in theirs.spmd_meshes()]
+            for question in ("spmd_dense_mesh", "spmd_sparse_mesh", "get_dense_tp_mesh"):
+                assert _same(_answer(getattr(ours, question)), _answer(getattr(theirs, question))), question
+            for axes in axis_lists:
+                names = [axis.value for axis in axes]
+                assert _same(_answer(lambda: ours.get_activated_mesh(names)),
+                             _answer(lambda: theirs.get_activated_mesh(names))), names
+                expected = _answer(lambda: theirs.resolve_mesh(axes))
+                assert _same(_answer(lambda: ours.resolve_mesh(axes)), expected), names
+                if expected is not None and not isinstance(expected, set):  # one of the SPMD meshes?
+                    assert any(ours.resolve_mesh(axes) is mesh for mesh in ours.spmd_meshes()) == any(
+                        theirs.resolve_mesh(axes) is mesh for mesh in theirs.spmd_meshes()), names
+            for boundary in layouts:
+                assert _same(_answer(lambda: ours.resolve_shared_mesh(boundary)),
+                             _answer(lambda: theirs.resolve_shared_mesh(boundary)))
+            ours.mesh.destroy()
 
 
 def test_unknown_axis_is_a_value_error() -> None:

@@ -1,5 +1,5 @@
 """torchtitan's API over a meshstate mesh: ``from meshstate.titan import ParallelDims``."""
 
-from meshstate.titan.parallel_dims import ParallelDims
+from meshstate.titan.parallel_dims import ParallelDims, ParallelDimsError
 
-__all__ = ["ParallelDims"]
+__all__ = ["ParallelDims", "ParallelDimsError"]

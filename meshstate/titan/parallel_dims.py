@@ -13,23 +13,52 @@ Example (``torchrun --nproc-per-node 8``)::
     dims = ParallelDims(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, world_size=8)
     dims.get_mesh(["dp_replicate", "dp_shard"])   # 2-D DeviceMesh for FSDP2's HSDP
     dims.get_mesh("tp")                           # on rank 5: ranks [4, 5]
+
+torchtitan's trainer builds it with ``ParallelDims.from_config(config.parallelism,
+world_size)`` and its model code asks ``resolve_mesh``, ``resolve_shared_mesh``,
+``spmd_meshes``, ``spmd_dense_mesh`` and friends: all are here, with its answers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
 from meshstate.core.config import check_positive_int
-from meshstate.core.errors import ConfigError, DimNameError
+from meshstate.core.errors import AxisError, ConfigError, DimNameError
 from meshstate.core.layout import HSDP_KINDS, Chunks, DerivedGroup, Key
 from meshstate.core.mesh import ParallelMesh, init_mesh
 
 SpmdBackend = Literal["partial_dtensor", "full_dtensor", "spmd_types"]
+
+
+class ParallelDimsError(ConfigError, AssertionError):
+    """Degrees torchtitan's ``ParallelDims`` refuses: a ``ValueError`` as every
+    meshstate config error, and the ``AssertionError`` torchtitan raises.
+    """
+
+
+class ParallelismConfig(Protocol):
+    """What :meth:`ParallelDims.from_config` reads of torchtitan's ``ParallelismConfig``."""
+
+    data_parallel_replicate_degree: int
+    data_parallel_shard_degree: int
+    context_parallel_degree: int
+    tensor_parallel_degree: int
+    pipeline_parallel_degree: int
+    expert_parallel_degree: int
+    spmd_backend: SpmdBackend
+
+
+class SpmdLayoutLike(Protocol):
+    """What :meth:`ParallelDims.resolve_shared_mesh` reads of torchtitan's ``SpmdLayout``."""
+
+    def axes(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -45,9 +74,12 @@ class _GlobalMesh:
 class ParallelDims:
     """torchtitan's ``ParallelDims``: the same constructor, names, meshes and errors.
 
-    ``dp_shard=-1`` takes what the other degrees leave of ``world_size``. A bad
-    product of degrees raises :class:`~meshstate.ConfigError`; an unknown axis
-    name a ``ValueError`` (:class:`~meshstate.core.errors.DimNameError`).
+    ``dp_shard=-1`` takes what the other degrees leave of ``world_size``. Bad
+    degrees raise :class:`ParallelDimsError` (a ``ValueError`` and, as in
+    torchtitan, an ``AssertionError``); an ``ep`` that does not divide
+    ``dp_shard * cp * tp`` is refused when the meshes are built, as torchtitan's
+    fails there. An unknown axis name raises a ``ValueError``
+    (:class:`~meshstate.core.errors.DimNameError`).
 
     Example, on rank 5 of 8::
 
@@ -71,26 +103,50 @@ class ParallelDims:
     _key_of: dict[str, Key] = field(default_factory=dict, init=False, repr=False)
     _size_of: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
+    @classmethod
+    def from_config(cls, parallelism_config: ParallelismConfig, world_size: int) -> ParallelDims:
+        """The dims of torchtitan's ``config.parallelism`` (read by attribute, not imported).
+
+        Example: ``ParallelDims.from_config(job_config.parallelism, world_size=8)``
+        with ``tensor_parallel_degree=2`` and the rest at torchtitan's defaults
+        gives ``tp=2, dp_shard=4``.
+        """
+        return cls(
+            dp_replicate=parallelism_config.data_parallel_replicate_degree,
+            dp_shard=parallelism_config.data_parallel_shard_degree,
+            cp=parallelism_config.context_parallel_degree,
+            tp=parallelism_config.tensor_parallel_degree,
+            pp=parallelism_config.pipeline_parallel_degree,
+            ep=parallelism_config.expert_parallel_degree,
+            world_size=world_size,
+            spmd_backend=parallelism_config.spmd_backend,
+        )
+
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "cp", "tp", "pp", "ep", "world_size"):
-            check_positive_int(name, getattr(self, name))
+        try:
+            for name in ("dp_replicate", "cp", "tp", "pp", "ep", "world_size"):
+                check_positive_int(name, getattr(self, name))
+            if self.dp_shard != -1:
+                check_positive_int("dp_shard (or -1)", self.dp_shard)
+        except ConfigError as error:
+            raise ParallelDimsError(str(error)) from None
         if self.dp_shard == -1:
-            self.dp_shard = self.world_size // (self.dp_replicate * self.cp * self.tp * self.pp)
-        check_positive_int("dp_shard", self.dp_shard)
+            others = self.dp_replicate * self.cp * self.tp * self.pp
+            self.dp_shard = self.world_size // others
+            if self.dp_shard < 1:
+                raise ParallelDimsError(
+                    f"dp_shard=-1 leaves no rank: world size {self.world_size} < "
+                    f"dp_replicate*cp*tp*pp = {others}"
+                )
         degrees = (self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp)
         if math.prod(degrees) != self.world_size:
-            raise ConfigError(
+            raise ParallelDimsError(
                 "dp_replicate*dp_shard*cp*tp*pp = "
                 f"{'*'.join(map(str, degrees))} = {math.prod(degrees)} is not the world size "
                 f"{self.world_size}"
             )
-        if (self.dp_shard * self.cp * self.tp) % self.ep:
-            raise ConfigError(
-                f"ep={self.ep} does not divide dp_shard*cp*tp = "
-                f"{self.dp_shard}*{self.cp}*{self.tp} = {self.dp_shard * self.cp * self.tp}"
-            )
         if self.spmd_backend not in ("partial_dtensor", "full_dtensor", "spmd_types"):
-            raise ConfigError(
+            raise ParallelDimsError(
                 f"spmd_backend must be 'partial_dtensor', 'full_dtensor' or 'spmd_types', "
                 f"got {self.spmd_backend!r}"
             )
@@ -100,6 +156,11 @@ class ParallelDims:
     def build_mesh(self) -> DeviceMesh:
         """Create the groups (every rank calls it) and return the 1-D world mesh ``("world",)``."""
         if self._mesh is None:
+            if (self.dp_shard * self.cp * self.tp) % self.ep:
+                raise ParallelDimsError(
+                    f"ep={self.ep} does not divide dp_shard*cp*tp = "
+                    f"{self.dp_shard}*{self.cp}*{self.tp} = {self.dp_shard * self.cp * self.tp}"
+                )
             self._mesh = init_mesh(
                 "tp-cp-ep-dp-pp", tp=self.tp, cp=self.cp, ep=self.ep, etp=1, pp=self.pp,
                 dp_replicate=self.dp_replicate, joint_groups=HSDP_KINDS,
@@ -157,6 +218,106 @@ class ParallelDims:
             for name, size in self._size_of.items()
             if size > 1 and self._exists(name)
         }
+
+    def get_activated_mesh(self, axes: list[str]) -> DeviceMesh | None:
+        """The mesh of those ``axes`` that are enabled; ``None`` if none is.
+
+        Unlike :meth:`get_optional_mesh`, a disabled (or unknown) axis is left
+        out rather than making the answer ``None``. Example with ``tp=2, cp=1``:
+        ``get_activated_mesh(["cp", "tp"])`` is the 1-D ``tp`` mesh.
+        """
+        enabled = [a for a in axes if a in self._key_of and self.get_optional_mesh(a) is not None]
+        return self.get_optional_mesh(enabled) if enabled else None
+
+    def spmd_meshes(self) -> list[DeviceMesh]:
+        """The enabled parts of the dense and the sparse SPMD meshes (each where any axis is).
+
+        The dense axes are ``dp, cp, tp`` under ``spmd_types``, ``dp_replicate,
+        dp_shard, cp, tp`` under ``full_dtensor`` and ``dp_replicate, fsdp, tp``
+        under ``partial_dtensor``; the sparse ones ``dp_replicate, efsdp, ep``.
+        The same meshes every call, so ``mesh in dims.spmd_meshes()`` works.
+        """
+        dense = {
+            "spmd_types": ["dp", "cp", "tp"],
+            "full_dtensor": ["dp_replicate", "dp_shard", "cp", "tp"],
+            "partial_dtensor": ["dp_replicate", "fsdp", "tp"],
+        }[self.spmd_backend]
+        activated = (self.get_activated_mesh(axes) for axes in (dense, list(_SPARSE_AXES)))
+        return [mesh for mesh in activated if mesh is not None]
+
+    def spmd_dense_mesh(self) -> DeviceMesh:
+        """The 3-D ``(dp, cp, tp)`` mesh, size-1 axes kept, that ``spmd_types`` checks types on.
+
+        Only under ``spmd_backend="spmd_types"``; otherwise a ``KeyError``
+        (:class:`~meshstate.core.errors.AxisError`), as torchtitan's.
+        """
+        if self.spmd_backend != "spmd_types":
+            raise AxisError(
+                f"spmd_dense_mesh needs spmd_backend='spmd_types', this one is {self.spmd_backend!r}"
+            )
+        return self._device_mesh(("dp", "cp", "tp"))
+
+    def spmd_sparse_mesh(self) -> DeviceMesh | None:
+        """The ``(dp_replicate, efsdp, ep)`` mesh of expert dispatch under ``spmd_types``
+        with ``ep > 1``; ``None`` otherwise."""
+        if self.spmd_backend != "spmd_types" or self.ep == 1:
+            return None
+        return self._device_mesh(_SPARSE_AXES)
+
+    def get_dense_tp_mesh(self) -> DeviceMesh:
+        """The ``tp`` axis of the dense forward/backward mesh (a ``ValueError`` under
+        ``partial_dtensor`` when ``tp == 1``, as ``get_mesh("tp")``)."""
+        if self.spmd_backend == "spmd_types":
+            return self.spmd_dense_mesh()["tp"]
+        if self.spmd_backend == "full_dtensor":
+            return self.spmd_meshes()[0]["tp"]
+        return self.get_mesh("tp")
+
+    def resolve_mesh(self, axes: Iterable[str]) -> DeviceMesh | None:
+        """The SPMD mesh for a layout over ``axes`` (torchtitan's ``MeshAxisName`` or str).
+
+        Only the axes the backend keeps in band count (``tp, ep`` under
+        ``partial_dtensor``; ``dp, cp, tp, ep`` under ``spmd_types``; every axis,
+        ``dp`` unfolded into ``dp_replicate, dp_shard``, under ``full_dtensor``),
+        then :meth:`get_activated_mesh`. Under ``full_dtensor`` the result must be
+        one of :meth:`spmd_meshes`, else a ``ValueError``.
+
+        Example with ``tp=2`` under ``spmd_types``: ``resolve_mesh(["dp", "tp"])``
+        is the 1-D ``tp`` mesh; with ``tp=1`` too it is ``None``.
+        """
+        names = [_axis_name(axis) for axis in axes]
+        if self.spmd_backend == "full_dtensor":
+            names = [n for name in names for n in (("dp_replicate", "dp_shard") if name == "dp" else (name,))]
+        else:
+            in_band = ("tp", "ep") if self.spmd_backend == "partial_dtensor" else ("dp", "cp", "tp", "ep")
+            names = [name for name in names if name in in_band]
+        mesh = self.get_activated_mesh(names)
+        if mesh is None or self.spmd_backend != "full_dtensor":
+            return mesh
+        if not any(mesh is spmd_mesh for spmd_mesh in self.spmd_meshes()):
+            raise DimNameError(
+                f"Resolved mesh {list(mesh.mesh_dim_names or ())} does not match any SPMD mesh. "
+                f"Valid meshes: {[list(m.mesh_dim_names or ()) for m in self.spmd_meshes()]}."
+            )
+        return mesh
+
+    def resolve_shared_mesh(self, placements: Iterable[SpmdLayoutLike | None]) -> DeviceMesh | None:
+        """The mesh of a boundary's layouts: :meth:`resolve_mesh` of their common axes.
+
+        ``None`` entries are skipped, and all ``None`` gives ``None``. Layouts
+        naming different axes raise :class:`ParallelDimsError` (torchtitan asserts).
+        """
+        layouts = [layout for layout in placements if layout is not None]
+        if not layouts:
+            return None
+        axes = layouts[0].axes()
+        for layout in layouts[1:]:
+            if layout.axes() != axes:
+                raise ParallelDimsError(
+                    f"Inconsistent mesh axes within a boundary: {sorted(map(_axis_name, axes))} "
+                    f"vs {sorted(map(_axis_name, layout.axes()))}"
+                )
+        return self.resolve_mesh(axes)
 
     @property
     def dp_enabled(self) -> bool:
@@ -297,3 +458,11 @@ class ParallelDims:
             )
             self._roots[axes] = cached
         return cached
+
+
+_SPARSE_AXES = ("dp_replicate", "efsdp", "ep")
+
+
+def _axis_name(axis: object) -> str:
+    """A mesh axis name, from torchtitan's ``MeshAxisName`` (a ``StrEnum``) or a str."""
+    return str(getattr(axis, "value", axis))
