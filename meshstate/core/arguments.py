@@ -29,7 +29,10 @@ def check_backend(name: str, backend: object) -> str | None:
     if not isinstance(backend, str):
         raise ConfigError(f"{name} must be a backend name such as 'gloo' or 'nccl', got {backend!r}")
     parts = [part.partition(":")[2] if ":" in part else part for part in backend.split(",")]
-    unknown = [part for part in parts if dist.Backend(part) == dist.Backend.UNDEFINED]
+    unknown = [
+        part for part in parts
+        if part.lower() not in dist.Backend.backend_list or part.lower() == dist.Backend.UNDEFINED
+    ]
     if unknown or not parts:
         raise ConfigError(
             f"{name} {backend!r} names no backend torch knows; known: "

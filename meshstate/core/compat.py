@@ -129,6 +129,18 @@ def default_store() -> Store:
     return store
 
 
+def rendezvous_keys(group_name: str, backend: str, size: int) -> list[str]:
+    """The store keys torch leaves behind for a formed group of ``size`` ranks.
+
+    ``c10d._new_process_group_helper`` prefixes ``f"{group_name}/"`` and then
+    ``f"{device}/"``; gloo posts each rank's address under ``"{device index}/{rank}"``.
+    Other backends' keys are not listed.
+    """
+    if backend != "gloo":
+        return []
+    return [f"{group_name}//{device}//0/{rank}" for device in ("cpu", "cuda") for rank in range(size)]
+
+
 _per_thread = threading.local()
 
 
