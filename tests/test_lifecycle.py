@@ -171,23 +171,26 @@ def host_leaves_at_once_after_a_mismatch():
     port = int(_share(host.port if host else "", "host port"))
     dist.barrier()
     dist.destroy_process_group()
-    store = host or compat.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=compat.PrefixStore("mesh", store), rank=rank,
+    client = host or compat.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=compat.PrefixStore("mesh", client), rank=rank,
                             world_size=4)
-    default_store, thread_store = compat.default_store, compat.thread_store
+    stores = {name: getattr(compat, name) for name in ("default_store", "thread_store")
+              if hasattr(compat, name)}  # what the agreement reads the store through
     if rank:
-        slow = _SlowReader(default_store())
-        compat.default_store = compat.thread_store = lambda: slow
+        slow = _SlowReader(compat.default_store())
+        for name in stores:
+            setattr(compat, name, lambda: slow)
     try:
         meshstate.init_mesh(tp=1 if rank == 3 else 2, timeout=timedelta(seconds=10))
         outcome = "built"
     except Exception as error:
         outcome = type(error).__name__
     finally:
-        compat.default_store, compat.thread_store = default_store, thread_store
+        for name, store in stores.items():
+            setattr(compat, name, store)
     if rank == 0:  # its process exits at once: the store goes with it
         dist.destroy_process_group()
-        del store, host
+        del client, host
     return outcome
 
 
