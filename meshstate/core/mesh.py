@@ -136,7 +136,6 @@ class Facts:
     """
 
     def __init__(self, mesh: ParallelMesh) -> None:
-        self._destroyed: Callable[[], NotInitializedError] | None = None
         for key in mesh.kinds:
             if key in mesh.group_of:
                 name = key.replace("-", "_")
@@ -145,11 +144,18 @@ class Facts:
                 setattr(self, f"{name}_group", mesh.group_of[key])
                 setattr(self, f"{name}_ranks", mesh.ranks_of[key])
 
+
+class _DestroyedFacts(Facts):
+    """A destroyed mesh's ``facts``: every read raises the error naming where.
+
+    Its own class, so a live mesh's facts keep Python's fastest attribute reads
+    (a class with ``__getattr__`` loses them).
+    """
+
+    destroyed: Callable[[], NotInitializedError]
+
     def __getattr__(self, name: str) -> Any:
-        # Reached only for a name not written at init: after destroy(), every name.
-        if self._destroyed is not None:
-            raise self._destroyed()
-        raise AttributeError(f"the mesh has no fact {name!r}")
+        raise self.destroyed()
 
 
 class ParallelMesh:
@@ -450,7 +456,8 @@ class ParallelMesh:
             table.clear()
             table.destroyed = self._destroyed_error
         self.facts.__dict__.clear()
-        self.facts._destroyed = self._destroyed_error
+        self.facts.__class__ = _DestroyedFacts
+        self.facts.__dict__["destroyed"] = self._destroyed_error
         _live_meshes.discard(self)
 
     def __enter__(self) -> ParallelMesh:
