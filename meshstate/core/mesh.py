@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
@@ -85,11 +85,11 @@ class Table(dict[Key, V]):
 
     def __init__(self) -> None:
         super().__init__()
-        self.destroyed: Callable[[], NotInitializedError] | None = None
+        self.destroyed: str | None = None  # why a lookup fails once the mesh is destroyed
 
     def __missing__(self, key: Key) -> V:
         if self.destroyed is not None:
-            raise self.destroyed()
+            raise NotInitializedError(self.destroyed)
         raise KeyError(key)
 
 
@@ -152,10 +152,10 @@ class _DestroyedFacts(Facts):
     (a class with ``__getattr__`` loses them).
     """
 
-    destroyed: Callable[[], NotInitializedError]
+    destroyed: str
 
     def __getattr__(self, name: str) -> Any:
-        raise self.destroyed()
+        raise NotInitializedError(self.destroyed)
 
 
 class ParallelMesh:
@@ -454,10 +454,10 @@ class ParallelMesh:
             del self.__dict__[name]
         for table in (self.rank_in, self.size_of, self.group_of, self.ranks_of):
             table.clear()
-            table.destroyed = self._destroyed_error
+            table.destroyed = str(self._destroyed_error())
         self.facts.__dict__.clear()
         self.facts.__class__ = _DestroyedFacts
-        self.facts.__dict__["destroyed"] = self._destroyed_error
+        self.facts.__dict__["destroyed"] = str(self._destroyed_error())
         _live_meshes.discard(self)
 
     def __enter__(self) -> ParallelMesh:
