@@ -68,8 +68,8 @@ def test_config_is_a_value():
     assert MeshConfig(8, tp=2) != MeshConfig(8, tp=4)
 
 
-def test_order_is_normalised_and_missing_axes_appended_like_megatron():
-    assert MeshConfig(8, tp=2, order=" TP-dp-pp").order == "tp-dp-pp"
+def test_order_is_lower_cased_and_missing_axes_appended_like_megatron():
+    assert MeshConfig(8, tp=2, order="TP-dp-pp").order == "tp-dp-pp"
     assert parse_order("tp-dp-pp") == ("tp", "dp", "pp", "ep", "cp")
     assert parse_order("pp-dp") == ("pp", "dp", "tp", "ep", "cp")
 
@@ -81,3 +81,22 @@ def test_non_pp_last_order_is_fine_when_data_parallel_sizes_agree():
 
 def test_size_one_axes_may_be_left_out_of_the_order():
     assert MeshConfig(4, tp=4, order="tp").dp == 1
+
+
+@pytest.mark.parametrize("order", [" tp-dp-pp", "tp -dp", "tp-dp-pp\n", "tp-\tdp"])
+def test_order_with_spaces_is_refused_like_megatron(order):
+    with pytest.raises(ConfigError, match="spaces"):
+        MeshConfig(8, tp=2, order=order)
+
+
+def test_any_integer_type_is_a_size_and_worlds_stop_at_two_to_the_31():
+    import numpy as np
+
+    config = MeshConfig(np.int64(8), tp=np.int64(2), pp=np.int32(2))
+    assert (config.tp, config.pp, config.dp) == (2, 2, 2) and type(config.tp) is int
+    assert MeshConfig(2**31 - 1).dp == 2**31 - 1
+    with pytest.raises(ConfigError, match="world size 2147483648 is above 2147483647"):
+        MeshConfig(2**31)
+    for wrong in (2.0, True, "2", np.float64(2)):
+        with pytest.raises(ConfigError, match="tp must be a positive integer"):
+            MeshConfig(8, tp=wrong)

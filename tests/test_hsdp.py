@@ -12,7 +12,7 @@ import torch.distributed as dist
 import meshstate
 from meshstate import AxisError, ConfigError, MeshConfig, ParallelLayout
 from meshstate.core.layout import HSDP_KINDS, ListedGrid
-from meshstate.core.mesh import _sub_world
+from meshstate.core.arguments import check_ranks
 from meshstate.testing import fake_world
 
 # (world, dp_replicate, cp, tp, pp), ranks checked
@@ -164,10 +164,9 @@ def test_listed_ranks_build_a_mesh_on_those_ranks_only() -> None:
 
 
 def test_sub_world_keeps_a_range_and_refuses_what_is_not_increasing_ranks() -> None:
-    with fake_world(0, 1 << 22):
-        half = range(1 << 21, 1 << 22)
-        assert _sub_world(half) is half
-        assert _sub_world([4, 5, 6]) == range(4, 7) and _sub_world(range(0, 8, 2)) == (0, 2, 4, 6)
+    half = range(1 << 21, 1 << 22)
+    assert check_ranks(half, 1 << 22) is half
+    assert check_ranks([4, 5, 6], 8) == range(4, 7) and check_ranks(range(0, 8, 2), 8) == (0, 2, 4, 6)
     with fake_world(0, 8):
         wrong = r"ranks must be increasing ranks of the world 0..7 \(local rank i of the mesh is ranks\[i\]\), got "
         for ranks, shown in (([2, 0], r"\[2, 0\]"), ([0, 0], r"\[0, 0\]"), ([6, 8], r"\[6, 8\]"),

@@ -122,14 +122,27 @@ def test_dtensors_on_a_rebuilt_mesh_do_not_reach_the_destroyed_groups():
 @distributed(world_size=4)
 def test_no_rank_returns_with_a_group_before_every_member_has_it():
     # gloo's constructor can return on one member while another is still connecting; a
-    # member that then destroyed the group would cut that connection.
-    from torch.distributed import distributed_c10d as c10d
+    # member that then destroyed the group would cut that connection. Rank 1's constructor
+    # is slow here: its tp partner, rank 0, must not return before it has the group.
+    import time
 
     from meshstate.core import compat
 
-    mesh = meshstate.init_mesh(tp=2, pp=2)
-    store = compat.default_store()
-    for group in mesh.process_groups.owned:
-        name = c10d._world.pg_names[group]
-        assert store.add(f"{name}/formed", 0) == group.size(), name
+    create = compat.new_member_group
+
+    def slow_on_rank_1(*args, **kwargs):
+        group = create(*args, **kwargs)
+        if dist.get_rank() == 1:
+            time.sleep(0.5)
+        return group
+
+    compat.new_member_group = slow_on_rank_1
+    try:
+        started = time.monotonic()
+        mesh = meshstate.init_mesh(tp=2, pp=2)
+        waited = time.monotonic() - started
+    finally:
+        compat.new_member_group = create
+    if dist.get_rank() in (0, 1):
+        assert waited >= 0.5
     mesh.destroy()

@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.core.agreement import agree
+from meshstate.core.arguments import check_backend, check_device_type, check_timeout
 from meshstate.core.config import DEFAULT_ORDER, MeshConfig
 from meshstate.core.errors import AxisError, ConfigError, MeshStateError
-from meshstate.core.groups import GroupSpec, ProcessGroupSet, create_process_groups
-from meshstate.core.layout import GROUP_KINDS, Key, ParallelLayout
+from meshstate.core.groups import GroupSpec, create_process_groups
+from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Key, ParallelLayout
 from meshstate.core.mesh import ParallelMesh
 
 
@@ -31,41 +32,56 @@ def adopt(
     ep: int = 1,
     etp: int | None = None,
     pp: int = 1,
+    dp_replicate: int = 1,
     device_type: str | None = None,
+    backend: str | None = None,
     timeout: timedelta | None = None,
 ) -> ParallelMesh:
     """A mesh over existing process groups: ``groups[key]`` is the caller's group of ``key``.
 
     Every rank must call it with the same keys. Keys are axes or Megatron's
-    joint keys (``"tp"``, ``"dp-cp"``); a group's ranks, in group-rank order,
-    must be the layout's group of that key. One ``all_gather_object`` tells every
-    rank about every mismatch, so all raise :class:`~meshstate.ConfigError`
-    together, naming the axis and the ranks. Keys not given get groups of their
-    own (``mesh.destroy()`` destroys only those).
+    joint keys (``"tp"``, ``"dp-cp"``; with ``dp_replicate > 1`` also
+    ``"dp_replicate"``, ``"dp_shard"`` and ``"dp_shard-cp"``); a group's ranks,
+    in group-rank order, must be the layout's group of that key. One
+    ``all_gather_object`` tells every rank about every mismatch, so all raise
+    :class:`~meshstate.ConfigError` together, naming the axis and the ranks.
+    Keys not given get groups of their own, made with ``backend`` and
+    ``timeout`` as :func:`~meshstate.init_mesh` makes them (``mesh.destroy()``
+    destroys only those).
 
     Example (4 ranks, the caller made ``tp_group`` of ranks [0, 1] / [2, 3])::
 
         mesh = meshstate.adopt({"tp": tp_group}, tp=2)
         mesh.group("tp") is tp_group   # True
     """
+    backend = check_backend("backend", backend)
+    timeout = check_timeout(timeout)
+    device_type = check_device_type(device_type)
     if not dist.is_initialized():
         raise MeshStateError("torch.distributed is not initialized; call init_process_group first")
     layout = ParallelLayout(
-        MeshConfig(dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp)
+        MeshConfig(
+            dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp,
+            dp_replicate=dp_replicate,
+        )
     )
+    kinds = GROUP_KINDS + (HSDP_KINDS if layout.config.dp_replicate > 1 else ())
     adopted: dict[str, dist.ProcessGroup] = {}
     for key, group in groups.items():
         canonical = layout.canonical(key)
-        if canonical not in GROUP_KINDS:
-            raise AxisError(f"adopt cannot take group {key!r}; keys are {', '.join(GROUP_KINDS)}")
+        if canonical not in kinds:
+            raise AxisError(f"adopt cannot take group {key!r}; keys are {', '.join(kinds)}")
         adopted[canonical] = group
+    config = layout.config
     build_id = agree(
-        {"adopt": sorted(map(str, adopted)), "order": order, "tp": tp, "cp": cp, "ep": ep,
-         "etp": etp, "pp": pp, "device_type": device_type},
+        {"adopt": sorted(map(str, adopted)), "order": config.order, "tp": config.tp,
+         "cp": config.cp, "ep": config.ep, "etp": config.etp, "pp": config.pp,
+         "dp_replicate": config.dp_replicate, "device_type": device_type, "backend": backend,
+         "timeout": None if timeout is None else timeout.total_seconds()},
         timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
     )
     rank = dist.get_rank()
-    members = {key: layout.group_of(rank, key) for key in GROUP_KINDS}
+    members = {key: layout.group_of(rank, key) for key in kinds}
     problem = next(
         (
             f"the adopted {key!r} group of rank {rank} holds ranks {given}, but the layout "
@@ -86,16 +102,17 @@ def adopt(
         for key, ranks in members.items()
         if key not in adopted
     ]
-    created = create_process_groups(specs, build_id=build_id)
-    by_name: dict[Key, dist.ProcessGroup] = dict(created.by_name)
-    by_name.update(adopted)
-    process_groups = ProcessGroupSet(by_name, created.owned, created.creation_calls)
-    members_by_key: dict[Key, tuple[int, ...] | None] = {key: members[key] for key in GROUP_KINDS}
+    process_groups = create_process_groups(
+        specs, backend=backend, timeout=timeout, build_id=build_id
+    )
+    process_groups.by_name.update(adopted)
+    members_by_key: dict[Key, tuple[int, ...] | None] = {key: members[key] for key in kinds}
     return ParallelMesh(
         layout,
         process_groups,
         members_by_key,
         device_type=device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu"),
+        kinds=kinds,
     )
 
 

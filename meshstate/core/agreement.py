@@ -2,13 +2,20 @@
 
 At thousands of ranks the common failures are one rank launched with a
 different flag and one node that never came up. :func:`agree` runs first in
-every mesh build: each rank posts its config to the default group's store and
-waits, within the timeout, until all ranks have. Then either every rank holds
-the same config and the build goes on, or every rank raises the same
-:class:`~meshstate.core.errors.ConfigMismatchError` naming the ranks and fields that
-differ; ranks that never arrive end it with a
-:class:`~meshstate.core.errors.MeshTimeoutError` naming them. The store traffic per
-rank is constant; only the error paths read every rank's entry.
+every mesh build: each rank posts its config to the default group's store under
+its own rank and its own build number (how many builds it has started in this
+scope), and waits, within the timeout, until every rank has posted to that
+build. Then either every rank holds the same config and the build goes on, or
+every rank raises the same :class:`~meshstate.core.errors.ConfigMismatchError`
+naming the ranks and fields that differ. A rank that times out writes the
+verdict for everyone, so ranks that never arrive (by rank, not by count: a rank
+that retries posts to its next build) end it on every rank that did with one
+:class:`~meshstate.core.errors.MeshTimeoutError` naming them. On either error,
+each rank raises only once every rank that arrived has read the verdict, so a
+rank that hosts the store and exits at once leaves no one without it.
+
+The store traffic per rank is constant, and a build that passes leaves no key
+behind but each rank's build count; only the error paths read every rank's entry.
 
 On torch's fake backend there is no one to agree with, so nothing is checked.
 """
@@ -24,10 +31,11 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ConfigMismatchError, MeshTimeoutError
+from meshstate.core.errors import ConfigMismatchError, MeshStateError, MeshTimeoutError
 
 _PREFIX = "meshstate/agree"
 _LISTED = 16  # ranks named in a message before "and N more"
+_ARRIVED = "arrived"  # the verdict of a build every rank reached; a timeout's is its message
 
 
 def agree(
@@ -36,8 +44,8 @@ def agree(
     """Wait until every rank (of ``ranks``, default the world) has posted ``fields``;
     check they are all the same. ``ranks`` is a range or an increasing tuple of ranks.
 
-    Returns the build's round number, the same on every rank (``None`` on the
-    fake backend; negative for a sub-world). Every rank must call it once per mesh build.
+    Returns the build's number, the same on every rank (``None`` on the fake
+    backend; negative for a sub-world). Every rank must call it once per mesh build.
 
     Raises:
         MeshTimeoutError: some ranks did not call it within ``timeout``.
@@ -45,7 +53,7 @@ def agree(
     """
     if dist.get_backend() == "fake":
         return None
-    store = _compat.default_store()
+    store = _compat.thread_store()
     ranks = ranks or range(dist.get_world_size())
     rank, world_size = ranks.index(dist.get_rank()), len(ranks)
     listed = "" if isinstance(ranks, range) else _digest(json.dumps(ranks))
@@ -55,37 +63,60 @@ def agree(
         scope = f"{_PREFIX}/{ranks.start}-{ranks.stop}"
     else:
         scope = f"{_PREFIX}/listed-{listed}"
-    build = (store.add(f"{scope}/arrivals", 1) - 1) // world_size
+    build = store.add(f"{scope}/builds/{rank}", 1) - 1
     prefix = f"{scope}/{build}"
     text = json.dumps(dict(fields), sort_keys=True, default=repr)
     digest = _digest(text)
     store.set(f"{prefix}/rank/{rank}", text)
     store.add(f"{prefix}/digest/{digest}", 1)
     if store.add(f"{prefix}/count", 1) == world_size:
-        store.set(f"{prefix}/done", "1")
+        store.compare_set(f"{prefix}/verdict", "", _ARRIVED)
     try:
-        store.wait([f"{prefix}/done"], timeout)
-    except RuntimeError:
+        store.wait([f"{prefix}/verdict"], timeout)
+        verdict = store.get(f"{prefix}/verdict").decode()
+    except dist.DistStoreError:  # timed out: the first rank to say so gives the verdict
         missing = [ranks[r] for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
-        raise MeshTimeoutError(
+        message = (
             f"{_ranks(missing)} did not reach the mesh build within "
             f"{timeout.total_seconds():g} s ({world_size - len(missing)} of {world_size} "
             "ranks arrived)"
-        ) from None
-    if store.add(f"{prefix}/digest/{digest}", 0) != world_size:
+        )
+        verdict = store.compare_set(f"{prefix}/verdict", "", message).decode()
+    error: MeshStateError | None = None
+    if verdict != _ARRIVED:
+        error = MeshTimeoutError(verdict)
+    elif store.add(f"{prefix}/digest/{digest}", 0) != world_size:
         keys = [f"{prefix}/rank/{r}" for r in range(world_size)]
-        posted = [json.loads(value) for value in store.multi_get(keys)]
-        raise ConfigMismatchError(describe_mismatch(posted))
-    store.delete_key(f"{prefix}/rank/{rank}")
+        error = ConfigMismatchError(describe_mismatch([json.loads(v) for v in store.multi_get(keys)]))
+    if error is None:
+        store.delete_key(f"{prefix}/rank/{rank}")
+        if store.add(f"{prefix}/left", 1) == world_size:
+            for key in ("verdict", "count", f"digest/{digest}", "left"):
+                store.delete_key(f"{prefix}/{key}")
+    else:
+        _wait_until_read(store, prefix, world_size, timeout)
+        raise error
     if scope == _PREFIX:
         return build
     if not isinstance(ranks, range):
-        # A hash of the round and the listed ranks, far below any range's number.
+        # A hash of the build and the listed ranks, far below any range's number.
         return -(1 << 62) - int(_digest(f"{build}/{listed}")[:15], 16)
-    # A sub-world's round, told apart from the world's and other sub-worlds' (negative,
-    # one integer per (round, start, stop)): group names built from it never collide.
+    # A sub-world's build, told apart from the world's and other sub-worlds' (negative,
+    # one integer per (build, start, stop)): group names built from it never collide.
     span = dist.get_world_size() + 1
     return -1 - (build * span + ranks.start) * span - ranks.stop
+
+
+def _wait_until_read(store: Any, prefix: str, world_size: int, timeout: timedelta) -> None:
+    """Return once every rank that arrived has read the verdict (or ``timeout`` passed):
+    the store may live in this process, and the others must not lose it before then."""
+    read = store.add(f"{prefix}/read", 1)
+    if read >= store.add(f"{prefix}/count", 0):
+        store.set(f"{prefix}/all read", "")
+    try:
+        store.wait([f"{prefix}/all read"], timeout)
+    except dist.DistStoreError:
+        pass  # a rank died between arriving and reading: it will never say so
 
 
 def _digest(text: str) -> str:

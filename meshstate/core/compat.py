@@ -7,6 +7,7 @@ function says which private name it relies on.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -58,7 +59,7 @@ def new_member_group(
     """
     world = c10d._world
     world_group = default_group()
-    default_backend, default_store = world.pg_map[world_group]
+    default_backend = world.pg_map[world_group][0]
     resolved_backend = dist.Backend(backend or default_backend)
     resolved_timeout = timeout or c10d._get_default_timeout(resolved_backend)
     caller = world_group.rank()
@@ -67,7 +68,7 @@ def new_member_group(
         ranks,
         caller_index,
         resolved_backend,
-        default_store,
+        thread_store(),
         c10d.GroupName(name),
         backend_options=pg_options,
         timeout=resolved_timeout,
@@ -179,6 +180,38 @@ def default_store() -> Store:
     """The store the default group was initialised with. Uses ``c10d._world.pg_map``."""
     store: Store = c10d._world.pg_map[default_group()][1]
     return store
+
+
+def rendezvous_keys(group_name: str, backend: str, size: int) -> list[str]:
+    """The store keys torch leaves behind for a formed group of ``size`` ranks.
+
+    ``c10d._new_process_group_helper`` prefixes ``f"{group_name}/"`` and then
+    ``f"{device}/"``; gloo posts each rank's address under ``"{device index}/{rank}"``.
+    Other backends' keys are not listed.
+    """
+    if backend != "gloo":
+        return []
+    return [f"{group_name}//{device}//0/{rank}" for device in ("cpu", "cuda") for rank in range(size)]
+
+
+_per_thread = threading.local()
+
+
+def thread_store() -> Store:
+    """The default group's store, for this thread to block on.
+
+    A store client serves one request at a time, and a blocking ``wait`` holds
+    it, so two threads forming groups at once on one client would wait for
+    each other forever; a thread other than the main one gets a copy of its own
+    (``Store.clone``: a second connection), kept while the default group lasts.
+    """
+    store = default_store()
+    if threading.current_thread() is threading.main_thread():
+        return store
+    kept: tuple[Store, Store] | None = getattr(_per_thread, "store", None)
+    if kept is None or kept[0] is not store:
+        kept = _per_thread.store = (store, store.clone())  # type: ignore[attr-defined]
+    return kept[1]
 
 
 def default_timeout(backend: str) -> timedelta:

@@ -8,6 +8,7 @@ group exists.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -18,15 +19,26 @@ ORDER_AXES = ("tp", "cp", "ep", "dp", "pp")
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
+MAX_WORLD_SIZE = 2**31 - 1
+"""The largest world torch.distributed numbers (ranks are 32-bit signed integers)."""
+
 # Megatron's RankGenerator appends axes missing from the order in this order.
 _MISSING_AXIS_APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp")
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """``value`` if it is a positive ``int`` (not a bool), else a ConfigError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as an ``int`` if it is a positive integer, else a ConfigError naming ``name``.
+
+    Any integer type counts (``numpy.int64(2)``, as megatron-core takes it); a bool,
+    a float or a string does not.
+    """
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = None
+    if number is None or number < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return number
 
 
 def _order_tokens(order: object) -> tuple[str, ...]:
@@ -111,14 +123,27 @@ class MeshConfig:
         pp: int = 1,
         dp_replicate: int = 1,
     ) -> None:
-        check_positive_int("world size", world_size)
-        for name, value in (
-            ("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("dp_replicate", dp_replicate)
-        ):
+        world_size = check_positive_int("world size", world_size)
+        if world_size > MAX_WORLD_SIZE:
+            raise ConfigError(
+                f"world size {world_size} is above {MAX_WORLD_SIZE}, the most ranks "
+                "torch.distributed numbers"
+            )
+        tp, cp, ep, pp, dp_replicate = (
             check_positive_int(name, value)
+            for name, value in (
+                ("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("dp_replicate", dp_replicate)
+            )
+        )
         etp = tp if etp is None else check_positive_int("etp", etp)
+        tokens = _order_tokens(order)
+        if order.lower() != "-".join(tokens):
+            raise ConfigError(
+                f"order {order!r} has spaces around its axis names; megatron-core refuses "
+                f"them too (write {'-'.join(tokens)!r})"
+            )
         object.__setattr__(self, "world_size", world_size)
-        object.__setattr__(self, "order", "-".join(_order_tokens(order)))
+        object.__setattr__(self, "order", "-".join(tokens))
         object.__setattr__(self, "tp", tp)
         object.__setattr__(self, "cp", cp)
         object.__setattr__(self, "ep", ep)

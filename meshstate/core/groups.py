@@ -238,12 +238,17 @@ class _Builder:
 
     def _wait_for_members(self, group_name: str, size: int, backend: str) -> None:
         """Return once every member has its group: a member whose constructor returned
-        first (gloo's) must not destroy the group while another is still connecting."""
-        store = _compat.default_store()
+        first (gloo's) must not destroy the group while another is still connecting.
+        The last member to leave removes the keys, torch's rendezvous keys too."""
+        store = _compat.thread_store()
         key = f"{group_name}/formed"
         if store.add(key, 1) == size:
             store.set(f"{key}/all", "")
         store.wait([f"{key}/all"], self.timeout or _compat.default_timeout(backend))
+        if store.add(f"{key}/left", 1) == size:
+            for done in (key, f"{key}/all", f"{key}/left",
+                         *_compat.rendezvous_keys(group_name, backend, size)):
+                store.delete_key(done)
 
     def _split(
         self, family: tuple[tuple[int, ...], ...], name: Key, pg_options: Any

@@ -11,15 +11,17 @@ cached.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from datetime import timedelta
-from typing import TYPE_CHECKING, NoReturn, overload
+from typing import Any, NoReturn, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
 from meshstate.core.agreement import agree
+from meshstate.core.arguments import (
+    check_agree_on,
+    check_backend,
+    check_device_type,
+    check_group_creation,
+    check_group_options,
+    check_ranks,
+    check_sequence,
+    check_timeout,
+)
 from meshstate.core.config import DEFAULT_ORDER, MeshConfig
 from meshstate.core.errors import (
     AxisError,
@@ -56,6 +68,28 @@ from meshstate.core.layout import (
     spellings,
     splits_dp,
 )
+
+V = TypeVar("V")
+
+
+class Table(dict[Key, V]):
+    """One of a mesh's tables (``rank_in``, ``size_of``, ``group_of``, ``ranks_of``).
+
+    A dict; ``destroy()`` empties it, and from then on a lookup by ``[]`` raises
+    the error that names where the mesh was destroyed, so whoever holds the
+    table (the Megatron façade does) learns it from the mesh.
+    """
+
+    __slots__ = ("destroyed",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.destroyed: str | None = None  # why a lookup fails once the mesh is destroyed
+
+    def __missing__(self, key: Key) -> V:
+        if self.destroyed is not None:
+            raise NotInitializedError(self.destroyed)
+        raise KeyError(key)
 
 
 @dataclass(frozen=True)
@@ -114,6 +148,19 @@ class Facts:
                 setattr(self, f"{name}_ranks", mesh.ranks_of[key])
 
 
+class _DestroyedFacts(Facts):
+    """A destroyed mesh's ``facts``: every read raises the error naming where.
+
+    Its own class, so a live mesh's facts keep Python's fastest attribute reads
+    (a class with ``__getattr__`` loses them).
+    """
+
+    destroyed: str
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotInitializedError(self.destroyed)
+
+
 class ParallelMesh:
     """A rank's view of a parallel layout: groups, ranks and DeviceMeshes by axis.
 
@@ -144,18 +191,19 @@ class ParallelMesh:
         device_type: str,
         kinds: tuple[str, ...] = GROUP_KINDS,
         derived: tuple[DerivedGroup, ...] = (),
-        owns_default_group: bool = False,
     ) -> None:
-        self._destroyed_at: str | None = None
+        self.destroyed_at: str | None = None
         self.config = layout.config
         self.layout = layout
         self.device_type = device_type
         self.global_rank = dist.get_rank()
-        self.process_groups = process_groups
+        self._process_groups = process_groups
         self.kinds = kinds
         self.derived = derived
-        self._owns_default_group = owns_default_group
         self._ordered_groups: dict[str | tuple[str, ...], OrderedGroup] = {}
+        # Groups made on first use are made one key at a time in this process (threads).
+        self._creating = threading.Lock()
+        self._creating_axes: dict[tuple[str, ...], threading.Lock] = {}
         # Every spelling of every key -> the key as declared. Spellings are interned, so a
         # lookup by an interned string (as a façade's constants are) matches by identity.
         split_dp = splits_dp(self.keys())  # "dp_replicate-dp_shard" spells "dp" beside HSDP keys
@@ -164,10 +212,10 @@ class ParallelMesh:
             for key in self.keys()
             for spelling in spellings(key, split_dp=split_dp)
         }
-        self.rank_in: dict[Key, int] = {}
-        self.size_of: dict[Key, int] = {}
-        self.group_of: dict[Key, dist.ProcessGroup] = {}
-        self.ranks_of: dict[Key, Sequence[int]] = {}
+        self.rank_in: Table[int] = Table()
+        self.size_of: Table[int] = Table()
+        self.group_of: Table[dist.ProcessGroup] = Table()
+        self.ranks_of: Table[Sequence[int]] = Table()
         for spelling, key in self._declared.items():
             ranks = members[key]
             if ranks is not None:
@@ -177,6 +225,13 @@ class ParallelMesh:
                 self.ranks_of[spelling] = ranks
         self.facts = Facts(self)
         self._device_meshes: dict[str | tuple[str, ...], DeviceMesh] = {}
+        _live_meshes.add(self)
+
+    @property
+    def process_groups(self) -> ProcessGroupSet:
+        """The groups this mesh's build made (``destroy()`` ends them)."""
+        self._check_alive()
+        return self._process_groups
 
     @cached_property
     def dense(self) -> DeviceMesh:
@@ -211,10 +266,12 @@ class ParallelMesh:
 
     def keys(self) -> tuple[Key, ...]:
         """Every group key: the kinds, the declared joint groups, then the derived groups."""
+        self._check_alive()
         return self.kinds + self.derived
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is one of :meth:`keys`, in any spelling (``"cp-dp"``)."""
+        self._check_alive()
         return isinstance(key, (str, DerivedGroup)) and key in self._declared
 
     def __len__(self) -> int:
@@ -225,11 +282,13 @@ class ParallelMesh:
 
     def has_group(self, key: Key) -> bool:
         """Whether the calling rank is in a group of ``key`` (always, for axis keys)."""
+        self._check_alive()
         return key in self.group_of
 
     @property
     def coordinate(self) -> dict[str, int]:
         """The calling rank's position on every dense and expert axis."""
+        self._check_alive()
         return self.layout.coordinate(self.global_rank)
 
     def ordered(self, axes: str | Sequence[str]) -> OrderedGroup:
@@ -245,9 +304,15 @@ class ParallelMesh:
         found = self._ordered_groups.get(key)
         if found is not None:
             return found
+        self._check_alive()
         grid, major_to_minor = self.layout.resolve_base(key)
-        ranks = grid.group_of(self.global_rank, major_to_minor)
-        group = self._axis_set_group(grid.mesh_order(major_to_minor), ranks)
+        mesh_axes = grid.mesh_order(major_to_minor)
+        # Threads asking for one axis set at once make its group once; others go on beside.
+        with self._creating:
+            creating = self._creating_axes.setdefault(mesh_axes, threading.Lock())
+        with creating:
+            ranks = grid.group_of(self.global_rank, major_to_minor)
+            group = self._axis_set_group(mesh_axes, ranks)
         position = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
         group_ranks = tuple(position[rank] for rank in ranks)
         in_group_order = group_ranks == tuple(range(len(ranks)))
@@ -274,7 +339,7 @@ class ParallelMesh:
             if isinstance(spelling, str) and len(declared_ranks) == len(members):
                 if tuple(sorted(declared_ranks)) == members:
                     return self.group_of[spelling]
-        return create_axis_set_group(self.process_groups, joint, members)
+        return create_axis_set_group(self._process_groups, joint, members)
 
     def axis_group(self, key: Key) -> AxisGroup:
         """Everything the calling rank knows about its group of ``key``."""
@@ -362,6 +427,7 @@ class ParallelMesh:
         cached = self._device_meshes.get(key)  # the request as made: one dict lookup
         if cached is not None:
             return cached
+        self._check_alive()
         names = (key,) if isinstance(key, str) else tuple(key)
         if len(names) == 1 and isinstance(names[0], str) and "-" in names[0]:
             mesh = self._flattened(names[0])
@@ -373,33 +439,37 @@ class ParallelMesh:
     def destroy(self) -> None:
         """Destroy the process groups this mesh created; safe to call twice.
 
-        A destroyed mesh stops being the current mesh, and every later use of it
-        raises :class:`~meshstate.core.errors.NotInitializedError` naming the line
-        that destroyed it. The default process group goes too if
-        :func:`init_mesh` initialised it.
+        Every later use of the mesh, its tables and ``facts`` (so every Megatron
+        getter served by it) raises :class:`~meshstate.core.errors.NotInitializedError`
+        naming the line that destroyed it, as does :func:`current_mesh` inside its
+        ``with`` block; here it stops being what :func:`set_mesh` set. A default process group that :func:`init_mesh` initialised stays
+        (torch cannot form it again under torchrun) until exit or
+        ``torch.distributed.destroy_process_group()``.
         """
-        if self._destroyed_at is not None:
+        if self.destroyed_at is not None:
             return
-        destroyed_at = _first_caller_outside_meshstate()
-        if _current.set_mesh is self:
+        self.destroyed_at = _first_caller_outside_meshstate()
+        if _current.set_mesh is self:  # no longer this thread's mesh; a `with` block still names it
             _current.set_mesh = None
-        _current.entered = tuple(mesh for mesh in _current.entered if mesh is not self)
-        self.process_groups.destroy()
-        if self._device_meshes:
+        self._process_groups.destroy()
+        roots = [name for name in ("dense", "expert", "hsdp") if name in self.__dict__]
+        if self._device_meshes or roots:
             _compat.forget_sharding_decisions()
         self._device_meshes.clear()
-        if self._owns_default_group and dist.is_initialized():
-            dist.destroy_process_group()
-        # Drop every group and view; every later use raises (see _DestroyedMesh).
-        kept = {"config": self.config, "global_rank": self.global_rank}
-        self.__dict__.clear()
-        self.__dict__.update(kept, _destroyed_at=destroyed_at)
-        self.__class__ = _DestroyedMesh
+        self._ordered_groups.clear()
+        for name in roots:
+            del self.__dict__[name]
+        for table in (self.rank_in, self.size_of, self.group_of, self.ranks_of):
+            table.clear()
+            table.destroyed = str(self._destroyed_error())
+        self.facts.__dict__.clear()
+        self.facts.__class__ = _DestroyedFacts
+        self.facts.__dict__["destroyed"] = str(self._destroyed_error())
+        _live_meshes.discard(self)
 
     def __enter__(self) -> ParallelMesh:
         """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
-        if self._destroyed_at is not None:
-            raise self._destroyed_error()
+        self._check_alive()
         _current.entered = (*_current.entered, self)
         return self
 
@@ -417,9 +487,13 @@ class ParallelMesh:
 
     def _destroyed_error(self) -> NotInitializedError:
         return NotInitializedError(
-            f"this mesh was destroyed at {self._destroyed_at}; build a new one with "
+            f"this mesh was destroyed at {self.destroyed_at}; build a new one with "
             "meshstate.init_mesh"
         )
+
+    def _check_alive(self) -> None:
+        if self.destroyed_at is not None:
+            raise self._destroyed_error()
 
     def _missing(self, key: Key) -> MeshStateError:
         """Why the tables lack ``key``: a derived group without the caller, or no such key."""
@@ -429,6 +503,7 @@ class ParallelMesh:
         return AxisError(f"mesh has no group {str(key)!r}; valid keys are {valid}")
 
     def _root_mesh(self, grid: Grid) -> DeviceMesh:
+        self._check_alive()
         return DeviceMesh.from_group(
             [
                 self.group_of[axis] if axis in self.group_of else self.ordered(axis).group
@@ -507,27 +582,9 @@ class ParallelMesh:
         return view
 
 
-class _DestroyedMesh(ParallelMesh):
-    """A :class:`ParallelMesh` after ``destroy()``: every use names where it was destroyed.
-
-    Its own class, so a live mesh keeps Python's fast attribute reads.
-    """
-
-    if not TYPE_CHECKING:  # hidden from mypy, which keeps checking attribute names
-
-        def __getattribute__(self, name: str) -> object:
-            if name in _ANSWERED_AFTER_DESTROY:
-                return object.__getattribute__(self, name)
-            raise object.__getattribute__(self, "_destroyed_error")()
-
-
-_ANSWERED_AFTER_DESTROY = frozenset(
-    {"__class__", "__dict__", "config", "global_rank", "destroy", "_destroyed_at", "_destroyed_error"}
-)
-
-
 def _not_a_device_mesh(name: str) -> property:
     def refuse(mesh: ParallelMesh) -> NoReturn:
+        mesh._check_alive()
         raise WrongMeshError(
             f"a ParallelMesh is not a torch DeviceMesh (it has no {name!r}); pass one "
             'of its DeviceMeshes: mesh.dense, mesh.expert or a slice such as mesh["dp-cp"]'
@@ -557,6 +614,21 @@ class _CurrentMeshes(threading.local):
 
 
 _current = _CurrentMeshes()
+# The meshes of this process not destroyed yet, for destroy_every_mesh().
+_live_meshes: weakref.WeakSet[ParallelMesh] = weakref.WeakSet()
+
+
+def destroy_every_mesh() -> None:
+    """Destroy every mesh of this process not destroyed yet, and forget the calling
+    thread's current meshes.
+
+    For harnesses that run many tests in one process (``meshstate.testing``
+    does between tests): whatever a test left alive, Megatron's façade
+    included, is gone before the next.
+    """
+    for mesh in list(_live_meshes):
+        mesh.destroy()
+    _current.set_mesh, _current.entered = None, ()
 
 
 def _inverse(permutation: tuple[int, ...]) -> tuple[int, ...]:
@@ -608,11 +680,12 @@ def set_mesh(mesh: ParallelMesh | None) -> None:
 def current_mesh() -> ParallelMesh:
     """The innermost mesh of a ``with mesh:`` block, else the one :func:`set_mesh` set.
 
-    Both are per thread; a destroyed mesh is never current.
-    ``initialize_model_parallel`` sets its mesh too.
+    Both are per thread. Where that mesh was destroyed, the error names the
+    line that did it. ``initialize_model_parallel`` sets its mesh too.
     """
     for mesh in reversed((_current.set_mesh, *_current.entered)):
-        if mesh is not None and not isinstance(mesh, _DestroyedMesh):
+        if mesh is not None:
+            mesh._check_alive()
             return mesh
     raise NotInitializedError(
         "there is no current mesh in this thread; call meshstate.set_mesh(mesh) or use "
@@ -721,89 +794,69 @@ def init_mesh(
         hsdp["dp_replicate", "dp_shard"]   # on rank 5: [[1, 3], [5, 7]]
         evens = meshstate.init_mesh(tp=2, ranks=[0, 2, 4, 6])  # None on odd ranks
     """
-    owns_default_group = _init_default_group_from_env(backend, timeout)
-    span = None if ranks is None else _sub_world(ranks)
-    if span is not None and dist.get_rank() not in span:
-        return None
-    try:
-        build_id = agree(
-            {
-                "order": order, "tp": tp, "cp": cp, "ep": ep, "etp": etp, "pp": pp,
-                "dp_replicate": dp_replicate, "device_type": device_type, "backend": backend,
-                "timeout": None if timeout is None else timeout.total_seconds(),
-                "joint_groups": list(joint_groups),
-                "derived": [str(spec) for spec in derived],
-                "group_options": {
-                    str(key): [value.backend, value.pg_options is not None, value.separate]
-                    for key, value in (group_options or {}).items()
-                },
-                "group_creation": group_creation,
-                "ranks": None if span is None else (
-                    [span.start, span.stop] if isinstance(span, range) else list(span)
-                ),
-                **(agree_on or {}),
-            },
-            timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
-            ranks=span,
-        )
-        world = span or range(dist.get_world_size())
-        layout = ParallelLayout(
-            MeshConfig(
-                len(world), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp,
-                dp_replicate=dp_replicate,
-            ),
-            rank_offset=world.start if isinstance(world, range) else 0,
-            ranks=None if isinstance(world, range) else world,
-        )
-        kinds, declared = _declared_keys(layout, joint_groups, derived)
-        options = _options_by_key(layout, kinds + declared, group_options or {})
-        rank = dist.get_rank()
-        members = {key: layout.members(rank, key) for key in kinds + declared}
-        specs = [
-            GroupSpec(key, ranks, partial(layout.every_group, key), options[key])
-            for key, ranks in members.items()
-        ]
-        process_groups = create_process_groups(
-            specs, backend=backend, timeout=timeout, build_id=build_id,
-            group_creation="local" if span is not None else group_creation,
-        )
-        return ParallelMesh(
-            layout,
-            process_groups,
-            members,
-            device_type=device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu"),
-            kinds=kinds,
-            derived=declared,
-            owns_default_group=owns_default_group,
-        )
-    except BaseException:
-        if owns_default_group:
-            dist.destroy_process_group()
-        raise
-
-
-def _sub_world(ranks: Sequence[int]) -> range | tuple[int, ...]:
-    """``ranks`` as a range where consecutive (a ``range`` is never listed), else a tuple;
-    a ConfigError unless they are increasing ranks of the world."""
-    world_size = dist.get_world_size()
-    wrong = (
-        f"ranks must be increasing ranks of the world 0..{world_size - 1} (local rank i "
-        "of the mesh is ranks[i]), got "
+    backend = check_backend("backend", backend)
+    timeout = check_timeout(timeout)
+    device_type = check_device_type(device_type)
+    joint_groups = check_sequence("joint_groups", joint_groups, str)
+    derived = check_sequence("derived", derived, DerivedGroup)
+    group_options = check_group_options(group_options)
+    agree_on = check_agree_on(agree_on)
+    group_creation = check_group_creation(group_creation)
+    _init_default_group_from_env(backend, timeout)
+    span = check_ranks(ranks, dist.get_world_size())
+    world = span or range(dist.get_world_size())
+    layout = ParallelLayout(
+        MeshConfig(
+            len(world), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp,
+            dp_replicate=dp_replicate,
+        ),
+        rank_offset=world.start if isinstance(world, range) else 0,
+        ranks=None if isinstance(world, range) else world,
     )
-    if isinstance(ranks, range):
-        if ranks and ranks.step > 0 and 0 <= ranks[0] and ranks[-1] < world_size:
-            return ranks if ranks.step == 1 else tuple(ranks)
-        raise ConfigError(f"{wrong}{ranks!r}")
-    listed = tuple(ranks) if isinstance(ranks, Sequence) and not isinstance(ranks, str) else ()
-    if not listed or any(isinstance(r, bool) or not isinstance(r, int) for r in listed):
-        raise ConfigError(f"ranks must be a non-empty range or list of ranks, got {ranks!r}")
-    increasing = all(a < b for a, b in zip(listed, listed[1:]))
-    if not increasing or not 0 <= listed[0] <= listed[-1] < world_size:
-        shown = list(listed) if len(listed) <= 16 else f"{list(listed[:16])} ..."
-        raise ConfigError(f"{wrong}{shown}")
-    if listed[-1] - listed[0] + 1 == len(listed):
-        return range(listed[0], listed[-1] + 1)
-    return listed
+    kinds, declared = _declared_keys(layout, joint_groups, derived)
+    options = _options_by_key(layout, kinds + declared, group_options)
+    rank = dist.get_rank()
+    if span is not None and rank not in span:
+        return None
+    config = layout.config
+    build_id = agree(
+        {
+            "order": config.order, "tp": config.tp, "cp": config.cp, "ep": config.ep,
+            "etp": etp if etp is None else config.etp, "pp": config.pp,
+            "dp_replicate": config.dp_replicate, "device_type": device_type, "backend": backend,
+            "timeout": None if timeout is None else timeout.total_seconds(),
+            "joint_groups": list(joint_groups),
+            "derived": [str(spec) for spec in derived],
+            "group_options": {
+                str(key): [value.backend, value.pg_options is not None, value.separate]
+                for key, value in group_options.items()
+            },
+            "group_creation": group_creation,
+            "ranks": None if span is None else (
+                [span.start, span.stop] if isinstance(span, range) else list(span)
+            ),
+            **agree_on,
+        },
+        timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
+        ranks=span,
+    )
+    members = {key: layout.members(rank, key) for key in kinds + declared}
+    specs = [
+        GroupSpec(key, ranks, partial(layout.every_group, key), options[key])
+        for key, ranks in members.items()
+    ]
+    process_groups = create_process_groups(
+        specs, backend=backend, timeout=timeout, build_id=build_id,
+        group_creation="local" if span is not None else group_creation,
+    )
+    return ParallelMesh(
+        layout,
+        process_groups,
+        members,
+        device_type=device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu"),
+        kinds=kinds,
+        derived=declared,
+    )
 
 
 def _declared_keys(
@@ -815,8 +868,6 @@ def _declared_keys(
     kinds = base_kinds + tuple(key for key in joints if key not in base_kinds)
     declared: list[DerivedGroup] = []
     for spec in derived:
-        if not isinstance(spec, DerivedGroup):
-            raise ConfigError(f"derived takes DerivedGroup values, got {spec!r}")
         base = layout.canonical(spec.base) if isinstance(spec.base, str) else spec.base
         canonical = replace(spec, base=base)
         layout.resolve_base(canonical.base)
@@ -851,9 +902,16 @@ def _options_by_key(
     return options
 
 
-def _init_default_group_from_env(backend: str | None, timeout: timedelta | None) -> bool:
+def _init_default_group_from_env(backend: str | None, timeout: timedelta | None) -> None:
+    """Initialise the default group from the torchrun environment unless one exists.
+
+    It stays until exit, or until ``torch.distributed.destroy_process_group()``:
+    under torchrun a second ``init_process_group`` meets the first one's keys in
+    the agent's store and cannot connect, so a mesh destroyed and built again
+    must find this one.
+    """
     if dist.is_initialized():
-        return False
+        return
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         raise MeshStateError(
@@ -865,4 +923,10 @@ def _init_default_group_from_env(backend: str | None, timeout: timedelta | None)
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), timeout=timeout)
-    return True
+    atexit.register(_destroy_default_group, _compat.default_group())
+
+
+def _destroy_default_group(group: dist.ProcessGroup) -> None:
+    """At exit: destroy the default group ``init_mesh`` made, if it is still the default."""
+    if dist.is_initialized() and _compat.default_group() is group:
+        dist.destroy_process_group()

@@ -14,7 +14,8 @@ Every function has megatron-core 0.16's name, parameters, defaults and values.
 every getter asks those tables (``mesh.rank_in["tp"]``), with the
 ``set_*`` overrides laid over them. Before init, and after
 ``destroy_model_parallel``, the tables are stand-ins that raise megatron-core's
-errors, so no answer outlives its mesh. Only the values megatron-core itself
+errors; once the mesh is destroyed, by ``destroy_model_parallel`` or by
+``get_mesh().destroy()``, its own tables raise, so no answer outlives its mesh. Only the values megatron-core itself
 keeps beside its groups live here: the overrides, the virtual pipeline stage
 and the memory buffers. No getter calls into ``torch.distributed``.
 
@@ -446,6 +447,11 @@ _facts: _GetterFacts = cast(_GetterFacts, _TABLE_FACTS)
 
 
 def _not_initialized(what: str) -> NotInitializedError:
+    if _mesh is not None and _mesh.destroyed_at is not None:
+        return NotInitializedError(
+            f"{what} is gone: its mesh was destroyed at {_mesh.destroyed_at}; call "
+            "initialize_model_parallel() again"
+        )
     return NotInitializedError(
         f"{what} is not initialized; call initialize_model_parallel() first"
     )
@@ -523,10 +529,12 @@ def initialize_model_parallel(
     """
     global _vpp_rank, _vpp_size, _memory_buffer
     os.environ.pop("NCCL_COLLNET_ENABLE", None)
-    if _mesh is not None:
+    if is_initialized():
         raise ParallelStateError(
             "model parallel state is already initialized; call destroy_model_parallel() first"
         )
+    if _mesh is not None:  # its mesh was destroyed behind this module's back: start afresh
+        destroy_model_parallel()
     if not dist.is_initialized():
         raise ParallelStateError(
             "torch.distributed is not initialized; call torch.distributed.init_process_group first"
@@ -567,7 +575,7 @@ def initialize_model_parallel(
     )
     mesh = init_mesh(
         **config.arguments(),
-        timeout=timedelta(minutes=distributed_timeout_minutes),
+        timeout=_minutes(distributed_timeout_minutes),
         derived=derived,
         group_options=options,
         agree_on={
@@ -592,6 +600,18 @@ def initialize_model_parallel(
     logger.debug("initialized model parallel state: %r", mesh)
 
 
+def _minutes(minutes: object) -> timedelta:
+    """``distributed_timeout_minutes`` as a timedelta; a ParallelStateError unless a positive number."""
+    if isinstance(minutes, (int, float)) and not isinstance(minutes, bool) and minutes > 0:
+        try:
+            return timedelta(minutes=minutes)
+        except OverflowError:
+            pass
+    raise ParallelStateError(
+        f"distributed_timeout_minutes must be a positive number, got {minutes!r}"
+    )
+
+
 def _name_of(function: Callable[..., object] | None) -> str | None:
     if function is None:
         return None
@@ -611,12 +631,12 @@ def destroy_model_parallel() -> None:
 
 def get_mesh() -> ParallelMesh:
     """The :class:`~meshstate.ParallelMesh` behind every getter."""
-    return _checked(_mesh, True, "model parallel state")
+    return _checked(_mesh if is_initialized() else None, True, "model parallel state")
 
 
 def is_initialized() -> bool:
-    """Whether ``initialize_model_parallel`` has run (and no destroy since)."""
-    return _mesh is not None
+    """Whether ``initialize_model_parallel`` has run and its mesh is not destroyed."""
+    return _mesh is not None and _mesh.destroyed_at is None
 
 
 def is_unitialized() -> bool:
@@ -627,7 +647,7 @@ def is_unitialized() -> bool:
 
 def model_parallel_is_initialized() -> bool:
     """Whether the model- and data-parallel groups exist."""
-    return _mesh is not None
+    return is_initialized()
 
 
 def _check_sharp(use_sharp: bool, sharp_enabled_group: str | None, instances: int) -> Key | None:
@@ -1348,7 +1368,7 @@ def destroy_global_symmetric_memory_buffer() -> None:
 
 def _owner() -> ProcessGroupSet | None:
     """Where groups made outside the mesh go so that destroy ends them: the mesh's set."""
-    return None if _mesh is None else _mesh.process_groups
+    return _mesh.process_groups if _mesh is not None and is_initialized() else None
 
 
 def create_group(
@@ -1544,7 +1564,7 @@ class RankGenerator:
 def _process_group_list() -> list[ProcessGroup | None] | None:
     """megatron-core's ``_global_process_group_list``: ``None`` (the default group), then ours."""
     mesh = _mesh
-    if mesh is None:
+    if mesh is None or not is_initialized():
         return None
     return [None, *dict.fromkeys([*mesh.group_of.values(), *mesh.process_groups.owned])]
 

@@ -3,8 +3,11 @@
 ``@distributed(world_size=8)`` runs a pytest test body on 8 local ranks: gloo on
 CPU, NCCL when there is a GPU per rank. The worker processes are started once
 per world size and reused by later tests, so a suite stays fast. A failure is
-shown once with the ranks that raised it (``ranks 0-3: AssertionError: …``), a
-hung run ends in a timeout that shows each unfinished rank's stack, a fixture
+shown once with the ranks that raised it (``ranks 0-3: AssertionError: …``;
+alike means the same type, message and failing line, pytest's per-rank assertion
+detail listed below it), a hung run ends in a timeout (120 s unless
+``timeout=`` says otherwise; halfway, a line on stderr names the ranks still
+running) that shows each unfinished rank's stack, a fixture
 that cannot be sent to the workers fails at once, and worker output lines start
 with ``[rank N]``. Workers fork from a server started when the first test is
 decorated: on Linux without a GPU a fork of pytest itself, which has imported
@@ -80,9 +83,13 @@ def distributed(
 ) -> Callable[[_F], _F]:
     """Decorate a module-level test so its body runs on every rank of a local world.
 
-    The body sees an initialised default process group (``dist.get_rank()``);
-    pytest parameters reach it as keyword arguments. With ``backend="nccl"``
-    the test is skipped unless there is a GPU per rank.
+    The body sees an initialised default process group (``dist.get_rank()``)
+    and no current mesh; pytest parameters reach it as keyword arguments.
+    Meshes it leaves alive (Megatron's ``initialize_model_parallel`` without
+    ``destroy_model_parallel`` too) are destroyed after it. ``timeout``
+    (default 120 s) bounds the body; halfway, a line on stderr names the ranks
+    still running. With ``backend="nccl"`` the test is skipped unless there is
+    a GPU per rank.
     """
 
     def decorate(body: _F) -> _F:

@@ -77,8 +77,10 @@ import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.core.errors import MeshStateError
+from meshstate.core.mesh import destroy_every_mesh
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
+"""How long a run may take unless told otherwise; halfway, a line on stderr says who is still running."""
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 # After one rank fails, how long the others get to report before the world is torn down.
 _FAILURE_GRACE_SECONDS = 5.0
@@ -308,10 +310,31 @@ def _redirect(pipe: Connection, fd: int, stream: TextIO) -> None:
         stream.reconfigure(line_buffering=True)
 
 
-def _summary(error: BaseException) -> str:
-    """``"AssertionError: first line of the message"``."""
-    message = str(error).partition("\n")[0]
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+@dataclass(frozen=True)
+class _Failure:
+    """What a rank raised: ``summary`` (type and message, pytest's assertion detail left
+    out), the ``line`` that raised it, the ``detail`` and the traceback ``text``."""
+
+    summary: str
+    line: str
+    detail: str
+    text: str
+
+
+def _failure(error: BaseException) -> _Failure:
+    """``error`` as a rank reports it: ``assert 0 < 0`` and ``assert 1 < 0`` (pytest's
+    rewritten detail, which differs by rank) are one failure with two details."""
+    lines = str(error).splitlines()
+    detail_at = next(
+        (i for i, line in enumerate(lines) if isinstance(error, AssertionError) and line.startswith("assert ")),
+        len(lines),
+    )
+    message = lines[0] if lines and detail_at > 0 else ""
+    summary = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    frames = traceback.extract_tb(error.__traceback__)
+    line = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    detail = lines[detail_at] if detail_at < len(lines) else ""
+    return _Failure(summary, line, detail, traceback.format_exc())
 
 
 def _worker_main(
@@ -359,8 +382,10 @@ def _worker_main(
             value = function.resolve()(*args, **kwargs)
             outcome: tuple[str, Any] = ("ok", _dumps(value))
         except BaseException as error:
-            outcome = ("error", (_summary(error), traceback.format_exc()))
+            outcome = ("error", _failure(error))
         finally:
+            # Every mesh, the current one and so Megatron's façade: the next task starts afresh.
+            destroy_every_mesh()
             if dist.is_initialized():
                 dist.destroy_process_group()
         sys.stdout.flush()
@@ -478,7 +503,7 @@ def _report(
     name: str,
     world_size: int,
     timeout: timedelta,
-    failures: dict[int, tuple[str, str]],
+    failures: dict[int, _Failure],
     exits: dict[int, int | None],
     stacks: dict[int, str],
 ) -> RankFailure | RankTimeout:
@@ -486,13 +511,17 @@ def _report(
     problems, sections = [], []
     if failures:
         problems.append(f"{_describe_ranks(failures)} raised")
-        by_failure: dict[tuple[str, str], list[int]] = {}
+        by_failure: dict[tuple[str, str], dict[int, _Failure]] = {}
         for rank, failure in sorted(failures.items()):
-            by_failure.setdefault(failure, []).append(rank)
-        sections += [
-            f"--- {_describe_ranks(ranks)}: {summary} ---\n{text.rstrip()}"
-            for (summary, text), ranks in by_failure.items()
-        ]
+            by_failure.setdefault((failure.summary, failure.line), {})[rank] = failure
+        for (summary, _), alike in by_failure.items():
+            first = next(iter(alike.values()))
+            sections.append(f"--- {_describe_ranks(alike)}: {summary} ---\n{first.text.rstrip()}")
+            by_detail: dict[str, list[int]] = {}
+            for rank, failure in alike.items():
+                by_detail.setdefault(failure.detail, []).append(rank)
+            if len(by_detail) > 1:
+                sections += [f"{_describe_ranks(ranks)}: {detail}" for detail, ranks in by_detail.items()]
     if exits:
         codes = ", ".join(str(code) for code in sorted(set(exits.values()), key=str))
         plural = "es" if len(exits) > 1 else ""
@@ -632,7 +661,7 @@ class LocalWorld:
         try:
             for tasks, payload in zip(self._tasks, payloads):
                 tasks.put((task_id, payload))
-            outcomes = self._collect(task_id, timeout)
+            outcomes = self._collect(name, task_id, timeout)
             self._relay.drain()
             missing = [rank for rank in range(self.world_size) if rank not in outcomes]
             exits = {rank: self._workers[rank].exitcode for rank in missing
@@ -648,11 +677,24 @@ class LocalWorld:
             raise _report(name, self.world_size, timeout, failures, exits, stacks)
         return [ForkingPickler.loads(outcomes[rank][1]) for rank in range(self.world_size)]
 
-    def _collect(self, task_id: int, timeout: timedelta) -> dict[int, tuple[str, Any]]:
-        """Each rank's outcome of ``task_id``: until all are in, time is up or a worker dies."""
+    def _collect(
+        self, name: str, task_id: int, timeout: timedelta
+    ) -> dict[int, tuple[str, Any]]:
+        """Each rank's outcome of ``task_id``: until all are in, time is up or a worker dies.
+
+        Halfway to the timeout, one line on stderr names the ranks still running."""
         outcomes: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout.total_seconds()
+        halfway: float | None = time.monotonic() + timeout.total_seconds() / 2
         while len(outcomes) < self.world_size:
+            if halfway is not None and time.monotonic() >= halfway:
+                halfway = None
+                running = [rank for rank in range(self.world_size) if rank not in outcomes]
+                print(
+                    f"meshstate.testing: {name} has run half its {timeout.total_seconds():g} s "
+                    f"timeout; {_describe_ranks(running)} not finished",
+                    file=sys.stderr, flush=True,
+                )
             if any(kind == "error" for kind, _ in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_SECONDS)
             try:
