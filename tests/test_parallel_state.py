@@ -407,7 +407,7 @@ def test_process_group_collection_from_a_plain_mesh():
         assert dist.get_process_group_ranks(pgs.tp) == [4, 5]
         assert dist.get_process_group_ranks(pgs.mp) == [0, 1, 4, 5]
         assert pgs.intra_dp_cp is pgs.dp_cp and pgs.embd is None and pgs.hcp is None
-        with pytest.raises(ValueError, match="unknown process groups \\['tpp'\\]"):
+        with pytest.raises(ValueError, match="Invalid process groups requested: \\['tpp'\\]"):
             ProcessGroupCollection.from_mesh(mesh, ["tpp"])
         with mesh:
             assert ProcessGroupCollection.use_mpu_process_groups(["tp"]).tp is pgs.tp
