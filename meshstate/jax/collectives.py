@@ -141,6 +141,10 @@ def all_gather(
     """
     group = _ordered(axes, mesh, "all_gather")
     traced = _traced(x, "all_gather")
+    if tiled and axis == 0 and _in_place(x, traced, group):
+        gathered = x.new_empty((len(group.ranks) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(gathered, x, group=group.group)
+        return gathered
     axis = _dim(axis, x.dim() + (not tiled), "all_gather", "axis")
     return gather(x, group, axis, tiled=tiled, traced=traced)
 
@@ -151,10 +155,6 @@ def gather(
     """:func:`all_gather` over ``group`` with ``axis`` checked (non-negative); ``traced``
     picks torch's traceable collective over the in-place one."""
     n = len(group.ranks)
-    if _in_place(x, traced, axis, tiled, group):
-        gathered = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(gathered, x, group=group.group)
-        return gathered
     source = x.contiguous()
     if traced:
         stacked = _compat.traced_all_gather(source, n, group.group_name)
@@ -187,7 +187,7 @@ def psum_scatter(
     group = _ordered(axes, mesh, "psum_scatter")
     traced = _traced(x, "psum_scatter")
     n = len(group.ranks)
-    if _in_place(x, traced, scatter_dimension, tiled, group) and x.shape[0] % n == 0:
+    if tiled and scatter_dimension == 0 and _in_place(x, traced, group) and x.shape[0] % n == 0:
         scattered = x.new_empty((x.shape[0] // n, *x.shape[1:]))
         dist.reduce_scatter_single(scattered, x, group=group.group)
         return scattered
@@ -218,7 +218,7 @@ def all_to_all(
     """
     group = _ordered(axes, mesh, "all_to_all")
     traced = _traced(x, "all_to_all")
-    if concat_axis == 0 and _in_place(x, traced, split_axis, tiled, group) and (
+    if tiled and split_axis == concat_axis == 0 and _in_place(x, traced, group) and (
         x.shape[0] % len(group.ranks) == 0
     ):
         exchanged = torch.empty_like(x)
@@ -302,15 +302,10 @@ def _traced_ppermute(
     return arrived.view(x.shape).where(received, 0)
 
 
-def _in_place(
-    x: torch.Tensor, traced: bool, dim: int, tiled: bool, group: OrderedGroup
-) -> bool:
+def _in_place(x: torch.Tensor, traced: bool, group: OrderedGroup) -> bool:
     """Whether a tiled collective along dim 0 can run on ``x`` as it is: eager,
-    contiguous, chunks in the group's rank order (dim 0 must divide, but for all_gather)."""
-    return (
-        not traced and dim == 0 and tiled and group.by_group_rank is None and x.dim() > 0
-        and x.is_contiguous()
-    )
+    contiguous, with dims, chunks in the group's rank order."""
+    return not traced and group.by_group_rank is None and x.is_contiguous() and x.dim() > 0
 
 
 def _all_reduce(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Tensor:

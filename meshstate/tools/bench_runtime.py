@@ -3,8 +3,9 @@
 One rank of an 8-rank world on torch's fake backend (collectives move nothing,
 so the figures are the Python and dispatch cost of a call), ``init_mesh(tp=2,
 cp=2)``, a 1024-float tensor. Each meshstate call is timed eager beside the
-hand-written torch call that does the same work (its output allocated, as a
-caller's would be), torch's functional collective
+hand-written torch call that does the same work (its output allocated with the
+input's dtype and device, as generic code such as Megatron's does), torch's
+functional collective
 and, for ``shard_map``, torch's ``local_map``; then compiled
 (``torch.compile(fullgraph=True, backend="aot_eager")``), with the graphs and
 breaks ``torch._dynamo.explain`` counts.
@@ -102,26 +103,30 @@ def _rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[Runtime
     x = torch.ones(1024)
     ring = [(0, 1), (1, 0)]
 
+    def empty(size: int) -> torch.Tensor:
+        """An output as generic code makes one (Megatron's gathers do it so)."""
+        return torch.empty(size, dtype=x.dtype, device=x.device)
+
     collectives: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], str, Callable[[], object],
                             Callable[[], object]]] = [
         ("psum(x, 'tp')", lambda v: lax.psum(v, "tp"),
          "all_reduce(x.clone())", lambda: dist.all_reduce(x.clone(), group=tp),
          lambda: _compat.traced_all_reduce(x, "sum", tp.group_name)),
         ("all_gather(x, 'tp', tiled=True)", lambda v: lax.all_gather(v, "tp", tiled=True),
-         "all_gather_single", lambda: dist.all_gather_single(torch.empty(2048), x, group=tp),
+         "all_gather_single", lambda: dist.all_gather_single(empty(2048), x, group=tp),
          lambda: _compat.traced_all_gather(x, 2, tp.group_name)),
         ("psum_scatter(x, 'tp', tiled=True)", lambda v: lax.psum_scatter(v, "tp", tiled=True),
          "reduce_scatter_single",
-         lambda: dist.reduce_scatter_single(torch.empty(512), x, group=tp),
+         lambda: dist.reduce_scatter_single(empty(512), x, group=tp),
          lambda: _compat.traced_reduce_scatter(x, 2, tp.group_name)),
         ("all_to_all(x, 'tp', 0, 0, tiled=True)",
          lambda v: lax.all_to_all(v, "tp", 0, 0, tiled=True),
-         "all_to_all_single", lambda: dist.all_to_all_single(torch.empty(1024), x, group=tp),
+         "all_to_all_single", lambda: dist.all_to_all_single(torch.empty_like(x), x, group=tp),
          lambda: _compat.traced_all_to_all(x, [512, 512], [512, 512], tp.group_name)),
         ("ppermute(x, 'cp', ring)", lambda v: lax.ppermute(v, "cp", ring),
          "all_to_all_single(splits)",
          lambda: dist.all_to_all_single(
-             torch.zeros(1024), x, [0, 1024], [0, 1024], group=cp),
+             torch.zeros_like(x), x, [0, 1024], [0, 1024], group=cp),
          lambda: _compat.traced_all_to_all(x, [0, 1024], [0, 1024], cp.group_name)),
     ]
     rows = []
