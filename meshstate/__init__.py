@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from meshstate.core.mesh import AxisGroup, OrderedGroup, ParallelMesh, current_mesh, init_mesh, set_mesh
     from meshstate.megatron.process_groups import ProcessGroupCollection
     from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
-    from meshstate.jax.shard_map import reshard, shard_map
+    from meshstate.jax.reshard import reshard
+    from meshstate.jax.shard_map import shard_map
 
 # Every public name and the module that defines it. Nothing is imported until a name is
 # first used (PEP 562), so `import meshstate` costs no torch import; tools that pull heavy
@@ -43,7 +44,8 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('AxisGroup', 'OrderedGroup', 'ParallelMesh', 'current_mesh', 'init_mesh', 'set_mesh'), "meshstate.core.mesh"),
     **dict.fromkeys(('ProcessGroupCollection',), "meshstate.megatron.process_groups"),
     **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
-    **dict.fromkeys(('reshard', 'shard_map'), "meshstate.jax.shard_map"),
+    **dict.fromkeys(("reshard",), "meshstate.jax.reshard"),
+    **dict.fromkeys(("shard_map",), "meshstate.jax.shard_map"),
 }
 _SUBMODULES = frozenset(
     {"core", "jax", "megatron", "testing", "titan", "tools", "parallel_state", "topology"}

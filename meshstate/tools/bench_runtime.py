@@ -27,9 +27,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import local_map
 
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, init_mesh
+from meshstate.jax import collectives as lax
+from meshstate.jax.reshard import reshard
+from meshstate.jax.shard_map import shard_map
+from meshstate.jax.sharding import P
 from meshstate.testing.launch import fake_world
 
 RUNTIME_WORLD = 8
@@ -92,13 +98,11 @@ def measure_runtime(progress: Callable[[str], object] = lambda message: None) ->
 
 
 def _rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.experimental import local_map
+    return [*_collective_rows(mesh, progress), *_shard_map_rows(mesh, progress),
+            _reshard_row(mesh, progress)]
 
-    from meshstate.jax import collectives as lax
-    from meshstate.jax.sharding import P
-    from meshstate.jax.shard_map import reshard, shard_map
 
+def _collective_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
     tp, cp = mesh.group("tp"), mesh.group("cp")
     x = torch.ones(1024)
     ring = [(0, 1), (1, 0)]
@@ -137,7 +141,12 @@ def _rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[Runtime
             name, _us_per_call(lambda: call(x)), torch_name, _us_per_call(torch_call),
             _us_per_call(functional), _compiled_us(call, x), graphs, breaks,
         ))
+    return rows
 
+
+def _shard_map_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
+    tp = mesh.group("tp")
+    rows = []
     progress("runtime: shard_map row-parallel matmul")
     dense = mesh.dense
     tp_dim = (dense.mesh_dim_names or ()).index("tp")
@@ -177,7 +186,11 @@ def _rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[Runtime
         "local matmul + all_reduce", rows[-1].torch_us, None,
         _compiled_us(mapped, x_full, w_full), graphs, breaks,
     ))
+    return rows
 
+
+def _reshard_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> RuntimeRow:
+    dense = mesh.dense
     progress("runtime: reshard")
     table = torch.ones(16, 8)
     source = reshard(table, P(("dp", "cp")))
@@ -198,11 +211,12 @@ def _rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[Runtime
         torch_us = _us_per_call(lambda: source.redistribute(dense, target_placements), calls=200)
     finally:
         redistribute_log.setLevel(level)
-    rows.append(RuntimeRow(
+    return RuntimeRow(
         "reshard P(('dp','cp')) -> P('tp')", _us_per_call(lambda: move(source), calls=200),
         "DTensor.redistribute", torch_us, None, _compiled_us(move, source), graphs, breaks,
-    ))
-    return rows
+    )
+
+
 
 
 def format_runtime(rows: list[RuntimeRow]) -> str:

@@ -1,0 +1,318 @@
+"""What a ``shard_map``'s specs need of a mesh, worked out once, and the blocks' autograd.
+
+A :class:`Plan` holds, for one mesh and one set of specs, the view (dense or
+expert DeviceMesh), each spec's placements, the groups of its split dims and of
+the axes it leaves out; :class:`Specs` keeps the plan of the last mesh a
+shard_map ran on. Under ``torch.compile`` a plan is made while tracing, outside
+the graph, and read as a guarded attribute.
+
+Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
+
+    plan = Specs(P("tp"), P()).plan_for(mesh)
+    plan.to_local(P("tp"), torch.arange(8.0), even=[True])   # this tp rank's half
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from meshstate.core import compat as _compat
+from meshstate.core.errors import AxisError, ConfigError
+from meshstate.core.layout import DENSE_AXES, EXPERT_AXES
+from meshstate.core.mesh import OrderedGroup, ParallelMesh
+from meshstate.jax.collectives import gather
+from meshstate.jax.sharding import NamedSharding, P, _axes_of, to_placements
+
+SpecTree = P | None | tuple[Any, ...] | list[Any] | dict[Any, Any]
+"""A ``P``, or a tuple, list or dict of spec trees (``None``: pass the value through)."""
+
+
+class Specs:
+    """A shard_map's in- and out-spec trees, checked once, and the plan of the last mesh."""
+
+    def __init__(self, in_specs: SpecTree, out_specs: SpecTree) -> None:
+        self.all = [*spec_leaves(in_specs), *spec_leaves(out_specs)]
+        self.mesh: ParallelMesh | None = None
+        self.plan: Plan | None = None
+
+    def plan_for(self, parallel_mesh: ParallelMesh) -> Plan:
+        """The plan on ``parallel_mesh``, made on first use (under torch.compile, made
+        while tracing and then read like any attribute, which torch guards on)."""
+        _keep_plan(self, parallel_mesh)
+        assert self.plan is not None
+        return self.plan
+
+
+@_compat.constant_when_traced
+def _keep_plan(specs: Specs, parallel_mesh: ParallelMesh) -> bool:
+    """Make ``specs.plan`` the plan on ``parallel_mesh``. A constant to torch.compile, so
+    it runs while tracing: the plan's groups and views are made outside the graph."""
+    if specs.mesh is not parallel_mesh:
+        specs.plan = Plan(parallel_mesh, specs.all)
+        specs.mesh = parallel_mesh
+    return True
+
+
+class Plan:
+    """What shard_map's specs need of one mesh, worked out once.
+
+    ``view`` is the dense or expert DeviceMesh; per spec, its placements, the
+    groups of its split dims (each dim's axes, major to minor), and the group
+    of the view's axes it leaves out (``None`` if none of size > 1).
+    """
+
+    def __init__(self, parallel_mesh: ParallelMesh, specs: Sequence[P]) -> None:
+        self.parallel_mesh = parallel_mesh
+        self.view = _view(parallel_mesh, specs)
+        self.mesh_axes = self.view.mesh_dim_names or ()
+        self.sizes = dict(zip(self.mesh_axes, self.view.shape))
+        self.placements = {spec: to_placements(spec, self.view) for spec in specs}
+        self.split_dims = {
+            spec: [
+                (dim, parallel_mesh.ordered(_axes_of(entry)))
+                for dim, entry in enumerate(spec.dims)
+                if entry is not None
+            ]
+            for spec in specs
+        }
+        self.left_out = {spec: self._left_out(spec) for spec in specs}
+        self.replicas = {
+            spec: math.prod(self.sizes[axis] for axis in self.left_out_axes(spec)) for spec in specs
+        }
+        self.whole = parallel_mesh.ordered(self.mesh_axes)
+
+    def left_out_axes(self, spec: P) -> tuple[str, ...]:
+        """The view's axes of size > 1 that ``spec`` does not name (unreduced axes are named)."""
+        named = set(spec.axes)
+        return tuple(a for a in self.mesh_axes if a not in named and self.sizes[a] > 1)
+
+    def _left_out(self, spec: P) -> OrderedGroup | None:
+        axes = self.left_out_axes(spec)
+        return self.parallel_mesh.ordered(axes) if axes else None
+
+    def to_local(
+        self, spec: P, x: torch.Tensor, *, even: list[bool], jax_grads: bool = True
+    ) -> torch.Tensor:
+        """This rank's block of ``x`` under ``spec``; clears ``even[0]`` for an uneven one.
+
+        With ``jax_grads`` the gradient is also summed over the axes ``spec``
+        leaves out (JAX's rule); without, it is DTensor's (each replica's own).
+        """
+        if isinstance(x, DTensor) and x.device_mesh is not self.view:
+            x = x.full_tensor()
+        if isinstance(x, DTensor):
+            even[0] &= self._divides(spec, x.shape)
+            if x.placements != self.placements[spec]:
+                x = x.redistribute(self.view, self.placements[spec])
+            local = x.to_local()
+            left_out = self.left_out[spec]
+            if left_out is None or not jax_grads or not local.requires_grad:
+                return local
+            return sum_grad(local, left_out.group_name)
+        if len(spec.dims) > x.dim():
+            raise ConfigError(
+                f"{spec!r} has {len(spec.dims)} dims but the shape {tuple(x.shape)} has {x.dim()}"
+            )
+        if not self._divides(spec, x.shape):
+            NamedSharding(self.view, spec).shard_shape(x.shape)  # refuses what DTensor cannot cut
+            even[0] = False
+            replicated = DTensor.from_local(
+                x, self.view, [Replicate()] * self.view.ndim, run_check=False
+            )
+            return self.to_local(spec, replicated, even=even, jax_grads=jax_grads)
+        # The full value on every rank: this rank's block is a slice, whose gradient
+        # is gathered back whole (as DTensor's Replicate -> Shard gives it).
+        split_dims = self.split_dims[spec]
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return block(x, split_dims)
+        local = take_block(x, split_dims)
+        left_out = self.left_out[spec]
+        if left_out is None or not jax_grads:
+            return local
+        return sum_grad(local, left_out.group_name)
+
+    def _divides(self, spec: P, shape: Sequence[int]) -> bool:
+        return all(shape[dim] % len(group.ranks) == 0 for dim, group in self.split_dims[spec])
+
+    def to_dtensor(
+        self, y: torch.Tensor, spec: P, shape: Sequence[int], *, share: bool = True
+    ) -> DTensor:
+        """``y``, this rank's block, as a DTensor of global ``shape`` laid out by ``spec``.
+
+        With ``share``, a result replicated over the axes ``spec`` leaves out
+        hands each replica its share of the cotangent (JAX counts it once).
+        """
+        if isinstance(y, DTensor):
+            raise ConfigError("shard_map: f returned a DTensor; return local blocks (plain tensors)")
+        if share and self.replicas[spec] > 1 and y.requires_grad:
+            y = share_grad(y, self.replicas[spec])
+        return DTensor.from_local(
+            y,
+            self.view,
+            self.placements[spec],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=contiguous_strides(shape),
+        )
+
+    def global_shapes(self, outputs: list[tuple[P, torch.Tensor]], even: bool) -> list[torch.Size]:
+        """Each result's global shape: a split dim times its axes' sizes where every
+        argument divided (JAX's rule), else summed over the ranks (one all-reduce)."""
+        if even:
+            shapes = []
+            for spec, y in outputs:
+                shape = list(y.shape)
+                for dim, group in self.split_dims[spec]:
+                    if dim < y.dim():
+                        shape[dim] *= len(group.ranks)
+                shapes.append(torch.Size(shape))
+            return shapes
+        return _summed_shapes(outputs, self.view, self.parallel_mesh)
+
+
+def spec_leaves(tree: SpecTree) -> list[P]:
+    if isinstance(tree, P):
+        return [tree]
+    if isinstance(tree, dict):
+        return [spec for value in tree.values() for spec in spec_leaves(value)]
+    if isinstance(tree, (tuple, list)):
+        return [spec for value in tree for spec in spec_leaves(value)]
+    if tree is None:
+        return []
+    raise ConfigError(
+        f"a spec tree holds P, None, tuples, lists and dicts, not {type(tree).__name__}"
+    )
+
+
+def _view(parallel_mesh: ParallelMesh, specs: Sequence[P]) -> DeviceMesh:
+    """The dense or the expert DeviceMesh, whichever holds every axis the specs name."""
+    axes = {axis for spec in specs for axis in spec.axes}
+    unknown = sorted(axes - set(DENSE_AXES) - set(EXPERT_AXES))
+    if unknown:
+        raise AxisError(
+            f"shard_map: the specs name axis {unknown[0]!r}, which the mesh lacks; valid are "
+            f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
+        )
+    if axes <= set(DENSE_AXES):
+        return parallel_mesh.dense
+    if axes <= set(EXPERT_AXES):
+        return parallel_mesh.expert
+    raise AxisError(
+        f"shard_map: the specs name axes {sorted(axes)}, mixing dense axes {DENSE_AXES} "
+        f"and expert axes {EXPERT_AXES}; one shard_map runs on one of them"
+    )
+
+
+def _summed_shapes(
+    outputs: list[tuple[P, torch.Tensor]], view: DeviceMesh, parallel_mesh: ParallelMesh
+) -> list[torch.Size]:
+    """Each result's global shape: its sharded dims summed over their axes (one all-reduce).
+
+    Where an argument was cut unevenly a rank cannot know the others' blocks."""
+    mesh_axes = view.mesh_dim_names or ()
+    coordinate = parallel_mesh.coordinate
+    counted = []
+    for spec, y in outputs:
+        for dim, entry in enumerate(spec.dims[: y.dim()]):
+            if entry is not None:
+                others = set(mesh_axes) - set(_axes_of(entry))
+                first_copy = all(coordinate[axis] == 0 for axis in others)
+                counted.append(y.shape[dim] if first_copy else 0)
+    if counted:
+        sizes = torch.tensor(counted, dtype=torch.int64, device=device_of(view))
+        dist.all_reduce(sizes, group=parallel_mesh.ordered(mesh_axes).group)
+        summed = iter(sizes.tolist())
+    shapes = []
+    for spec, y in outputs:
+        shape = list(y.shape)
+        for dim, entry in enumerate(spec.dims[: y.dim()]):
+            if entry is not None:
+                shape[dim] = next(summed)
+        shapes.append(torch.Size(shape))
+    return shapes
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``: ``(6, 2, 1)`` for ``(4, 3, 2)``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def device_of(view: DeviceMesh) -> torch.device:
+    if view.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(view.device_type)
+
+
+def block(x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]) -> torch.Tensor:
+    """The caller's block of ``x``: each split dim narrowed to its chunk along the dim's axes."""
+    for dim, group in split_dims:
+        step = x.shape[dim] // len(group.ranks)
+        x = x.narrow(dim, group.index * step, step)
+    return x
+
+
+class _TakeBlock(torch.autograd.Function):
+    """The caller's block of a value every rank holds whole; backward gathers the
+    gradient whole again. Hand-written: torch has no slice whose backward gathers."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]
+    ) -> torch.Tensor:
+        ctx.split_dims = split_dims
+        return block(x, split_dims)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        for dim, group in ctx.split_dims:
+            grad = gather(grad, group, dim, tiled=True, traced=True)
+        return grad, None
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group named ``group_name``.
+
+    Hand-written: torch's functional collectives have no identity-forward op."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _compat.traced_all_reduce(grad.contiguous(), "sum", ctx.group_name), None
+
+
+class _ShareGrad(torch.autograd.Function):
+    """Identity forward; backward divides the gradient into ``parts`` equal shares.
+
+    Hand-written: torch has no identity-forward op that scales the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, parts: int) -> torch.Tensor:
+        ctx.parts = parts
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.parts, None
+
+
+# Function.apply is untyped; these name each one's signature.
+take_block: Callable[
+    [torch.Tensor, Sequence[tuple[int, OrderedGroup]]], torch.Tensor
+] = _TakeBlock.apply
+sum_grad: Callable[[torch.Tensor, str], torch.Tensor] = _SumGrad.apply
+share_grad: Callable[[torch.Tensor, int], torch.Tensor] = _ShareGrad.apply

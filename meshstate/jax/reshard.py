@@ -1,0 +1,198 @@
+"""``reshard``: a tensor laid out as a partition spec says, on a meshstate view.
+
+A DTensor on a meshstate view moves by gathering each dim whose axes change
+once, over the joint group of its old axes, and cutting its new block locally;
+a plain tensor is cut by slicing. Traced by ``torch.compile``.
+
+Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
+
+    y = reshard(torch.arange(8), P(("cp", "dp")))   # rank 2 (cp=1, dp=0) holds [4, 5]
+    reshard(y, P("tp")).to_local()                  # [0, 1, 2, 3] on tp=0
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate
+
+from meshstate.core import compat as _compat
+from meshstate.core.errors import NotInitializedError
+from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.jax.collectives import gather
+from meshstate.jax.plan import Specs, block, contiguous_strides, take_block
+from meshstate.jax.sharding import DimAxes, P, _axes_of, to_placements
+
+__all__ = ["reshard"]
+
+
+def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTensor:
+    """``x`` laid out as ``spec`` says.
+
+    A ``DTensor`` on a meshstate view moves on it: each dim whose axes change
+    is gathered in one collective over the joint group of its old axes (in
+    their spec order) and cut locally to its new block, so moving
+    ``P(("dp", "cp"))`` to ``P("tp")`` is one all-gather over dp-cp, not one
+    per mesh dim; partial sums, uneven dims and other meshes go through
+    DTensor's own redistribution. A plain tensor (the full global value on
+    every rank) is cut on the view of ``mesh`` (default: the current mesh)
+    whose axes the spec names, by local slicing where its dims divide.
+    Differentiable with DTensor's gradients, and traced by ``torch.compile``.
+
+    Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
+
+        y = reshard(torch.arange(8), P(("cp", "dp")))   # rank 2 (cp=1, dp=0) holds [4, 5]
+        reshard(y, P("tp")).to_local()                  # [0, 1, 2, 3] on tp=0
+    """
+    signature = (spec.dims, spec.unreduced)
+    if isinstance(x, DTensor):
+        move = _move(x.device_mesh, x.placements, signature, tuple(x.shape))
+        if move is None:
+            return x.redistribute(x.device_mesh, _placements(x.device_mesh, signature))
+        local = x.to_local()
+        for dim, group in move.gathers:
+            local = _gather_whole(local, dim, group)
+        if move.takes:
+            local = take_block(local, move.takes)
+        return DTensor.from_local(
+            local, x.device_mesh, move.placements, run_check=False,
+            shape=x.shape, stride=contiguous_strides(x.shape),
+        )
+    parallel_mesh = (
+        current_mesh() if mesh is None else require_parallel_mesh(mesh, "reshard(mesh=...)")
+    )
+    _keep_reshard_plan(parallel_mesh, signature)
+    plan = _reshard_specs[signature].plan_for(parallel_mesh)
+    local = plan.to_local(spec, x, even=[True], jax_grads=False)
+    return plan.to_dtensor(local, spec, x.shape, share=False)
+
+
+_reshard_specs: dict[tuple[tuple[DimAxes, ...], frozenset[str]], Specs] = {}
+"""reshard's specs by their contents (a spec may be made inside a compiled function)."""
+
+
+@_compat.constant_when_traced
+def _keep_reshard_plan(
+    parallel_mesh: ParallelMesh, signature: tuple[tuple[DimAxes, ...], frozenset[str]]
+) -> bool:
+    """Keep ``_reshard_specs[signature]`` and its plan on ``parallel_mesh``; a constant to
+    torch.compile, like ``Specs.plan_for``."""
+    spec = P(*signature[0], unreduced=signature[1])
+    _reshard_specs.setdefault(signature, Specs(spec, spec)).plan_for(parallel_mesh)
+    return True
+
+
+@_compat.constant_when_traced
+def _placements(
+    device_mesh: DeviceMesh, signature: tuple[tuple[DimAxes, ...], frozenset[str]]
+) -> tuple[Placement, ...]:
+    """The placements of the spec ``signature`` on ``device_mesh``, a constant to torch.compile."""
+    return to_placements(P(*signature[0], unreduced=signature[1]), device_mesh)
+
+
+@dataclass(frozen=True)
+class _Move:
+    """How reshard moves a DTensor: the dims to gather whole, each over the group of its
+    current axes; the dims to cut, each over its new axes; the new placements."""
+
+    gathers: tuple[tuple[int, OrderedGroup], ...]
+    takes: tuple[tuple[int, OrderedGroup], ...]
+    placements: tuple[Placement, ...]
+
+
+_moves: dict[tuple[object, ...], _Move | None] = {}
+
+
+@_compat.constant_when_traced
+def _move(
+    view: DeviceMesh,
+    placements: tuple[Placement, ...],
+    signature: tuple[tuple[DimAxes, ...], frozenset[str]],
+    shape: tuple[int, ...],
+) -> _Move | None:
+    """The move of a DTensor on ``view`` with ``placements`` to the spec ``signature``;
+    ``None`` where DTensor's redistribution must do it. Kept per argument set."""
+    key = (view, placements, signature, shape)
+    if key not in _moves:
+        _moves[key] = _plan_move(view, placements, P(*signature[0], unreduced=signature[1]), shape)
+    return _moves[key]
+
+
+def _plan_move(
+    view: DeviceMesh, placements: tuple[Placement, ...], target: P, shape: tuple[int, ...]
+) -> _Move | None:
+    parallel_mesh = _owner(view)
+    source = None if parallel_mesh is None else _spec_of(view, placements)
+    if parallel_mesh is None or source is None or source.unreduced or target.unreduced:
+        return None
+    sizes = dict(zip(view.mesh_dim_names or (), view.shape))
+    for spec in (source, target):
+        if len(spec.dims) > len(shape):
+            return None
+        for dim, entry in enumerate(spec.dims):
+            if shape[dim] % math.prod(sizes[axis] for axis in _axes_of(entry)):
+                return None
+    gathers, takes = [], []
+    for dim in range(len(shape)):
+        before, after = (_axes_of(s.dims[dim]) if dim < len(s.dims) else () for s in (source, target))
+        if before != after:
+            if before:
+                gathers.append((dim, parallel_mesh.ordered(before)))
+            if after:
+                takes.append((dim, parallel_mesh.ordered(after)))
+    return _Move(tuple(gathers), tuple(takes), to_placements(target, view))
+
+
+def _owner(view: DeviceMesh) -> ParallelMesh | None:
+    """The current mesh if ``view`` is one of its root DeviceMeshes, else ``None``.
+
+    Compared by value: torch.compile hands a traced DTensor's mesh over as an equal copy.
+    """
+    try:
+        parallel_mesh = current_mesh()
+    except NotInitializedError:
+        return None
+    roots = ("dense", "expert", "hsdp")
+    return parallel_mesh if any(parallel_mesh.__dict__.get(r) == view for r in roots) else None
+
+
+def _spec_of(view: DeviceMesh, placements: tuple[Placement, ...]) -> P | None:
+    """The spec without unreduced axes whose placements on ``view`` are ``placements``."""
+    mesh_axes = view.mesh_dim_names or ()
+    by_dim: dict[int, list[str]] = {}
+    for axis, placement in zip(mesh_axes, placements):
+        dim = _compat.sharded_dim(placement)
+        if dim is not None:
+            by_dim.setdefault(dim, []).append(axis)
+        elif not isinstance(placement, Replicate):
+            return None
+    ndim = max(by_dim, default=-1) + 1
+    orders = [itertools.permutations(by_dim.get(dim, ())) for dim in range(ndim)]
+    for choice in itertools.product(*orders):
+        candidate = P(*(tuple(axes) or None for axes in choice))
+        if to_placements(candidate, view) == placements:
+            return candidate
+    return None
+
+
+class _GatherWhole(torch.autograd.Function):
+    """Dim ``dim`` gathered whole over ``group``; backward keeps the caller's block, as
+    DTensor's Shard -> Replicate does (every replica holds the whole cotangent)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: OrderedGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return gather(x, group, dim, tiled=True, traced=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return block(grad, [(ctx.dim, ctx.group)]), None, None
+
+
+_gather_whole: Callable[[torch.Tensor, int, OrderedGroup], torch.Tensor] = _GatherWhole.apply
