@@ -177,3 +177,33 @@ def test_a_compiled_function_follows_the_current_mesh():
     with pytest.raises(Exception, match="there is no current mesh in this thread"):
         compiled(torch.ones(1))
     second.destroy()
+
+
+@distributed(world_size=8)
+def test_reshard_between_tuples_gathers_once_and_prints_nothing():
+    """P(("dp", "cp")) -> P("tp") used to be two DTensor all-gathers, each warning to use a
+    flattened mesh; reshard gathers once over the joint dp-cp group and warns of nothing."""
+    import logging
+    import warnings
+
+    mesh = meshstate.init_mesh(tp=2, cp=2)  # dp=2
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    redistribute_log = logging.getLogger("torch.distributed.tensor")
+    redistribute_log.addHandler(handler)
+    table = torch.arange(64.0).view(16, 4)
+    try:
+        with mesh, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = reshard(table, P(("dp", "cp")))
+            moved = reshard(rows, P("tp"))
+            back = reshard(moved, P(None, ("cp", "dp")))
+    finally:
+        redistribute_log.removeHandler(handler)
+    rank = dist.get_rank()
+    tp, cp, dp = rank % 2, rank // 2 % 2, rank // 4
+    assert moved.to_local().tolist() == table[8 * tp : 8 * tp + 8].tolist()
+    assert back.to_local().tolist() == table[:, cp * 2 + dp : cp * 2 + dp + 1].tolist()
+    assert [str(w.message) for w in caught] == [] and records == []
+    mesh.destroy()
