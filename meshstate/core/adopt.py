@@ -8,14 +8,19 @@ one collective and creates only the groups it was not given.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from functools import partial
+from typing import Unpack
 
 import torch.distributed as dist
 
-from meshstate.core import compat as _compat
 from meshstate.core.agreement import agree
-from meshstate.core.arguments import check_backend, check_device_type, check_timeout
+from meshstate.core.arguments import (
+    AdoptArguments,
+    BuildOptions,
+    GroupArguments,
+    resolve_device_type,
+    split_arguments,
+)
 from meshstate.core.config import DEFAULT_ORDER, MeshConfig
 from meshstate.core.errors import AxisError, ConfigError, MeshStateError
 from meshstate.core.groups import GroupSpec, create_process_groups
@@ -26,22 +31,15 @@ from meshstate.core.mesh import ParallelMesh
 def adopt(
     groups: Mapping[str, dist.ProcessGroup],
     order: str = DEFAULT_ORDER,
-    *,
-    tp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    etp: int | None = None,
-    pp: int = 1,
-    dp_replicate: int = 1,
-    device_type: str | None = None,
-    backend: str | None = None,
-    timeout: timedelta | None = None,
+    **arguments: Unpack[AdoptArguments],
 ) -> ParallelMesh:
     """A mesh over existing process groups: ``groups[key]`` is the caller's group of ``key``.
 
-    Every rank must call it with the same keys. Keys are axes or Megatron's
-    joint keys (``"tp"``, ``"dp-cp"``; with ``dp_replicate > 1`` also
-    ``"dp_replicate"``, ``"dp_shard"`` and ``"dp_shard-cp"``); a group's ranks,
+    Takes the sizes :func:`~meshstate.init_mesh` takes (``tp``, ``cp``, ``ep``,
+    ``etp``, ``pp``, ``dp_replicate``) and its ``device_type``, ``backend`` and
+    ``timeout``, by keyword. Every rank must call it with the same keys. Keys are
+    axes or Megatron's joint keys (``"tp"``, ``"dp-cp"``; with ``dp_replicate > 1``
+    also ``"dp_replicate"``, ``"dp_shard"`` and ``"dp_shard-cp"``); a group's ranks,
     in group-rank order, must be the layout's group of that key. One
     ``all_gather_object`` tells every rank about every mismatch, so all raise
     :class:`~meshstate.ConfigError` together, naming the axis and the ranks.
@@ -54,17 +52,11 @@ def adopt(
         mesh = meshstate.adopt({"tp": tp_group}, tp=2)
         mesh.group("tp") is tp_group   # True
     """
-    backend = check_backend("backend", backend)
-    timeout = check_timeout(timeout)
-    device_type = check_device_type(device_type)
+    sizes, given = split_arguments("adopt()", arguments, GroupArguments)
+    options = BuildOptions.check(given)
     if not dist.is_initialized():
         raise MeshStateError("torch.distributed is not initialized; call init_process_group first")
-    layout = ParallelLayout(
-        MeshConfig(
-            dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp,
-            dp_replicate=dp_replicate,
-        )
-    )
+    layout = ParallelLayout(MeshConfig(dist.get_world_size(), order=order, **sizes))
     kinds = GROUP_KINDS + (HSDP_KINDS if layout.config.dp_replicate > 1 else ())
     adopted: dict[str, dist.ProcessGroup] = {}
     for key, group in groups.items():
@@ -72,16 +64,40 @@ def adopt(
         if canonical not in kinds:
             raise AxisError(f"adopt cannot take group {key!r}; keys are {', '.join(kinds)}")
         adopted[canonical] = group
-    config = layout.config
     build_id = agree(
-        {"adopt": sorted(map(str, adopted)), "order": config.order, "tp": config.tp,
-         "cp": config.cp, "ep": config.ep, "etp": config.etp, "pp": config.pp,
-         "dp_replicate": config.dp_replicate, "device_type": device_type, "backend": backend,
-         "timeout": None if timeout is None else timeout.total_seconds()},
-        timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
+        {"adopt": sorted(map(str, adopted)), **layout.config.arguments(), **options.agreed()},
+        timeout=options.timeout,
     )
     rank = dist.get_rank()
     members = {key: layout.group_of(rank, key) for key in kinds}
+    _check_adopted(layout, adopted, members)
+    specs = [
+        GroupSpec(key, ranks, partial(layout.every_group, key))
+        for key, ranks in members.items()
+        if key not in adopted
+    ]
+    process_groups = create_process_groups(
+        specs, backend=options.backend, timeout=options.timeout, build_id=build_id
+    )
+    process_groups.by_name.update(adopted)
+    members_by_key: dict[Key, tuple[int, ...] | None] = {key: members[key] for key in kinds}
+    return ParallelMesh(
+        layout,
+        process_groups,
+        members_by_key,
+        device_type=resolve_device_type(options.device_type),
+        kinds=kinds,
+    )
+
+
+def _check_adopted(
+    layout: ParallelLayout,
+    adopted: Mapping[str, dist.ProcessGroup],
+    members: Mapping[str, tuple[int, ...]],
+) -> None:
+    """Raise the same ConfigError on every rank where an adopted group of any rank holds
+    other ranks than the layout's group of its key (one ``all_gather_object``)."""
+    rank = dist.get_rank()
     problem = next(
         (
             f"the adopted {key!r} group of rank {rank} holds ranks {given}, but the layout "
@@ -97,23 +113,6 @@ def adopt(
     if found:
         more = f" (and {len(found) - 1} more ranks disagree)" if len(found) > 1 else ""
         raise ConfigError(found[0] + more)
-    specs = [
-        GroupSpec(key, ranks, partial(layout.every_group, key))
-        for key, ranks in members.items()
-        if key not in adopted
-    ]
-    process_groups = create_process_groups(
-        specs, backend=backend, timeout=timeout, build_id=build_id
-    )
-    process_groups.by_name.update(adopted)
-    members_by_key: dict[Key, tuple[int, ...] | None] = {key: members[key] for key in kinds}
-    return ParallelMesh(
-        layout,
-        process_groups,
-        members_by_key,
-        device_type=device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu"),
-        kinds=kinds,
-    )
 
 
 def _sizes(config: MeshConfig) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -39,10 +39,14 @@ _ARRIVED = "arrived"  # the verdict of a build every rank reached; a timeout's i
 
 
 def agree(
-    fields: Mapping[str, Any], *, timeout: timedelta, ranks: range | tuple[int, ...] | None = None
+    fields: Mapping[str, Any],
+    *,
+    timeout: timedelta | None,
+    ranks: range | tuple[int, ...] | None = None,
 ) -> int | None:
     """Wait until every rank (of ``ranks``, default the world) has posted ``fields``;
-    check they are all the same. ``ranks`` is a range or an increasing tuple of ranks.
+    check they are all the same. ``ranks`` is a range or an increasing tuple of ranks;
+    ``timeout`` ``None`` is torch's default for the default group's backend.
 
     Returns the build's number, the same on every rank (``None`` on the fake
     backend; negative for a sub-world). Every rank must call it once per mesh build.
@@ -51,8 +55,10 @@ def agree(
         MeshTimeoutError: some ranks did not call it within ``timeout``.
         ConfigMismatchError: some ranks posted different ``fields``.
     """
-    if dist.get_backend() == "fake":
+    backend = str(dist.get_backend())
+    if backend == "fake":
         return None
+    timeout = timeout or _compat.default_timeout(backend)
     store = _compat.thread_store()
     ranks = ranks or range(dist.get_world_size())
     rank, world_size = ranks.index(dist.get_rank()), len(ranks)
@@ -64,38 +70,7 @@ def agree(
     else:
         scope = f"{_PREFIX}/listed-{listed}"
     build = store.add(f"{scope}/builds/{rank}", 1) - 1
-    prefix = f"{scope}/{build}"
-    text = json.dumps(dict(fields), sort_keys=True, default=repr)
-    digest = _digest(text)
-    store.set(f"{prefix}/rank/{rank}", text)
-    store.add(f"{prefix}/digest/{digest}", 1)
-    if store.add(f"{prefix}/count", 1) == world_size:
-        store.compare_set(f"{prefix}/verdict", "", _ARRIVED)
-    try:
-        store.wait([f"{prefix}/verdict"], timeout)
-        verdict = store.get(f"{prefix}/verdict").decode()
-    except dist.DistStoreError:  # timed out: the first rank to say so gives the verdict
-        missing = [ranks[r] for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
-        message = (
-            f"{_ranks(missing)} did not reach the mesh build within "
-            f"{timeout.total_seconds():g} s ({world_size - len(missing)} of {world_size} "
-            "ranks arrived)"
-        )
-        verdict = store.compare_set(f"{prefix}/verdict", "", message).decode()
-    error: MeshStateError | None = None
-    if verdict != _ARRIVED:
-        error = MeshTimeoutError(verdict)
-    elif store.add(f"{prefix}/digest/{digest}", 0) != world_size:
-        keys = [f"{prefix}/rank/{r}" for r in range(world_size)]
-        error = ConfigMismatchError(describe_mismatch([json.loads(v) for v in store.multi_get(keys)]))
-    if error is None:
-        store.delete_key(f"{prefix}/rank/{rank}")
-        if store.add(f"{prefix}/left", 1) == world_size:
-            for key in ("verdict", "count", f"digest/{digest}", "left"):
-                store.delete_key(f"{prefix}/{key}")
-    else:
-        _wait_until_read(store, prefix, world_size, timeout)
-        raise error
+    _post_and_compare(store, f"{scope}/{build}", fields, ranks, rank, timeout)
     if scope == _PREFIX:
         return build
     if not isinstance(ranks, range):
@@ -107,16 +82,88 @@ def agree(
     return -1 - (build * span + ranks.start) * span - ranks.stop
 
 
-def _wait_until_read(store: Any, prefix: str, world_size: int, timeout: timedelta) -> None:
-    """Return once every rank that arrived has read the verdict (or ``timeout`` passed):
-    the store may live in this process, and the others must not lose it before then."""
-    read = store.add(f"{prefix}/read", 1)
-    if read >= store.add(f"{prefix}/count", 0):
-        store.set(f"{prefix}/all read", "")
+def _post_and_compare(
+    store: Any,
+    prefix: str,
+    fields: Mapping[str, Any],
+    ranks: range | tuple[int, ...],
+    rank: int,
+    timeout: timedelta,
+) -> None:
+    """Post ``fields`` as ``rank`` of ``ranks`` under ``prefix``, wait for the others, and
+    raise the verdict's error on every rank that arrived (once all of them have read it)."""
+    world_size = len(ranks)
+    text = json.dumps(dict(fields), sort_keys=True, default=repr)
+    digest = _digest(text)
+    store.set(f"{prefix}/rank/{rank}", text)
+    store.add(f"{prefix}/digest/{digest}", 1)
+
+    def missing_ranks() -> str:  # the first rank to time out gives the verdict
+        missing = [ranks[r] for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
+        return (
+            f"{_ranks(missing)} did not reach the mesh build within "
+            f"{timeout.total_seconds():g} s ({world_size - len(missing)} of {world_size} "
+            "ranks arrived)"
+        )
+
+    arrivals = f"{prefix}/count"
+    verdict = store_barrier(
+        store, arrivals, world_size, timeout, verdict=_ARRIVED, timed_out=missing_ranks
+    )
+    error: MeshStateError | None = None
+    if verdict != _ARRIVED:
+        error = MeshTimeoutError(verdict)
+    elif store.add(f"{prefix}/digest/{digest}", 0) != world_size:
+        keys = [f"{prefix}/rank/{r}" for r in range(world_size)]
+        error = ConfigMismatchError(describe_mismatch([json.loads(v) for v in store.multi_get(keys)]))
+    if error is None:
+        store.delete_key(f"{prefix}/rank/{rank}")
+        leave_barrier(store, arrivals, world_size, [f"{prefix}/digest/{digest}"])
+        return
+    # The store may live in this process: every rank that arrived reads the verdict before
+    # any raises (a rank that died between arriving and reading never says so: time out).
+    store_barrier(store, f"{prefix}/read", store.add(arrivals, 0), timeout, timed_out=str)
+    raise error
+
+
+def store_barrier(
+    store: Any,
+    key: str,
+    size: int,
+    timeout: timedelta,
+    *,
+    verdict: str = "",
+    timed_out: Callable[[], str] | None = None,
+) -> str:
+    """Count the caller in at ``key`` and wait until ``size`` callers have; return the verdict.
+
+    The caller that brings the count to ``size`` writes ``verdict`` under
+    ``f"{key}/all"`` unless one is there, and every caller waits for it within
+    ``timeout``. Where the timeout passes first, ``timed_out()`` gives the verdict
+    (the first caller to time out writes it, the others read it) or, without
+    ``timed_out``, ``DistStoreError`` is raised. :func:`leave_barrier` removes the keys.
+
+    Example: ``store_barrier(store, "tp-0/formed", 2, timedelta(seconds=30))``
+    returns on both members of a 2-rank group once both have called it.
+    """
+    done = f"{key}/all"
+    if store.add(key, 1) >= size:
+        store.compare_set(done, "", verdict)
     try:
-        store.wait([f"{prefix}/all read"], timeout)
+        store.wait([done], timeout)
     except dist.DistStoreError:
-        pass  # a rank died between arriving and reading: it will never say so
+        if timed_out is None:
+            raise
+        return str(store.compare_set(done, "", timed_out()).decode())
+    return str(store.get(done).decode())
+
+
+def leave_barrier(store: Any, key: str, size: int, keys: Sequence[str] = ()) -> None:
+    """Count the caller out of the barrier at ``key``: the last of ``size`` callers
+    deletes the barrier's keys and ``keys``."""
+    if store.add(f"{key}/left", 1) == size:
+        for done in (key, f"{key}/all", f"{key}/left", *keys):
+            store.delete_key(done)
 
 
 def _digest(text: str) -> str:

@@ -1,25 +1,133 @@
-"""The arguments of :func:`meshstate.init_mesh` beyond the layout, checked in one place.
+"""The keyword arguments of :func:`meshstate.init_mesh` and :func:`meshstate.adopt`:
+declared once (:class:`InitMeshArguments`, :class:`AdoptArguments`) and checked here.
 
 Every check runs before ``init_mesh`` touches the store or creates a group, so
 a wrong type or value fails at once, on the rank that passed it, with a
 :class:`~meshstate.core.errors.ConfigError` naming the parameter. The layout
-itself (sizes, order, world) is :class:`~meshstate.core.config.MeshConfig`'s to check.
+itself (sizes, order, world) is :class:`~meshstate.core.config.MeshConfig`'s to check;
+the rest becomes one :class:`BuildOptions` value.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypedDict, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+from meshstate.core.config import SIZE_NAMES, SizeArguments, reject_unknown
 from meshstate.core.errors import ConfigError
 from meshstate.core.groups import GroupCreation, GroupOptions
 from meshstate.core.layout import DerivedGroup, Key
 
 T = TypeVar("T")
+
+
+class GroupArguments(TypedDict, total=False):
+    """How a build makes its groups; :func:`~meshstate.init_mesh` and :func:`~meshstate.adopt` take them.
+
+    ``backend`` and ``timeout`` reach every group created (``None``: the default
+    group's backend, torch's default timeout); ``device_type`` is the
+    DeviceMeshes' (``None``: see :func:`resolve_device_type`).
+    """
+
+    device_type: str | None
+    backend: str | None
+    timeout: timedelta | None
+
+
+class BuildArguments(GroupArguments, total=False):
+    """What :func:`~meshstate.init_mesh` takes beyond the layout and ``ranks``: extra keys,
+    options by key, fields to agree on and how groups are made (see its docstring)."""
+
+    joint_groups: Sequence[str]
+    derived: Sequence[DerivedGroup]
+    group_options: Mapping[Key, GroupOptions] | None
+    agree_on: Mapping[str, object] | None
+    group_creation: GroupCreation | None
+
+
+class InitMeshArguments(SizeArguments, BuildArguments, total=False):
+    """Every keyword argument of :func:`~meshstate.init_mesh` but ``ranks``."""
+
+
+class AdoptArguments(SizeArguments, GroupArguments, total=False):
+    """Every keyword argument of :func:`~meshstate.adopt`."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """A build's arguments beyond the layout, checked: :class:`BuildArguments` as one value.
+
+    A field left out is ``None`` or empty. Built by :meth:`check`; posted to the
+    agreement as :meth:`agreed`.
+    """
+
+    backend: str | None = None
+    timeout: timedelta | None = None
+    device_type: str | None = None
+    joint_groups: tuple[str, ...] = ()
+    derived: tuple[DerivedGroup, ...] = ()
+    group_options: Mapping[Key, GroupOptions] = field(default_factory=dict)
+    agree_on: Mapping[str, object] = field(default_factory=dict)
+    group_creation: GroupCreation | None = None
+
+    @classmethod
+    def check(cls, arguments: BuildArguments) -> BuildOptions:
+        """``arguments`` checked, in the order of the fields; a ConfigError names the first wrong one."""
+        return cls(
+            backend=check_backend("backend", arguments.get("backend")),
+            timeout=check_timeout(arguments.get("timeout")),
+            device_type=check_device_type(arguments.get("device_type")),
+            joint_groups=check_sequence("joint_groups", arguments.get("joint_groups", ()), str),
+            derived=check_sequence("derived", arguments.get("derived", ()), DerivedGroup),
+            group_options=check_group_options(arguments.get("group_options")),
+            agree_on=check_agree_on(arguments.get("agree_on")),
+            group_creation=check_group_creation(arguments.get("group_creation")),
+        )
+
+    def agreed(self) -> dict[str, object]:
+        """What every rank posts to agree on these options: each field as JSON, and
+        ``agree_on``'s fields beside them."""
+        posted = {item.name: _as_json(getattr(self, item.name)) for item in fields(self)}
+        del posted["agree_on"]
+        return {**posted, **self.agree_on}
+
+
+def split_arguments(
+    where: str, arguments: Mapping[str, Any], options: type[GroupArguments]
+) -> tuple[SizeArguments, BuildArguments]:
+    """``arguments`` as the layout's sizes and the build's ``options``; a ``TypeError``
+    for a keyword that is neither (Python's own message, for ``where``)."""
+    option_names = options.__annotations__
+    reject_unknown(where, arguments, (*SIZE_NAMES, *option_names))
+    sizes = {name: value for name, value in arguments.items() if name in SIZE_NAMES}
+    rest = {name: value for name, value in arguments.items() if name in option_names}
+    return cast(SizeArguments, sizes), cast(BuildArguments, rest)
+
+
+def resolve_device_type(device_type: str | None) -> str:
+    """``device_type``, else the default group's: ``"cuda"`` on an NCCL world, ``"cpu"`` otherwise."""
+    return device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
+
+
+def _as_json(value: object) -> object:
+    """An option as the agreement posts it: a timeout in seconds, a derived group by its
+    string, a key's GroupOptions as ``[backend, has pg_options, separate]``."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, tuple):
+        return [_as_json(item) for item in value]
+    if isinstance(value, DerivedGroup):
+        return str(value)
+    if isinstance(value, GroupOptions):
+        return [value.backend, value.pg_options is not None, value.separate]
+    if isinstance(value, Mapping):
+        return {str(key): _as_json(item) for key, item in value.items()}
+    return value
 
 
 def check_backend(name: str, backend: object) -> str | None:

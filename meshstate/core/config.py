@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import TypedDict
+from collections.abc import Iterable, Mapping
+from typing import TypedDict, Unpack
 
 from meshstate.core.errors import ConfigError
 
@@ -69,16 +70,38 @@ def parse_order(order: object) -> tuple[str, ...]:
     return tokens + tuple(a for a in _MISSING_AXIS_APPEND_ORDER if a not in tokens)
 
 
-class MeshArguments(TypedDict):
-    """The keyword arguments of :func:`meshstate.init_mesh` that say the layout."""
+class SizeArguments(TypedDict, total=False):
+    """The axis sizes of a layout by keyword, as :func:`meshstate.init_mesh`,
+    :func:`meshstate.adopt`, :class:`MeshConfig`, the command line and the bench take them.
 
-    order: str
+    The one list of them: a size added here reaches every one of those. A size
+    left out is 1; ``etp`` left out (or ``None``) is ``tp``.
+    """
+
     tp: int
     cp: int
     ep: int
-    etp: int
+    etp: int | None
     pp: int
     dp_replicate: int
+
+
+SIZE_NAMES = tuple(SizeArguments.__annotations__)
+"""The names of :class:`SizeArguments`, in declaration order."""
+
+
+class MeshArguments(SizeArguments, total=False):
+    """The keyword arguments of :func:`meshstate.init_mesh` that say the layout: the order and the sizes."""
+
+    order: str
+
+
+def reject_unknown(where: str, given: Mapping[str, object], known: Iterable[str]) -> None:
+    """A ``TypeError`` naming the first of ``given``'s keywords not in ``known``, as Python's
+    own for a function ``where`` without ``**kwargs``."""
+    unknown = [name for name in given if name not in set(known)]
+    if unknown:
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}")
 
 
 @dataclass(frozen=True, init=False)
@@ -112,30 +135,22 @@ class MeshConfig:
     dp_replicate: int
 
     def __init__(
-        self,
-        world_size: int,
-        *,
-        order: str = DEFAULT_ORDER,
-        tp: int = 1,
-        cp: int = 1,
-        ep: int = 1,
-        etp: int | None = None,
-        pp: int = 1,
-        dp_replicate: int = 1,
+        self, world_size: int, *, order: str = DEFAULT_ORDER, **sizes: Unpack[SizeArguments]
     ) -> None:
+        reject_unknown("MeshConfig.__init__()", sizes, SIZE_NAMES)
         world_size = check_positive_int("world size", world_size)
         if world_size > MAX_WORLD_SIZE:
             raise ConfigError(
                 f"world size {world_size} is above {MAX_WORLD_SIZE}, the most ranks "
                 "torch.distributed numbers"
             )
-        tp, cp, ep, pp, dp_replicate = (
-            check_positive_int(name, value)
-            for name, value in (
-                ("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("dp_replicate", dp_replicate)
-            )
-        )
-        etp = tp if etp is None else check_positive_int("etp", etp)
+        checked = {
+            name: check_positive_int(name, sizes.get(name, 1))
+            for name in SIZE_NAMES
+            if name != "etp"
+        }
+        etp = sizes.get("etp")
+        checked["etp"] = checked["tp"] if etp is None else check_positive_int("etp", etp)
         tokens = _order_tokens(order)
         if order.lower() != "-".join(tokens):
             raise ConfigError(
@@ -144,12 +159,8 @@ class MeshConfig:
             )
         object.__setattr__(self, "world_size", world_size)
         object.__setattr__(self, "order", "-".join(tokens))
-        object.__setattr__(self, "tp", tp)
-        object.__setattr__(self, "cp", cp)
-        object.__setattr__(self, "ep", ep)
-        object.__setattr__(self, "etp", etp)
-        object.__setattr__(self, "pp", pp)
-        object.__setattr__(self, "dp_replicate", dp_replicate)
+        for name, size in checked.items():
+            object.__setattr__(self, name, size)
         self._check_divisible()
         self._check_axes_in_order()
         self._check_pipeline_groups_agree()
@@ -179,10 +190,10 @@ class MeshConfig:
 
         Example: ``init_mesh(**MeshConfig(8, tp=2).arguments())``.
         """
-        return MeshArguments(
-            order=self.order, tp=self.tp, cp=self.cp, ep=self.ep, etp=self.etp, pp=self.pp,
-            dp_replicate=self.dp_replicate,
-        )
+        arguments = MeshArguments(order=self.order)
+        for name in SIZE_NAMES:
+            arguments[name] = getattr(self, name)  # type: ignore[literal-required]
+        return arguments
 
     def sizes(self) -> dict[str, int]:
         """Every axis size by name: ``tp cp ep etp pp dp edp``, then ``dp_replicate

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
+from meshstate.core.agreement import leave_barrier, store_barrier
 from meshstate.core.errors import ConfigError, MeshStateError, MeshTimeoutError
 from meshstate.core.layout import Key
 from meshstate.core.ranks import identity
@@ -241,14 +242,9 @@ class _Builder:
         first (gloo's) must not destroy the group while another is still connecting.
         The last member to leave removes the keys, torch's rendezvous keys too."""
         store = _compat.thread_store()
-        key = f"{group_name}/formed"
-        if store.add(key, 1) == size:
-            store.set(f"{key}/all", "")
-        store.wait([f"{key}/all"], self.timeout or _compat.default_timeout(backend))
-        if store.add(f"{key}/left", 1) == size:
-            for done in (key, f"{key}/all", f"{key}/left",
-                         *_compat.rendezvous_keys(group_name, backend, size)):
-                store.delete_key(done)
+        formed = f"{group_name}/formed"
+        store_barrier(store, formed, size, self.timeout or _compat.default_timeout(backend))
+        leave_barrier(store, formed, size, _compat.rendezvous_keys(group_name, backend, size))
 
     def _split(
         self, family: tuple[tuple[int, ...], ...], name: Key, pg_options: Any

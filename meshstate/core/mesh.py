@@ -1,66 +1,40 @@
-"""The mesh: one object holding a rank's process groups and named DeviceMeshes.
+"""``ParallelMesh``: a rank's process groups by key, their tables, the DeviceMeshes made
+from them on first use, and the calling thread's current mesh.
 
-``init_mesh`` validates the config, creates the groups this rank belongs to
-(see :mod:`meshstate.core.groups`) and assembles from them the dense ``DeviceMesh``
-(dims outer to inner: the order string reversed), the expert ``DeviceMesh`` and
-the flattened 1-D meshes of Megatron's joint groups. Creating groups takes every
-rank, so it all happens inside ``init_mesh``; slicing and flattening a mesh
-whose groups exist is local work, so those views are made on first request and
-cached.
+:func:`~meshstate.core.build.init_mesh` and :func:`~meshstate.core.adopt.adopt`
+create the groups of every declared key and hand them to a ``ParallelMesh``,
+which keeps them in tables (``rank_in``, ``size_of``, ``group_of``, ``ranks_of``;
+``facts`` by attribute). Everything else is made on first request and cached:
+the dense, expert and HSDP root DeviceMeshes (O(world) each, which the tables
+never need), their slices and flattened joint meshes (local work once the
+groups exist), and, by :meth:`ParallelMesh.ordered`, the group of an axis set no
+key declared (only its members take part). The current mesh (``with mesh:``,
+:func:`set_mesh`) is per thread.
 """
 
 from __future__ import annotations
 
-import atexit
 import inspect
 import os
 import sys
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
-from functools import cached_property, partial
-from datetime import timedelta
-from typing import Any, NoReturn, TypeVar, overload
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
-from meshstate.core.agreement import agree
-from meshstate.core.arguments import (
-    check_agree_on,
-    check_backend,
-    check_device_type,
-    check_group_creation,
-    check_group_options,
-    check_ranks,
-    check_sequence,
-    check_timeout,
-)
-from meshstate.core.config import DEFAULT_ORDER, MeshConfig
-from meshstate.core.errors import (
-    AxisError,
-    ConfigError,
-    MeshStateError,
-    NotInitializedError,
-    WrongMeshError,
-)
-from meshstate.core.groups import (
-    GroupCreation,
-    GroupOptions,
-    GroupSpec,
-    ProcessGroupSet,
-    create_axis_set_group,
-    create_process_groups,
-)
+from meshstate.core.errors import AxisError, MeshStateError, NotInitializedError, WrongMeshError
+from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
 from meshstate.core.layout import (
     DENSE_AXES,
     EXPERT_AXES,
     GROUP_KINDS,
     HSDP_AXES,
-    HSDP_KINDS,
     DerivedGroup,
     Grid,
     Key,
@@ -68,6 +42,9 @@ from meshstate.core.layout import (
     spellings,
     splits_dp,
 )
+
+if TYPE_CHECKING:
+    from meshstate.core.build import init_mesh as init_mesh
 
 V = TypeVar("V")
 
@@ -151,14 +128,40 @@ class Facts:
 class _DestroyedFacts(Facts):
     """A destroyed mesh's ``facts``: every read raises the error naming where.
 
-    Its own class, so a live mesh's facts keep Python's fastest attribute reads
-    (a class with ``__getattr__`` loses them).
+    ``destroy()`` turns the live ``facts`` object into one of these (its class
+    is swapped, since the Megatron façade holds that object): a ``__getattr__``
+    on :class:`Facts` itself would cost every getter its specialised attribute
+    read (``facts.tp_rank`` 8 ns becomes 24 ns on CPython 3.11), so the swap stays.
     """
 
     destroyed: str
 
     def __getattr__(self, name: str) -> Any:
         raise NotInitializedError(self.destroyed)
+
+
+class _DeviceMeshOnly:
+    """A torch DeviceMesh attribute that a ParallelMesh lacks, on purpose.
+
+    Reading it raises :class:`~meshstate.core.errors.WrongMeshError`, which says
+    to pass one of the mesh's DeviceMeshes: torch's APIs given a ParallelMesh
+    by mistake (``fully_shard(model, mesh=mesh)``) stop at their first read. It
+    is an ``AttributeError``, so ``hasattr(mesh, "mesh_dim_names")`` stays
+    ``False``. A descriptor on the class, not a ``__getattr__``: a class with
+    ``__getattr__`` loses CPython's specialised reads of every attribute.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, mesh: ParallelMesh | None, owner: type | None = None) -> Any:
+        if mesh is None:
+            return self
+        mesh._check_alive()
+        raise WrongMeshError(
+            f"a ParallelMesh is not a torch DeviceMesh (it has no {self.name!r}); pass one "
+            'of its DeviceMeshes: mesh.dense, mesh.expert or a slice such as mesh["dp-cp"]'
+        )
 
 
 class ParallelMesh:
@@ -181,6 +184,26 @@ class ParallelMesh:
         mesh.next_rank("pp")    # 1 (the ring wraps around)
         "cp-dp" in mesh         # True
     """
+
+    # What torch's APIs and people reach for on a DeviceMesh, which a ParallelMesh is not
+    # (torch's own `device_type` and `size` it has, meaning the same). The public
+    # DeviceMesh API, then the private names torch's fully_shard, distribute_tensor,
+    # DTensor and parallelize_module read first.
+    mesh = _DeviceMeshOnly()
+    mesh_dim_names = _DeviceMeshOnly()
+    ndim = _DeviceMeshOnly()
+    shape = _DeviceMeshOnly()
+    get_group = _DeviceMeshOnly()
+    get_all_groups = _DeviceMeshOnly()
+    get_coordinate = _DeviceMeshOnly()
+    get_local_rank = _DeviceMeshOnly()
+    get_rank = _DeviceMeshOnly()
+    _flatten = _DeviceMeshOnly()
+    _unflatten = _DeviceMeshOnly()
+    _get_root_mesh = _DeviceMeshOnly()
+    _get_mesh_dim_by_name = _DeviceMeshOnly()
+    _is_current_rank_part_of_mesh = _DeviceMeshOnly()
+    _sym_get_coordinate = _DeviceMeshOnly()
 
     def __init__(
         self,
@@ -240,7 +263,7 @@ class ParallelMesh:
         torch builds a DeviceMesh from a rank grid of the whole world, so this
         costs O(world) once; the groups, getters and tables never need it.
         """
-        dense = self._root_mesh(self.layout.dense)
+        dense = self._build_root_mesh(self.layout.dense)
         if "expert" in self.__dict__:
             _compat.share_rank_map(dense, self.expert)
         return dense
@@ -248,7 +271,7 @@ class ParallelMesh:
     @cached_property
     def expert(self) -> DeviceMesh:
         """The expert DeviceMesh (dims pp, edp, ep, etp for the default order), made on first use."""
-        expert = self._root_mesh(self.layout.expert)
+        expert = self._build_root_mesh(self.layout.expert)
         if "dense" in self.__dict__:
             _compat.share_rank_map(expert, self.dense)
         return expert
@@ -259,7 +282,7 @@ class ParallelMesh:
         order, torchtitan's world mesh), made on first use; ``mesh["dp_replicate",
         "dp_shard"]`` slices it for FSDP2's HSDP.
         """
-        hsdp = self._root_mesh(self.layout.hsdp)
+        hsdp = self._build_root_mesh(self.layout.hsdp)
         if "dense" in self.__dict__:
             _compat.share_rank_map(hsdp, self.dense)
         return hsdp
@@ -502,7 +525,8 @@ class ParallelMesh:
         valid = ", ".join(map(str, self.keys()))
         return AxisError(f"mesh has no group {str(key)!r}; valid keys are {valid}")
 
-    def _root_mesh(self, grid: Grid) -> DeviceMesh:
+    def _build_root_mesh(self, grid: Grid) -> DeviceMesh:
+        """Build ``grid``'s root DeviceMesh from the groups of its axes (O(world): once, cached)."""
         self._check_alive()
         return DeviceMesh.from_group(
             [
@@ -514,7 +538,8 @@ class ParallelMesh:
             mesh_dim_names=grid.mesh_axes,
         )
 
-    def _root(self, grid: Grid) -> DeviceMesh:
+    def _root_mesh_of(self, grid: Grid) -> DeviceMesh:
+        """The root DeviceMesh ``grid`` belongs to: ``dense``, ``expert`` or ``hsdp``."""
         if grid is self.layout.hsdp:
             return self.hsdp
         return self.dense if grid is self.layout.dense else self.expert
@@ -528,7 +553,7 @@ class ParallelMesh:
         if cached and (canonical,) in self._device_meshes:
             return self._device_meshes[(canonical,)]
         group = self.ordered(axes).group
-        flattened = _compat.flatten_with_group(self._root(grid), axes, canonical, group)
+        flattened = _compat.flatten_with_group(self._root_mesh_of(grid), axes, canonical, group)
         self._check_consistent(flattened, (canonical,))
         if cached:
             self._device_meshes[(canonical,)] = flattened
@@ -548,7 +573,7 @@ class ParallelMesh:
         grids = {id(grid) for _, grid, _ in resolved}
         if len(grids) > 1:
             raise AxisError(f"axes {names} mix dense and expert axes; valid are {valid}")
-        root = self._root(resolved[0][1])
+        root = self._root_mesh_of(resolved[0][1])
         root_axes = root.mesh_dim_names or ()
         axes = [axis for _, _, joint in resolved for axis in joint]
         in_mesh_order = tuple(axis for axis in root_axes if axis in axes)
@@ -581,25 +606,6 @@ class ParallelMesh:
                 )
         return view
 
-
-def _not_a_device_mesh(name: str) -> property:
-    def refuse(mesh: ParallelMesh) -> NoReturn:
-        mesh._check_alive()
-        raise WrongMeshError(
-            f"a ParallelMesh is not a torch DeviceMesh (it has no {name!r}); pass one "
-            'of its DeviceMeshes: mesh.dense, mesh.expert or a slice such as mesh["dp-cp"]'
-        )
-
-    return property(refuse)
-
-
-# What a DeviceMesh has and a ParallelMesh lacks: asking a ParallelMesh for one is a mix-up
-# (torch's fully_shard given a ParallelMesh). WrongMeshError is an AttributeError, so
-# hasattr() stays False.
-_INSTANCE_ATTRIBUTES = {"device_type"}
-for _name in sorted(set(dir(DeviceMesh)) - set(dir(ParallelMesh)) - _INSTANCE_ATTRIBUTES):
-    if not _name.startswith("__"):
-        setattr(ParallelMesh, _name, _not_a_device_mesh(_name))
 
 class _CurrentMeshes(threading.local):
     """The calling thread's current meshes: what set_mesh() set, under the meshes of the
@@ -663,18 +669,47 @@ def require_parallel_mesh(mesh: object, where: str) -> ParallelMesh:
     )
 
 
-def set_mesh(mesh: ParallelMesh | None) -> None:
-    """Make ``mesh`` the current mesh outside any ``with mesh:`` block (``None`` clears it).
+def set_mesh(mesh: ParallelMesh | None) -> MeshSetting:
+    """Make ``mesh`` the current mesh outside any ``with mesh:`` block (``None`` clears it);
+    as ``with set_mesh(mesh):``, only until the block ends.
 
     Like ``with mesh:``, it holds for the calling thread (a thread-local value,
     which ``torch.compile`` guards on): a new thread starts with no current mesh.
+    It sets the mesh at once; the value it returns, used in a ``with``
+    statement, also makes ``mesh`` the innermost current mesh inside the block
+    and, on leaving it, gives back the mesh set before.
 
     Example::
 
         meshstate.set_mesh(meshstate.init_mesh(tp=2))
         meshstate.current_mesh().size("tp")   # 2
+        with meshstate.set_mesh(other):
+            meshstate.current_mesh() is other   # True
+        meshstate.current_mesh().size("tp")   # 2 again
     """
-    _current.set_mesh = None if mesh is None else require_parallel_mesh(mesh, "set_mesh()")
+    checked = None if mesh is None else require_parallel_mesh(mesh, "set_mesh()")
+    setting = MeshSetting(checked, _current.set_mesh)
+    _current.set_mesh = checked
+    return setting
+
+
+class MeshSetting:
+    """What :func:`set_mesh` returns: the mesh it set and the one set before, which a
+    ``with`` block around the call gives back on exit."""
+
+    def __init__(self, mesh: ParallelMesh | None, previous: ParallelMesh | None) -> None:
+        self.mesh = mesh
+        self.previous = previous
+
+    def __enter__(self) -> ParallelMesh | None:
+        if self.mesh is not None:
+            self.mesh.__enter__()
+        return self.mesh
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.mesh is not None:
+            self.mesh.__exit__(*exc_info)
+        _current.set_mesh = self.previous
 
 
 def current_mesh() -> ParallelMesh:
@@ -694,239 +729,11 @@ def current_mesh() -> ParallelMesh:
     )
 
 
-@overload
-def init_mesh(
-    order: str = ...,
-    *,
-    tp: int = ...,
-    cp: int = ...,
-    ep: int = ...,
-    etp: int | None = ...,
-    pp: int = ...,
-    dp_replicate: int = ...,
-    device_type: str | None = ...,
-    backend: str | None = ...,
-    timeout: timedelta | None = ...,
-    joint_groups: Sequence[str] = ...,
-    derived: Sequence[DerivedGroup] = ...,
-    group_options: Mapping[Key, GroupOptions] | None = ...,
-    agree_on: Mapping[str, object] | None = ...,
-    group_creation: GroupCreation | None = ...,
-    ranks: None = ...,
-) -> ParallelMesh: ...
+def __getattr__(name: str) -> Any:
+    """``init_mesh``, whose home is :mod:`meshstate.core.build` (which imports this module),
+    for code that imports it from here."""
+    if name == "init_mesh":
+        from meshstate.core.build import init_mesh
 
-
-@overload
-def init_mesh(
-    order: str = ...,
-    *,
-    tp: int = ...,
-    cp: int = ...,
-    ep: int = ...,
-    etp: int | None = ...,
-    pp: int = ...,
-    dp_replicate: int = ...,
-    device_type: str | None = ...,
-    backend: str | None = ...,
-    timeout: timedelta | None = ...,
-    joint_groups: Sequence[str] = ...,
-    derived: Sequence[DerivedGroup] = ...,
-    group_options: Mapping[Key, GroupOptions] | None = ...,
-    agree_on: Mapping[str, object] | None = ...,
-    group_creation: GroupCreation | None = ...,
-    ranks: Sequence[int],
-) -> ParallelMesh | None: ...
-
-
-def init_mesh(
-    order: str = DEFAULT_ORDER,
-    *,
-    tp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    etp: int | None = None,
-    pp: int = 1,
-    dp_replicate: int = 1,
-    device_type: str | None = None,
-    backend: str | None = None,
-    timeout: timedelta | None = None,
-    joint_groups: Sequence[str] = (),
-    derived: Sequence[DerivedGroup] = (),
-    group_options: Mapping[Key, GroupOptions] | None = None,
-    agree_on: Mapping[str, object] | None = None,
-    group_creation: GroupCreation | None = None,
-    ranks: Sequence[int] | None = None,
-) -> ParallelMesh | None:
-    """Build the calling rank's :class:`ParallelMesh`; every rank must call it.
-
-    Uses the initialised default process group, or initialises one from the
-    torchrun environment (NCCL when CUDA is available, else gloo). ``dp`` is
-    inferred from the world size and ``etp`` defaults to ``tp``. ``dp_replicate``
-    splits ``dp`` for FSDP2's HSDP into ``dp_replicate`` (outer) x ``dp_shard``
-    (inner), torchtitan's layout: with ``dp_replicate > 1`` the mesh has the keys
-    ``"dp_replicate"``, ``"dp_shard"`` and ``"dp_shard-cp"`` (``joint_groups``
-    declares them, or others such as ``"dp_replicate-cp"``, at any size), and
-    ``"dp_replicate-dp_shard"`` is ``"dp"`` in every spelling. ``backend``
-    and ``timeout`` reach every group created; ``device_type`` defaults to
-    ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise. ``joint_groups``
-    declares joint groups beyond Megatron's (e.g. ``"cp-pp"``); ``derived``
-    adds groups carved out of them (:class:`~meshstate.core.layout.DerivedGroup`
-    values, e.g. the hierarchical levels of ``cp``); ``group_options`` sets
-    backend and options per key; ``group_creation`` forces ``"split"`` or
-    ``"local"`` group creation (default: split where the backend can, see
-    :mod:`meshstate.core.groups`). ``ranks`` (a ``range`` or a list of
-    increasing ranks, consecutive or not) builds the mesh over those ranks only,
-    local rank ``i`` of the layout on global rank ``ranks[i]``, its groups
-    member-local; the other ranks get ``None`` and may build meshes of their
-    own beside it, over interleaved ranks too.
-
-    First every rank agrees on these arguments (and ``agree_on``, for callers
-    with more to agree on) through the store, within ``timeout`` (torch's
-    default when ``None``): a rank with different arguments makes every rank
-    raise :class:`~meshstate.core.errors.ConfigMismatchError`, a rank that never
-    arrives a :class:`~meshstate.core.errors.MeshTimeoutError` naming it.
-
-    Example (``torchrun --nproc-per-node 8``)::
-
-        mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, ep=2, etp=1)
-        mesh["dp-cp"]   # what FSDP2 shards over
-        hsdp = meshstate.init_mesh(tp=2, dp_replicate=2)
-        hsdp["dp_replicate", "dp_shard"]   # on rank 5: [[1, 3], [5, 7]]
-        evens = meshstate.init_mesh(tp=2, ranks=[0, 2, 4, 6])  # None on odd ranks
-    """
-    backend = check_backend("backend", backend)
-    timeout = check_timeout(timeout)
-    device_type = check_device_type(device_type)
-    joint_groups = check_sequence("joint_groups", joint_groups, str)
-    derived = check_sequence("derived", derived, DerivedGroup)
-    group_options = check_group_options(group_options)
-    agree_on = check_agree_on(agree_on)
-    group_creation = check_group_creation(group_creation)
-    _init_default_group_from_env(backend, timeout)
-    span = check_ranks(ranks, dist.get_world_size())
-    world = span or range(dist.get_world_size())
-    layout = ParallelLayout(
-        MeshConfig(
-            len(world), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp,
-            dp_replicate=dp_replicate,
-        ),
-        rank_offset=world.start if isinstance(world, range) else 0,
-        ranks=None if isinstance(world, range) else world,
-    )
-    kinds, declared = _declared_keys(layout, joint_groups, derived)
-    options = _options_by_key(layout, kinds + declared, group_options)
-    rank = dist.get_rank()
-    if span is not None and rank not in span:
-        return None
-    config = layout.config
-    build_id = agree(
-        {
-            "order": config.order, "tp": config.tp, "cp": config.cp, "ep": config.ep,
-            "etp": etp if etp is None else config.etp, "pp": config.pp,
-            "dp_replicate": config.dp_replicate, "device_type": device_type, "backend": backend,
-            "timeout": None if timeout is None else timeout.total_seconds(),
-            "joint_groups": list(joint_groups),
-            "derived": [str(spec) for spec in derived],
-            "group_options": {
-                str(key): [value.backend, value.pg_options is not None, value.separate]
-                for key, value in group_options.items()
-            },
-            "group_creation": group_creation,
-            "ranks": None if span is None else (
-                [span.start, span.stop] if isinstance(span, range) else list(span)
-            ),
-            **agree_on,
-        },
-        timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
-        ranks=span,
-    )
-    members = {key: layout.members(rank, key) for key in kinds + declared}
-    specs = [
-        GroupSpec(key, ranks, partial(layout.every_group, key), options[key])
-        for key, ranks in members.items()
-    ]
-    process_groups = create_process_groups(
-        specs, backend=backend, timeout=timeout, build_id=build_id,
-        group_creation="local" if span is not None else group_creation,
-    )
-    return ParallelMesh(
-        layout,
-        process_groups,
-        members,
-        device_type=device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu"),
-        kinds=kinds,
-        derived=declared,
-    )
-
-
-def _declared_keys(
-    layout: ParallelLayout, joint_groups: Sequence[str], derived: Sequence[DerivedGroup]
-) -> tuple[tuple[str, ...], tuple[DerivedGroup, ...]]:
-    """The kinds with the joint groups, and the derived groups, spelled canonically."""
-    joints = dict.fromkeys(map(layout.canonical, joint_groups))
-    base_kinds = GROUP_KINDS + (HSDP_KINDS if layout.config.dp_replicate > 1 else ())
-    kinds = base_kinds + tuple(key for key in joints if key not in base_kinds)
-    declared: list[DerivedGroup] = []
-    for spec in derived:
-        base = layout.canonical(spec.base) if isinstance(spec.base, str) else spec.base
-        canonical = replace(spec, base=base)
-        layout.resolve_base(canonical.base)
-        if canonical in declared:
-            raise ConfigError(f"derived group {str(spec)!r} is declared twice")
-        declared.append(canonical)
-    return kinds, tuple(declared)
-
-
-def _options_by_key(
-    layout: ParallelLayout, keys: tuple[Key, ...], given: Mapping[Key, GroupOptions]
-) -> dict[Key, GroupOptions]:
-    """Each key's group options: ``given`` (in any spelling) with a derived group's own backend."""
-    split_dp = splits_dp(keys)
-    canonical = {
-        spelling: key for key in keys for spelling in spellings(key, split_dp=split_dp)
-    }
-    unknown = [str(key) for key in given if key not in canonical]
-    if unknown:
-        raise ConfigError(
-            f"group_options names {unknown}, which are not keys of the mesh: "
-            f"{', '.join(map(str, keys))}"
-        )
-    by_key = {canonical[key]: value for key, value in given.items()}
-    options = {}
-    for key in keys:
-        chosen = by_key.get(key, GroupOptions())
-        if isinstance(key, DerivedGroup):
-            backend, separate = key.backend or chosen.backend, key.separate or chosen.separate
-            chosen = replace(chosen, backend=backend, separate=separate)
-        options[key] = chosen
-    return options
-
-
-def _init_default_group_from_env(backend: str | None, timeout: timedelta | None) -> None:
-    """Initialise the default group from the torchrun environment unless one exists.
-
-    It stays until exit, or until ``torch.distributed.destroy_process_group()``:
-    under torchrun a second ``init_process_group`` meets the first one's keys in
-    the agent's store and cannot connect, so a mesh destroyed and built again
-    must find this one.
-    """
-    if dist.is_initialized():
-        return
-    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:
-        raise MeshStateError(
-            "torch.distributed is not initialized and the torchrun environment is missing "
-            f"{', '.join(missing)}; call torch.distributed.init_process_group first or "
-            "launch with torchrun"
-        )
-    use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), timeout=timeout)
-    atexit.register(_destroy_default_group, _compat.default_group())
-
-
-def _destroy_default_group(group: dist.ProcessGroup) -> None:
-    """At exit: destroy the default group ``init_mesh`` made, if it is still the default."""
-    if dist.is_initialized() and _compat.default_group() is group:
-        dist.destroy_process_group()
+        return init_mesh
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

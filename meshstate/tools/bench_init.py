@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from meshstate.core import compat as _compat
 from meshstate.core.config import MeshConfig
 from meshstate.core.layout import GROUP_KINDS, ParallelLayout
-from meshstate.core.mesh import init_mesh
+from meshstate.core.build import init_mesh
 from meshstate.megatron import parallel_state as mpu
 from meshstate.testing.launch import fake_world
 

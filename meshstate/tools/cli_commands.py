@@ -23,7 +23,7 @@ import torch.distributed as dist
 from meshstate.core.config import MeshConfig
 from meshstate.core.errors import ConfigError, MeshStateError
 from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Grid, ParallelLayout
-from meshstate.core.mesh import init_mesh
+from meshstate.core.build import init_mesh
 from meshstate.testing.launch import default_backend, run_local
 from meshstate.tools import bench
 from meshstate.tools.cli import EXIT_MISMATCH, Progress

@@ -1,0 +1,240 @@
+"""``init_mesh``: from its arguments to the calling rank's :class:`~meshstate.core.mesh.ParallelMesh`.
+
+It checks the arguments (:mod:`meshstate.core.arguments`, :class:`MeshConfig`),
+initialises the default group from the torchrun environment where none exists,
+resolves the declared keys and each key's group options, agrees with every
+rank on all of it (:mod:`meshstate.core.agreement`) and creates the groups the
+calling rank belongs to (:mod:`meshstate.core.groups`). The DeviceMeshes are
+not made here: the mesh builds them on first use.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from functools import partial
+from typing import Unpack, overload
+
+import torch
+import torch.distributed as dist
+
+from meshstate.core import compat as _compat
+from meshstate.core.agreement import agree
+from meshstate.core.arguments import (
+    BuildArguments,
+    BuildOptions,
+    InitMeshArguments,
+    check_ranks,
+    resolve_device_type,
+    split_arguments,
+)
+from meshstate.core.config import DEFAULT_ORDER, MeshConfig
+from meshstate.core.errors import ConfigError, MeshStateError
+from meshstate.core.groups import GroupOptions, GroupSpec, create_process_groups
+from meshstate.core.layout import (
+    GROUP_KINDS,
+    HSDP_KINDS,
+    DerivedGroup,
+    Key,
+    ParallelLayout,
+    spellings,
+    splits_dp,
+)
+from meshstate.core.mesh import ParallelMesh
+
+
+@overload
+def init_mesh(
+    order: str = ..., *, ranks: None = ..., **arguments: Unpack[InitMeshArguments]
+) -> ParallelMesh: ...
+
+
+@overload
+def init_mesh(
+    order: str = ..., *, ranks: Sequence[int], **arguments: Unpack[InitMeshArguments]
+) -> ParallelMesh | None: ...
+
+
+def init_mesh(
+    order: str = DEFAULT_ORDER,
+    *,
+    ranks: Sequence[int] | None = None,
+    **arguments: Unpack[InitMeshArguments],
+) -> ParallelMesh | None:
+    """Build the calling rank's :class:`ParallelMesh`; every rank must call it.
+
+    Takes ``tp``, ``cp``, ``ep``, ``etp``, ``pp``, ``dp_replicate`` (each 1 when
+    left out, ``etp`` then ``tp``; :class:`~meshstate.core.config.SizeArguments`)
+    and the build's options (:class:`~meshstate.core.arguments.BuildArguments`),
+    all by keyword. Uses the initialised default process group, or initialises one
+    from the torchrun environment (NCCL when CUDA is available, else gloo). ``dp`` is
+    inferred from the world size. ``dp_replicate`` splits ``dp`` for FSDP2's HSDP
+    into ``dp_replicate`` (outer) x ``dp_shard`` (inner), torchtitan's layout:
+    with ``dp_replicate > 1`` the mesh has the keys ``"dp_replicate"``,
+    ``"dp_shard"`` and ``"dp_shard-cp"`` (``joint_groups`` declares them, or
+    others such as ``"dp_replicate-cp"``, at any size), and
+    ``"dp_replicate-dp_shard"`` is ``"dp"`` in every spelling. ``backend``
+    and ``timeout`` reach every group created; ``device_type`` defaults to
+    ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise. ``joint_groups``
+    declares joint groups beyond Megatron's (e.g. ``"cp-pp"``); ``derived``
+    adds groups carved out of them (:class:`~meshstate.core.layout.DerivedGroup`
+    values, e.g. the hierarchical levels of ``cp``); ``group_options`` sets
+    backend and options per key; ``group_creation`` forces ``"split"`` or
+    ``"local"`` group creation (default: split where the backend can, see
+    :mod:`meshstate.core.groups`). ``ranks`` (a ``range`` or a list of
+    increasing ranks, consecutive or not) builds the mesh over those ranks only,
+    local rank ``i`` of the layout on global rank ``ranks[i]``, its groups
+    member-local; the other ranks get ``None`` and may build meshes of their
+    own beside it, over interleaved ranks too.
+
+    First every rank agrees on these arguments (and ``agree_on``, for callers
+    with more to agree on) through the store, within ``timeout`` (torch's
+    default when ``None``): a rank with different arguments makes every rank
+    raise :class:`~meshstate.core.errors.ConfigMismatchError`, a rank that never
+    arrives a :class:`~meshstate.core.errors.MeshTimeoutError` naming it.
+
+    Example (``torchrun --nproc-per-node 8``)::
+
+        mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, ep=2, etp=1)
+        mesh["dp-cp"]   # what FSDP2 shards over
+        hsdp = meshstate.init_mesh(tp=2, dp_replicate=2)
+        hsdp["dp_replicate", "dp_shard"]   # on rank 5: [[1, 3], [5, 7]]
+        evens = meshstate.init_mesh(tp=2, ranks=[0, 2, 4, 6])  # None on odd ranks
+    """
+    sizes, given = split_arguments("init_mesh()", arguments, BuildArguments)
+    options = BuildOptions.check(given)
+    _init_default_group_from_env(options.backend, options.timeout)
+    span = check_ranks(ranks, dist.get_world_size())
+    world = span or range(dist.get_world_size())
+    layout = ParallelLayout(
+        MeshConfig(len(world), order=order, **sizes),
+        rank_offset=world.start if isinstance(world, range) else 0,
+        ranks=None if isinstance(world, range) else world,
+    )
+    kinds, declared = _declared_keys(layout, options.joint_groups, options.derived)
+    options_of_key = _options_by_key(layout, kinds + declared, options.group_options)
+    if span is not None and dist.get_rank() not in span:
+        return None
+    build_id = _agree(layout, sizes.get("etp"), options, span)
+    return _create_mesh(layout, kinds, declared, options_of_key, options, build_id, span)
+
+
+def _agree(
+    layout: ParallelLayout,
+    etp: int | None,
+    options: BuildOptions,
+    span: range | tuple[int, ...] | None,
+) -> int | None:
+    """Agree with every rank of the build on its arguments (``etp`` as given); the build id."""
+    layout_fields = {**layout.config.arguments(), "etp": None if etp is None else layout.config.etp}
+    listed = None if span is None else (
+        [span.start, span.stop] if isinstance(span, range) else list(span)
+    )
+    fields = {**layout_fields, "ranks": listed, **options.agreed()}  # agree_on last, as given
+    return agree(fields, timeout=options.timeout, ranks=span)
+
+
+def _create_mesh(
+    layout: ParallelLayout,
+    kinds: tuple[str, ...],
+    declared: tuple[DerivedGroup, ...],
+    options_of_key: Mapping[Key, GroupOptions],
+    options: BuildOptions,
+    build_id: int | None,
+    span: range | tuple[int, ...] | None,
+) -> ParallelMesh:
+    """Create the calling rank's groups of every key and the mesh holding them."""
+    rank = dist.get_rank()
+    members = {key: layout.members(rank, key) for key in kinds + declared}
+    specs = [
+        GroupSpec(key, ranks, partial(layout.every_group, key), options_of_key[key])
+        for key, ranks in members.items()
+    ]
+    process_groups = create_process_groups(
+        specs, backend=options.backend, timeout=options.timeout, build_id=build_id,
+        group_creation="local" if span is not None else options.group_creation,
+    )
+    return ParallelMesh(
+        layout,
+        process_groups,
+        members,
+        device_type=resolve_device_type(options.device_type),
+        kinds=kinds,
+        derived=declared,
+    )
+
+
+def _declared_keys(
+    layout: ParallelLayout, joint_groups: Sequence[str], derived: Sequence[DerivedGroup]
+) -> tuple[tuple[str, ...], tuple[DerivedGroup, ...]]:
+    """The kinds with the joint groups, and the derived groups, spelled canonically."""
+    joints = dict.fromkeys(map(layout.canonical, joint_groups))
+    base_kinds = GROUP_KINDS + (HSDP_KINDS if layout.config.dp_replicate > 1 else ())
+    kinds = base_kinds + tuple(key for key in joints if key not in base_kinds)
+    declared: list[DerivedGroup] = []
+    for spec in derived:
+        base = layout.canonical(spec.base) if isinstance(spec.base, str) else spec.base
+        canonical = replace(spec, base=base)
+        layout.resolve_base(canonical.base)
+        if canonical in declared:
+            raise ConfigError(f"derived group {str(spec)!r} is declared twice")
+        declared.append(canonical)
+    return kinds, tuple(declared)
+
+
+def _options_by_key(
+    layout: ParallelLayout, keys: tuple[Key, ...], given: Mapping[Key, GroupOptions]
+) -> dict[Key, GroupOptions]:
+    """Each key's group options: ``given`` (in any spelling) with a derived group's own backend."""
+    split_dp = splits_dp(keys)
+    canonical = {
+        spelling: key for key in keys for spelling in spellings(key, split_dp=split_dp)
+    }
+    unknown = [str(key) for key in given if key not in canonical]
+    if unknown:
+        raise ConfigError(
+            f"group_options names {unknown}, which are not keys of the mesh: "
+            f"{', '.join(map(str, keys))}"
+        )
+    by_key = {canonical[key]: value for key, value in given.items()}
+    options = {}
+    for key in keys:
+        chosen = by_key.get(key, GroupOptions())
+        if isinstance(key, DerivedGroup):
+            backend, separate = key.backend or chosen.backend, key.separate or chosen.separate
+            chosen = replace(chosen, backend=backend, separate=separate)
+        options[key] = chosen
+    return options
+
+
+def _init_default_group_from_env(backend: str | None, timeout: timedelta | None) -> None:
+    """Initialise the default group from the torchrun environment unless one exists.
+
+    It stays until exit, or until ``torch.distributed.destroy_process_group()``:
+    under torchrun a second ``init_process_group`` meets the first one's keys in
+    the agent's store and cannot connect, so a mesh destroyed and built again
+    must find this one.
+    """
+    if dist.is_initialized():
+        return
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise MeshStateError(
+            "torch.distributed is not initialized and the torchrun environment is missing "
+            f"{', '.join(missing)}; call torch.distributed.init_process_group first or "
+            "launch with torchrun"
+        )
+    use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), timeout=timeout)
+    atexit.register(_destroy_default_group, _compat.default_group())
+
+
+def _destroy_default_group(group: dist.ProcessGroup) -> None:
+    """At exit: destroy the default group ``init_mesh`` made, if it is still the default."""
+    if dist.is_initialized() and _compat.default_group() is group:
+        dist.destroy_process_group()
