@@ -263,3 +263,50 @@ def test_facts_are_the_tables_by_attribute_for_every_kind():
             assert mesh.facts.dp_cp_size == mesh.size("cp-dp") == 16  # dp=8 x cp=2
         finally:
             mesh.destroy()
+
+
+# -- set_mesh: a setter, and a `with` block that gives back the mesh set before ----------------
+
+
+def test_set_mesh_sets_at_once_and_as_a_with_block_restores_the_previous_mesh():
+    with fake_world(5, 8):
+        first, second = meshstate.init_mesh(tp=2), meshstate.init_mesh(tp=4)
+        meshstate.set_mesh(first)
+        assert meshstate.current_mesh() is first
+        with meshstate.set_mesh(second) as entered:
+            assert entered is second and meshstate.current_mesh() is second
+            with first:  # a `with mesh:` inside still comes first
+                assert meshstate.current_mesh() is first
+            assert meshstate.current_mesh() is second
+        assert meshstate.current_mesh() is first
+        with first, meshstate.set_mesh(second):  # innermost inside an outer `with mesh:` too
+            assert meshstate.current_mesh() is second
+        assert meshstate.current_mesh() is first
+        with meshstate.set_mesh(None):
+            with pytest.raises(meshstate.NotInitializedError, match="no current mesh"):
+                meshstate.current_mesh()
+        assert meshstate.current_mesh() is first
+        meshstate.set_mesh(None)
+        first.destroy()
+        second.destroy()
+
+
+# -- the layout arguments: declared once, and a keyword no one takes is Python's TypeError -----
+
+
+def test_every_layout_argument_is_a_field_of_mesh_config_and_init_mesh_takes_no_other():
+    from dataclasses import fields
+
+    from meshstate.core.arguments import BuildArguments, BuildOptions
+    from meshstate.core.config import SIZE_NAMES
+
+    assert [f.name for f in fields(MeshConfig)] == ["world_size", "order", *SIZE_NAMES]
+    assert [f.name for f in fields(BuildOptions)] == list(BuildArguments.__annotations__)
+    with fake_world(0, 8):
+        with pytest.raises(TypeError, match="^init_mesh\\(\\) got an unexpected keyword argument 'tq'$"):
+            meshstate.init_mesh(tq=2)
+        with pytest.raises(TypeError, match="^MeshConfig.__init__\\(\\) got an unexpected keyword argument 'dp'$"):
+            MeshConfig(8, dp=4)
+        mesh = meshstate.init_mesh(**MeshConfig(8, order="tp-dp-pp", tp=2, pp=2).arguments())
+        assert (mesh.size("tp"), mesh.size("dp"), mesh.config.order) == (2, 2, "tp-dp-pp")
+        mesh.destroy()

@@ -34,9 +34,9 @@ class GroupArguments(TypedDict, total=False):
     DeviceMeshes' (``None``: see :func:`resolve_device_type`).
     """
 
-    device_type: str | None
     backend: str | None
     timeout: timedelta | None
+    device_type: str | None
 
 
 class BuildArguments(GroupArguments, total=False):

@@ -1,4 +1,4 @@
-"""Parse and validate a parallel configuration: world size, order string, sizes.
+"""The layout's keyword arguments (:class:`SizeArguments`) and their validated value, :class:`MeshConfig`: world size, order string, sizes.
 
 Pure Python: nothing here touches ``torch.distributed``. Every check runs when a
 :class:`MeshConfig` is constructed, so a bad config fails before any process

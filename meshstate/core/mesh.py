@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,43 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshstate.core import compat as _compat
 from meshstate.core.errors import AxisError, MeshStateError, NotInitializedError, WrongMeshError
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
-from meshstate.core.layout import (
-    DENSE_AXES,
-    EXPERT_AXES,
-    GROUP_KINDS,
-    HSDP_AXES,
-    DerivedGroup,
-    Grid,
-    Key,
-    ParallelLayout,
-    spellings,
-    splits_dp,
-)
+from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Key, ParallelLayout, spellings, splits_dp
+from meshstate.core.tables import Facts, Table
+from meshstate.core.views import build_root_mesh, flattened_mesh, sliced_mesh
 
 if TYPE_CHECKING:
     from meshstate.core.build import init_mesh as init_mesh
-
-V = TypeVar("V")
-
-
-class Table(dict[Key, V]):
-    """One of a mesh's tables (``rank_in``, ``size_of``, ``group_of``, ``ranks_of``).
-
-    A dict; ``destroy()`` empties it, and from then on a lookup by ``[]`` raises
-    the error that names where the mesh was destroyed, so whoever holds the
-    table (the Megatron façade does) learns it from the mesh.
-    """
-
-    __slots__ = ("destroyed",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.destroyed: str | None = None  # why a lookup fails once the mesh is destroyed
-
-    def __missing__(self, key: Key) -> V:
-        if self.destroyed is not None:
-            raise NotInitializedError(self.destroyed)
-        raise KeyError(key)
 
 
 @dataclass(frozen=True)
@@ -99,45 +68,6 @@ class OrderedGroup:
     """``group.group_name``, which torch's traceable collectives take."""
     by_group_rank: tuple[int, ...] | None
     """The axis index of each group rank; ``None`` where they agree (no reordering)."""
-
-
-class Facts:
-    """A mesh's tables for its axes and joint keys, read by attribute.
-
-    ``facts.tp_rank`` is ``mesh.rank_in["tp"]``, ``facts.dp_cp_size`` is
-    ``mesh.size_of["dp-cp"]`` (a key's ``-`` is ``_``), and likewise ``*_group``
-    and ``*_ranks``. Written once, with the tables, when the mesh is made; an
-    attribute read costs less than a dict lookup, so code that asks one key
-    millions of times (Megatron's getters) reads these.
-
-    Example, on rank 5 of 8 with ``init_mesh(tp=2, pp=2)``::
-
-        mesh.facts.tp_rank, mesh.facts.dp_cp_size   # (1, 2)
-    """
-
-    def __init__(self, mesh: ParallelMesh) -> None:
-        for key in mesh.kinds:
-            if key in mesh.group_of:
-                name = key.replace("-", "_")
-                setattr(self, f"{name}_rank", mesh.rank_in[key])
-                setattr(self, f"{name}_size", mesh.size_of[key])
-                setattr(self, f"{name}_group", mesh.group_of[key])
-                setattr(self, f"{name}_ranks", mesh.ranks_of[key])
-
-
-class _DestroyedFacts(Facts):
-    """A destroyed mesh's ``facts``: every read raises the error naming where.
-
-    ``destroy()`` turns the live ``facts`` object into one of these (its class
-    is swapped, since the Megatron façade holds that object): a ``__getattr__``
-    on :class:`Facts` itself would cost every getter its specialised attribute
-    read (``facts.tp_rank`` 8 ns becomes 24 ns on CPython 3.11), so the swap stays.
-    """
-
-    destroyed: str
-
-    def __getattr__(self, name: str) -> Any:
-        raise NotInitializedError(self.destroyed)
 
 
 class _DeviceMeshOnly:
@@ -263,7 +193,7 @@ class ParallelMesh:
         torch builds a DeviceMesh from a rank grid of the whole world, so this
         costs O(world) once; the groups, getters and tables never need it.
         """
-        dense = self._build_root_mesh(self.layout.dense)
+        dense = build_root_mesh(self, self.layout.dense)
         if "expert" in self.__dict__:
             _compat.share_rank_map(dense, self.expert)
         return dense
@@ -271,7 +201,7 @@ class ParallelMesh:
     @cached_property
     def expert(self) -> DeviceMesh:
         """The expert DeviceMesh (dims pp, edp, ep, etp for the default order), made on first use."""
-        expert = self._build_root_mesh(self.layout.expert)
+        expert = build_root_mesh(self, self.layout.expert)
         if "dense" in self.__dict__:
             _compat.share_rank_map(expert, self.dense)
         return expert
@@ -282,7 +212,7 @@ class ParallelMesh:
         order, torchtitan's world mesh), made on first use; ``mesh["dp_replicate",
         "dp_shard"]`` slices it for FSDP2's HSDP.
         """
-        hsdp = self._build_root_mesh(self.layout.hsdp)
+        hsdp = build_root_mesh(self, self.layout.hsdp)
         if "dense" in self.__dict__:
             _compat.share_rank_map(hsdp, self.dense)
         return hsdp
@@ -453,9 +383,9 @@ class ParallelMesh:
         self._check_alive()
         names = (key,) if isinstance(key, str) else tuple(key)
         if len(names) == 1 and isinstance(names[0], str) and "-" in names[0]:
-            mesh = self._flattened(names[0])
+            mesh = flattened_mesh(self, names[0])
         else:
-            mesh = self._slice(names)
+            mesh = sliced_mesh(self, names)
         self._device_meshes[names] = self._device_meshes[key] = mesh
         return mesh
 
@@ -485,9 +415,7 @@ class ParallelMesh:
         for table in (self.rank_in, self.size_of, self.group_of, self.ranks_of):
             table.clear()
             table.destroyed = str(self._destroyed_error())
-        self.facts.__dict__.clear()
-        self.facts.__class__ = _DestroyedFacts
-        self.facts.__dict__["destroyed"] = str(self._destroyed_error())
+        self.facts.forget(str(self._destroyed_error()))
         _live_meshes.discard(self)
 
     def __enter__(self) -> ParallelMesh:
@@ -524,87 +452,6 @@ class ParallelMesh:
             return MeshStateError(f"rank {self.global_rank} is in no {str(key)!r} group")
         valid = ", ".join(map(str, self.keys()))
         return AxisError(f"mesh has no group {str(key)!r}; valid keys are {valid}")
-
-    def _build_root_mesh(self, grid: Grid) -> DeviceMesh:
-        """Build ``grid``'s root DeviceMesh from the groups of its axes (O(world): once, cached)."""
-        self._check_alive()
-        return DeviceMesh.from_group(
-            [
-                self.group_of[axis] if axis in self.group_of else self.ordered(axis).group
-                for axis in grid.mesh_axes
-            ],
-            self.device_type,
-            mesh=grid.rank_grid(),
-            mesh_dim_names=grid.mesh_axes,
-        )
-
-    def _root_mesh_of(self, grid: Grid) -> DeviceMesh:
-        """The root DeviceMesh ``grid`` belongs to: ``dense``, ``expert`` or ``hsdp``."""
-        if grid is self.layout.hsdp:
-            return self.hsdp
-        return self.dense if grid is self.layout.dense else self.expert
-
-    def _flattened(self, key: str, view: Grid | None = None) -> DeviceMesh:
-        """The flattened 1-D mesh of ``key``, flattened from ``view``'s root (default: its own)."""
-        canonical, grid, axes = self.layout.resolve(key, view)
-        if len(axes) == 1:  # "dp_replicate-dp_shard" is the axis dp
-            return self[axes[0]]
-        cached = view is None or grid is self.layout.resolve(key)[1]
-        if cached and (canonical,) in self._device_meshes:
-            return self._device_meshes[(canonical,)]
-        group = self.ordered(axes).group
-        flattened = _compat.flatten_with_group(self._root_mesh_of(grid), axes, canonical, group)
-        self._check_consistent(flattened, (canonical,))
-        if cached:
-            self._device_meshes[(canonical,)] = flattened
-        return flattened
-
-    def _slice(self, names: tuple[str, ...]) -> DeviceMesh:
-        valid = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
-        if self.config.dp_replicate > 1:
-            valid += f", HSDP axes {HSDP_AXES}"
-        for name in names:
-            known = isinstance(name, str) and (
-                "-" in name or name in DENSE_AXES + EXPERT_AXES + HSDP_AXES
-            )
-            if not known:
-                raise AxisError(f"mesh has no axis {name!r}; valid are {valid}")
-        resolved = self.layout.resolve_together(names)
-        grids = {id(grid) for _, grid, _ in resolved}
-        if len(grids) > 1:
-            raise AxisError(f"axes {names} mix dense and expert axes; valid are {valid}")
-        root = self._root_mesh_of(resolved[0][1])
-        root_axes = root.mesh_dim_names or ()
-        axes = [axis for _, _, joint in resolved for axis in joint]
-        in_mesh_order = tuple(axis for axis in root_axes if axis in axes)
-        if len(set(axes)) != len(axes):
-            raise AxisError(f"axes {names} name an axis twice")
-        if tuple(axes) != in_mesh_order:
-            raise AxisError(
-                f"axes {names} run against mesh order (outer to inner) {root_axes}, and a torch "
-                f"DeviceMesh keeps its dims in mesh order; slice mesh{list(in_mesh_order)} and give "
-                f"the order in the spec instead: P({tuple(axes)!r}) lays a dim out major to minor"
-            )
-        for canonical, grid, joint in resolved:
-            if len(joint) > 1:
-                self._flattened(canonical, grid)
-        keys = tuple(canonical if len(joint) > 1 else joint[0] for canonical, _, joint in resolved)
-        view = _compat.slice_with_flattened(root, keys)
-        _compat.share_rank_map(view, root)
-        return self._check_consistent(view, keys)
-
-    def _check_consistent(self, view: DeviceMesh, keys: tuple[str, ...]) -> DeviceMesh:
-        """Refuse a DeviceMesh whose ranks disagree with the process groups behind it."""
-        for dim, key in enumerate(keys):
-            mesh_rank, group_rank = view.get_local_rank(dim), dist.get_rank(view.get_group(dim))
-            layout_rank = self.ordered(key).index
-            if mesh_rank != group_rank or mesh_rank != layout_rank:
-                raise MeshStateError(
-                    f"DeviceMesh dim {key!r} puts rank {self.global_rank} at {mesh_rank}, but its "
-                    f"process group at {group_rank} and the layout at {layout_rank}; a "
-                    "DeviceMesh numbers ranks in mesh order, so the group must list them so too"
-                )
-        return view
 
 
 class _CurrentMeshes(threading.local):

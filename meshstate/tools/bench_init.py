@@ -87,12 +87,8 @@ def megatron_available() -> bool:
         return False
 
 
-def _sizes(config: MeshConfig) -> dict[str, Any]:
-    return dict(order=config.order, tp=config.tp, cp=config.cp, ep=config.ep, etp=config.etp, pp=config.pp)
-
-
 def _build_init_mesh(config: MeshConfig) -> _Built:
-    mesh = init_mesh(**_sizes(config))
+    mesh = init_mesh(**config.arguments())
     return _Built(
         {
             "tp rank": ("f('tp')", mesh.rank),

@@ -15,12 +15,12 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from meshstate.core.config import MeshConfig
+from meshstate.core.config import MeshArguments, MeshConfig
 from meshstate.core.errors import ConfigError, MeshStateError
 from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Grid, ParallelLayout
 from meshstate.core.build import init_mesh
@@ -125,11 +125,15 @@ def _require_gpus(backend: str, local_ranks: int) -> None:
         raise MeshStateError("--backend nccl: this torch build has no NCCL; use --backend gloo")
 
 
+def _layout_arguments(args: argparse.Namespace) -> MeshArguments:
+    """The layout the command line gives: every init_mesh layout argument its parser has."""
+    given = vars(args)
+    layout = {name: given[name] for name in MeshArguments.__annotations__ if name in given}
+    return cast(MeshArguments, layout)
+
+
 def _config(args: argparse.Namespace, world_size: int) -> MeshConfig:
-    return MeshConfig(
-        world_size, order=args.order, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp,
-        pp=args.pp, dp_replicate=args.dp_replicate,
-    )
+    return MeshConfig(world_size, **_layout_arguments(args))
 
 
 def _describe(config: MeshConfig) -> str:
@@ -393,7 +397,7 @@ def run_check(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
 
 def run_bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     """``meshstate bench``: time meshstate beside megatron-core, DeviceMesh and torchtitan."""
-    sizes = dict(order=args.order, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, pp=args.pp)
+    sizes: dict[str, Any] = dict(_layout_arguments(args))
     if args.processes:
         _require_capacity(
             max(args.processes), args.force, "pass smaller --processes (0 for none)"

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshstate.core.arguments import resolve_device_type
 from meshstate.core.config import MeshConfig, check_positive_int
 from meshstate.core.errors import AxisError, ConfigError, MeshStateError
 from meshstate.core.groups import ProcessGroupSet, create_group_family
@@ -395,8 +396,7 @@ def init_hybrid_mesh(
             f"({' '.join(f'{a}={s}' for a, s in zip(grid.axes, grid.sizes))}) "
             f"but the world has {dist.get_world_size()}"
         )
-    if device_type is None:
-        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    device_type = resolve_device_type(device_type)
     process_groups = ProcessGroupSet(by_name={})
     try:
         for axis in grid.mesh_axes:

@@ -1,0 +1,107 @@
+"""The DeviceMeshes of a :class:`~meshstate.core.mesh.ParallelMesh`, built from its groups.
+
+A root DeviceMesh (dense, expert, HSDP) is built from the groups of its axes;
+slices and flattened joint meshes are cut from a root with the group of their
+axes, and each is checked against the process groups behind it. The mesh
+calls these on first request and caches what they return.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshstate.core import compat as _compat
+from meshstate.core.errors import AxisError, MeshStateError
+from meshstate.core.layout import DENSE_AXES, EXPERT_AXES, HSDP_AXES, Grid
+
+if TYPE_CHECKING:
+    from meshstate.core.mesh import ParallelMesh
+
+
+def build_root_mesh(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
+    """Build ``grid``'s root DeviceMesh from the groups of its axes (O(world): once, cached)."""
+    mesh._check_alive()
+    return DeviceMesh.from_group(
+        [
+            mesh.group_of[axis] if axis in mesh.group_of else mesh.ordered(axis).group
+            for axis in grid.mesh_axes
+        ],
+        mesh.device_type,
+        mesh=grid.rank_grid(),
+        mesh_dim_names=grid.mesh_axes,
+    )
+
+
+def root_mesh_of(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
+    """The root DeviceMesh ``grid`` belongs to: ``dense``, ``expert`` or ``hsdp``."""
+    if grid is mesh.layout.hsdp:
+        return mesh.hsdp
+    return mesh.dense if grid is mesh.layout.dense else mesh.expert
+
+
+def flattened_mesh(mesh: ParallelMesh, key: str, view: Grid | None = None) -> DeviceMesh:
+    """The flattened 1-D mesh of ``key``, flattened from ``view``'s root (default: its own)."""
+    canonical, grid, axes = mesh.layout.resolve(key, view)
+    if len(axes) == 1:  # "dp_replicate-dp_shard" is the axis dp
+        return mesh[axes[0]]
+    cached = view is None or grid is mesh.layout.resolve(key)[1]
+    if cached and (canonical,) in mesh._device_meshes:
+        return mesh._device_meshes[(canonical,)]
+    group = mesh.ordered(axes).group
+    flattened = _compat.flatten_with_group(root_mesh_of(mesh, grid), axes, canonical, group)
+    check_consistent(mesh, flattened, (canonical,))
+    if cached:
+        mesh._device_meshes[(canonical,)] = flattened
+    return flattened
+
+
+def sliced_mesh(mesh: ParallelMesh, names: tuple[str, ...]) -> DeviceMesh:
+    valid = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
+    if mesh.config.dp_replicate > 1:
+        valid += f", HSDP axes {HSDP_AXES}"
+    for name in names:
+        known = isinstance(name, str) and (
+            "-" in name or name in DENSE_AXES + EXPERT_AXES + HSDP_AXES
+        )
+        if not known:
+            raise AxisError(f"mesh has no axis {name!r}; valid are {valid}")
+    resolved = mesh.layout.resolve_together(names)
+    grids = {id(grid) for _, grid, _ in resolved}
+    if len(grids) > 1:
+        raise AxisError(f"axes {names} mix dense and expert axes; valid are {valid}")
+    root = root_mesh_of(mesh, resolved[0][1])
+    root_axes = root.mesh_dim_names or ()
+    axes = [axis for _, _, joint in resolved for axis in joint]
+    in_mesh_order = tuple(axis for axis in root_axes if axis in axes)
+    if len(set(axes)) != len(axes):
+        raise AxisError(f"axes {names} name an axis twice")
+    if tuple(axes) != in_mesh_order:
+        raise AxisError(
+            f"axes {names} run against mesh order (outer to inner) {root_axes}, and a torch "
+            f"DeviceMesh keeps its dims in mesh order; slice mesh{list(in_mesh_order)} and give "
+            f"the order in the spec instead: P({tuple(axes)!r}) lays a dim out major to minor"
+        )
+    for canonical, grid, joint in resolved:
+        if len(joint) > 1:
+            flattened_mesh(mesh, canonical, grid)
+    keys = tuple(canonical if len(joint) > 1 else joint[0] for canonical, _, joint in resolved)
+    view = _compat.slice_with_flattened(root, keys)
+    _compat.share_rank_map(view, root)
+    return check_consistent(mesh, view, keys)
+
+
+def check_consistent(mesh: ParallelMesh, view: DeviceMesh, keys: tuple[str, ...]) -> DeviceMesh:
+    """Refuse a DeviceMesh whose ranks disagree with the process groups behind it."""
+    for dim, key in enumerate(keys):
+        mesh_rank, group_rank = view.get_local_rank(dim), dist.get_rank(view.get_group(dim))
+        layout_rank = mesh.ordered(key).index
+        if mesh_rank != group_rank or mesh_rank != layout_rank:
+            raise MeshStateError(
+                f"DeviceMesh dim {key!r} puts rank {mesh.global_rank} at {mesh_rank}, but its "
+                f"process group at {group_rank} and the layout at {layout_rank}; a "
+                "DeviceMesh numbers ranks in mesh order, so the group must list them so too"
+            )
+    return view
