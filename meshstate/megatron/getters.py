@@ -19,8 +19,8 @@ Example, on rank 5 of 8 after ``initialize_model_parallel(tensor_model_parallel_
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Literal, Protocol, TypeVar, cast, overload
+from collections.abc import Mapping
+from typing import cast
 
 import torch.distributed as dist
 
@@ -29,92 +29,44 @@ from meshstate.core.layout import Chunks, DerivedGroup, Key
 from meshstate.core.mesh import ParallelMesh
 from meshstate.megatron import derived as families
 from meshstate.megatron.tables import (
-    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, Answers, GetterFacts, TableFacts, not_initialized,
+    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, Answers, GetterFacts, TableFacts, checked_getter,
+    not_initialized,
 )
 
 __all__ = [
-    "get_all_ranks",
-    "get_amax_reduction_group",
-    "get_context_parallel_global_ranks",
-    "get_context_parallel_group",
-    "get_context_parallel_rank",
-    "get_context_parallel_world_size",
-    "get_data_modulo_expert_parallel_group",
-    "get_data_parallel_group",
-    "get_data_parallel_group_gloo",
-    "get_data_parallel_rank",
-    "get_data_parallel_src_rank",
-    "get_data_parallel_world_size",
-    "get_embedding_group",
-    "get_expert_data_parallel_group",
-    "get_expert_data_parallel_group_gloo",
-    "get_expert_data_parallel_rank",
-    "get_expert_data_parallel_world_size",
-    "get_expert_model_parallel_group",
-    "get_expert_model_parallel_rank",
-    "get_expert_model_parallel_src_rank",
-    "get_expert_model_parallel_world_size",
-    "get_expert_tensor_and_model_parallel_group",
-    "get_expert_tensor_and_model_parallel_rank",
+    "get_all_ranks", "get_amax_reduction_group", "get_context_parallel_global_ranks",
+    "get_context_parallel_group", "get_context_parallel_rank",
+    "get_context_parallel_world_size", "get_data_modulo_expert_parallel_group",
+    "get_data_parallel_group", "get_data_parallel_group_gloo", "get_data_parallel_rank",
+    "get_data_parallel_src_rank", "get_data_parallel_world_size", "get_embedding_group",
+    "get_expert_data_parallel_group", "get_expert_data_parallel_group_gloo",
+    "get_expert_data_parallel_rank", "get_expert_data_parallel_world_size",
+    "get_expert_model_parallel_group", "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_src_rank", "get_expert_model_parallel_world_size",
+    "get_expert_tensor_and_model_parallel_group", "get_expert_tensor_and_model_parallel_rank",
     "get_expert_tensor_and_model_parallel_world_size",
-    "get_expert_tensor_model_pipeline_parallel_group",
-    "get_expert_tensor_parallel_group",
-    "get_expert_tensor_parallel_rank",
-    "get_expert_tensor_parallel_world_size",
-    "get_hierarchical_context_parallel_groups",
-    "get_hybrid_data_context_parallel_groups",
+    "get_expert_tensor_model_pipeline_parallel_group", "get_expert_tensor_parallel_group",
+    "get_expert_tensor_parallel_rank", "get_expert_tensor_parallel_world_size",
+    "get_hierarchical_context_parallel_groups", "get_hybrid_data_context_parallel_groups",
     "get_inter_distributed_optimizer_instance_group",
-    "get_intra_distributed_optimizer_instance_group",
-    "get_mesh",
-    "get_model_parallel_group",
-    "get_model_parallel_src_rank",
-    "get_pipeline_model_parallel_first_rank",
-    "get_pipeline_model_parallel_group",
-    "get_pipeline_model_parallel_last_rank",
-    "get_pipeline_model_parallel_next_rank",
-    "get_pipeline_model_parallel_prev_rank",
-    "get_pipeline_model_parallel_rank",
-    "get_pipeline_model_parallel_world_size",
-    "get_position_embedding_group",
-    "get_tensor_and_context_parallel_group",
-    "get_tensor_and_context_parallel_rank",
-    "get_tensor_and_context_parallel_world_size",
-    "get_tensor_and_data_parallel_group",
-    "get_tensor_model_parallel_group",
-    "get_tensor_model_parallel_rank",
-    "get_tensor_model_parallel_src_rank",
-    "get_tensor_model_parallel_world_size",
-    "get_virtual_pipeline_model_parallel_rank",
-    "get_virtual_pipeline_model_parallel_world_size",
-    "has_separate_all_gather_group",
-    "is_initialized",
-    "is_pipeline_first_stage",
-    "is_pipeline_last_stage",
-    "is_rank_in_embedding_group",
-    "is_rank_in_position_embedding_group",
-    "is_unitialized",
-    "model_parallel_is_initialized",
-    "set_virtual_pipeline_model_parallel_rank",
+    "get_intra_distributed_optimizer_instance_group", "get_mesh", "get_model_parallel_group",
+    "get_model_parallel_src_rank", "get_pipeline_model_parallel_first_rank",
+    "get_pipeline_model_parallel_group", "get_pipeline_model_parallel_last_rank",
+    "get_pipeline_model_parallel_next_rank", "get_pipeline_model_parallel_prev_rank",
+    "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size",
+    "get_position_embedding_group", "get_tensor_and_context_parallel_group",
+    "get_tensor_and_context_parallel_rank", "get_tensor_and_context_parallel_world_size",
+    "get_tensor_and_data_parallel_group", "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank", "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size", "get_virtual_pipeline_model_parallel_rank",
+    "get_virtual_pipeline_model_parallel_world_size", "has_separate_all_gather_group",
+    "is_initialized", "is_pipeline_first_stage", "is_pipeline_last_stage",
+    "is_rank_in_embedding_group", "is_rank_in_position_embedding_group", "is_unitialized",
+    "model_parallel_is_initialized", "set_virtual_pipeline_model_parallel_rank",
     "set_virtual_pipeline_model_parallel_world_size",
 ]
 
 ProcessGroup = dist.ProcessGroup
-T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
-
-
-class CheckedGetter(Protocol[T_co]):
-    """A getter of megatron-core's ``check_initialized``: ``False`` may answer ``None``."""
-
-    @overload
-    def __call__(self, check_initialized: Literal[True] = True, **options: bool) -> T_co: ...
-    @overload
-    def __call__(self, check_initialized: bool, **options: bool) -> T_co | None: ...
-
-
-def _checked_getter(getter: Callable[..., T | None]) -> CheckedGetter[T]:
-    """``getter`` itself, typed as never ``None`` unless ``check_initialized=False``."""
-    return cast(CheckedGetter[T], getter)
 
 
 # The mesh served, its tables by attribute, and what the hot getters read: rebound by serve().
@@ -202,19 +154,19 @@ def _virtual_stage(vp_stage: int | None) -> int:
 # -- groups ----------------------------------------------------------------------------
 
 
-@_checked_getter
+@checked_getter
 def get_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The model-parallel (tensor + pipeline) group of the caller."""
     return _facts.tp_pp_group if check_initialized else _tables.maybe.tp_pp_group
 
 
-@_checked_getter
+@checked_getter
 def get_tensor_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor-model-parallel group of the caller."""
     return _facts.tp_group if check_initialized else _tables.maybe.tp_group
 
 
-@_checked_getter
+@checked_getter
 def get_pipeline_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The pipeline-model-parallel group of the caller."""
     return _facts.pp_group if check_initialized else _tables.maybe.pp_group
@@ -256,13 +208,13 @@ def get_data_parallel_group_gloo(
     return _tables.dp_gloo_group
 
 
-@_checked_getter
+@checked_getter
 def get_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The context-parallel group of the caller."""
     return _facts.cp_group if check_initialized else _tables.maybe.cp_group
 
 
-@_checked_getter
+@checked_getter
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int] | None:
     """Global ranks of the caller's context-parallel group."""
     ranks = _tables.maybe.cp_ranks
@@ -271,7 +223,7 @@ def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[in
     return None if ranks is None else list(ranks)
 
 
-@_checked_getter
+@checked_getter
 def get_hierarchical_context_parallel_groups(
     check_initialized: bool = True,
 ) -> list[ProcessGroup] | None:
@@ -307,13 +259,13 @@ def hybrid_dp_cp_groups() -> dict[int, ProcessGroup]:
     }
 
 
-@_checked_getter
+@checked_getter
 def get_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The caller's embedding group (first and last stages by default)."""
     return _tables.embedding_group if check_initialized else _tables.maybe.embedding_group
 
 
-@_checked_getter
+@checked_getter
 def get_position_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The caller's position-embedding group (the first stage by default)."""
     if check_initialized:
@@ -330,7 +282,7 @@ def get_amax_reduction_group(
     return _tables.tp_dp_cp_group if with_context_parallel else _tables.tp_dp_group
 
 
-@_checked_getter
+@checked_getter
 def get_tensor_and_data_parallel_group(
     check_initialized: bool = True, with_context_parallel: bool = False
 ) -> ProcessGroup | None:
@@ -339,25 +291,25 @@ def get_tensor_and_data_parallel_group(
     return tables.tp_dp_cp_group if with_context_parallel else tables.tp_dp_group
 
 
-@_checked_getter
+@checked_getter
 def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor+context parallel group of the caller."""
     return _facts.tp_cp_group if check_initialized else _tables.maybe.tp_cp_group
 
 
-@_checked_getter
+@checked_getter
 def get_expert_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-model-parallel group of the caller."""
     return _facts.ep_group if check_initialized else _tables.maybe.ep_group
 
 
-@_checked_getter
+@checked_getter
 def get_expert_tensor_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-tensor-parallel group of the caller."""
     return _facts.etp_group if check_initialized else _tables.maybe.etp_group
 
 
-@_checked_getter
+@checked_getter
 def get_expert_tensor_and_model_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
@@ -365,7 +317,7 @@ def get_expert_tensor_and_model_parallel_group(
     return _facts.etp_ep_group if check_initialized else _tables.maybe.etp_ep_group
 
 
-@_checked_getter
+@checked_getter
 def get_expert_tensor_model_pipeline_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
@@ -373,7 +325,7 @@ def get_expert_tensor_model_pipeline_parallel_group(
     return _facts.etp_ep_pp_group if check_initialized else _tables.maybe.etp_ep_pp_group
 
 
-@_checked_getter
+@checked_getter
 def get_expert_data_parallel_group(
     check_initialized: bool = True, partial_expert_data_parallel: bool = False
 ) -> ProcessGroup | None:
@@ -404,7 +356,7 @@ def get_expert_data_parallel_group_gloo(
     return _tables.intra_edp_gloo_group if partial_expert_data_parallel else _tables.edp_gloo_group
 
 
-@_checked_getter
+@checked_getter
 def get_intra_distributed_optimizer_instance_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
@@ -412,7 +364,7 @@ def get_intra_distributed_optimizer_instance_group(
     return _tables.dist_opt_instance_group if check_initialized else _tables.maybe.dist_opt_instance_group
 
 
-@_checked_getter
+@checked_getter
 def get_inter_distributed_optimizer_instance_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:

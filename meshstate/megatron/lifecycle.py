@@ -79,11 +79,8 @@ def initialize_model_parallel(
         create_all_gather_group=bool(create_all_gather_group),
         create_gloo_process_groups=create_gloo_process_groups,
     )
-    options = nccl.group_options(
-        derived,
-        nccl.nccl_configs(nccl_communicator_config_path, high_priority_stream_groups),
-        pipeline_model_parallel_comm_backend,
-    )
+    configs = nccl.nccl_configs(nccl_communicator_config_path, high_priority_stream_groups)
+    options = nccl.group_options(derived, configs, pipeline_model_parallel_comm_backend)
     mesh = _build_mesh(config, distributed_timeout_minutes, derived, options, {
         "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
         "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
@@ -97,13 +94,18 @@ def initialize_model_parallel(
     })
     if sharp_group is not None:
         nccl.enable_sharp(mesh.group_of.get(sharp_group))
-    if virtual_pipeline_model_parallel_size is not None:
-        getters.set_virtual_pipeline_stages(0, virtual_pipeline_model_parallel_size)
+    _serve(mesh, virtual_pipeline_model_parallel_size)
+    logger.debug("initialized model parallel state: %r", mesh)
+
+
+def _serve(mesh: ParallelMesh, vpp: int | None) -> None:
+    """Serve ``mesh`` to every getter, with a fresh memory buffer and the virtual stages."""
+    if vpp is not None:
+        getters.set_virtual_pipeline_stages(0, vpp)
     buffers.destroy_global_memory_buffer()
     buffers._set_global_memory_buffer()
     getters.serve(mesh)
     set_mesh(mesh)
-    logger.debug("initialized model parallel state: %r", mesh)
 
 
 def _start_afresh() -> None:
@@ -145,6 +147,7 @@ def _build_mesh(
     options: dict[Key, GroupOptions],
     agree_on: dict[str, Any],
 ) -> ParallelMesh:
+    """``init_mesh`` of megatron-core's layout, timeout and derived groups; every rank agrees."""
     return init_mesh(
         **config.arguments(),
         timeout=_minutes(timeout_minutes),

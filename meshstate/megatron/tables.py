@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar, cast, overload
 
 import torch.distributed as dist
 
@@ -27,6 +27,8 @@ from meshstate.core.mesh import ParallelMesh
 from meshstate.megatron import derived as families
 
 ProcessGroup = dist.ProcessGroup
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 __all__ = [
     "set_data_parallel_rank",
@@ -127,6 +129,20 @@ def not_initialized(what: str, mesh: ParallelMesh | None) -> NotInitializedError
     return NotInitializedError(
         f"{what} is not initialized; call initialize_model_parallel() first"
     )
+
+
+class CheckedGetter(Protocol[T_co]):
+    """A getter of megatron-core's ``check_initialized``: ``False`` may answer ``None``."""
+
+    @overload
+    def __call__(self, check_initialized: Literal[True] = True, **options: bool) -> T_co: ...
+    @overload
+    def __call__(self, check_initialized: bool, **options: bool) -> T_co | None: ...
+
+
+def checked_getter(getter: Callable[..., T | None]) -> CheckedGetter[T]:
+    """``getter`` itself, typed as never ``None`` unless ``check_initialized=False``."""
+    return cast(CheckedGetter[T], getter)
 
 
 class GetterFacts(Protocol):
