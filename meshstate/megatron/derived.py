@@ -117,21 +117,8 @@ def derived_groups(
             )
         derived += [DerivedGroup("cp", Level(level, sizes)) for level in range(len(sizes))]
     instances = num_distributed_optimizer_instances
-    if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
-        raise ParallelStateError(
-            f"num_distributed_optimizer_instances must be a positive integer, got {instances!r}"
-        )
+    _check_instances(config, instances)
     dp_cp = config.dp * config.cp
-    if dp_cp % instances:
-        raise ParallelStateError(
-            f"data parallel size with context parallel, dp*cp = {config.dp}*{config.cp} = "
-            f"{dp_cp}, is not divisible by num_distributed_optimizer_instances = {instances}"
-        )
-    if config.edp % instances:
-        raise ParallelStateError(
-            f"expert data parallel size edp = {config.edp} is not divisible by "
-            f"num_distributed_optimizer_instances = {instances}"
-        )
     intra = Instances(instances)
     derived += [replace(INTRA_DP_CP, split=intra), replace(INTRA_EDP, split=intra)]
     derived.append(replace(DIST_OPT_INSTANCE, split=intra))
@@ -149,3 +136,22 @@ def derived_groups(
         declared: dict[Key, Key] = {spec: spec for spec in derived}
         derived += [gloo(declared.get(key, key)) for key in GLOO_KEYS]
     return derived
+
+
+def _check_instances(config: MeshConfig, instances: int) -> None:
+    """megatron-core's checks of ``num_distributed_optimizer_instances``, with the numbers."""
+    if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+        raise ParallelStateError(
+            f"num_distributed_optimizer_instances must be a positive integer, got {instances!r}"
+        )
+    dp_cp = config.dp * config.cp
+    if dp_cp % instances:
+        raise ParallelStateError(
+            f"data parallel size with context parallel, dp*cp = {config.dp}*{config.cp} = "
+            f"{dp_cp}, is not divisible by num_distributed_optimizer_instances = {instances}"
+        )
+    if config.edp % instances:
+        raise ParallelStateError(
+            f"expert data parallel size edp = {config.edp} is not divisible by "
+            f"num_distributed_optimizer_instances = {instances}"
+        )
