@@ -75,9 +75,9 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from meshstate.core import compat as _compat
 from meshstate.core.errors import MeshStateError
 from meshstate.core.mesh import destroy_every_mesh
+from meshstate.testing import torch_internals
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 """How long a run may take unless told otherwise; halfway, a line on stderr says who is still running."""
@@ -366,13 +366,13 @@ def _worker_main(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    store = _compat.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store = torch_internals.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     results.put((0, rank, ("ok", _dumps(None))))  # task 0: started
     while (task := tasks.get()) is not None:
         task_id, payload = task
         try:
             function, args, kwargs, timeout = ForkingPickler.loads(payload)
-            task_store = _compat.PrefixStore(f"task{task_id}", store)
+            task_store = torch_internals.PrefixStore(f"task{task_id}", store)
             dist.init_process_group(
                 backend, store=task_store, rank=rank, world_size=world_size, timeout=timeout
             )
@@ -393,7 +393,7 @@ def _worker_main(
         results.put((task_id, rank, outcome))
 
 
-def _wait_for_every_rank(store: _compat.PrefixStore, key: str, world_size: int) -> None:
+def _wait_for_every_rank(store: torch_internals.PrefixStore, key: str, world_size: int) -> None:
     """Return once every rank of the world has called this with ``key``."""
     if store.add(key, 1) == world_size:
         store.set(f"{key}/all", "")
@@ -566,7 +566,7 @@ class LocalWorld:
         warm_up()
         self._alive_reader, self._alive_writer = self._context.Pipe(duplex=False)
         self._port = _free_port()
-        self._store = _compat.TCPStore(
+        self._store = torch_internals.TCPStore(
             "127.0.0.1", self._port, is_master=True, wait_for_workers=False
         )
         self._results: multiprocessing.Queue[Any] = self._context.Queue()
@@ -828,7 +828,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
     Example: ``with fake_world(5, 131072): meshstate.init_mesh(tp=8)``.
     """
-    dist.init_process_group("fake", store=_compat.fake_store(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=torch_internals.fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
