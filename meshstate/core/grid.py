@@ -250,7 +250,9 @@ class ListedGrid(Grid):
 
     def lattice_of(self, rank: int, axes: Sequence[str]) -> NoReturn:
         """Refused: listed ranks are no lattice; :meth:`group_ranks` lists the group."""
-        raise ConfigError(f"a grid over listed ranks has no strides; ask group_ranks({rank}, {axes})")
+        raise ConfigError(
+            f"a grid over listed ranks has no strides; ask group_ranks({rank}, {axes})"
+        )
 
     def members_of(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
         """The group, listed: listed ranks have no strides to keep."""

@@ -1,4 +1,4 @@
-"""The ``DeviceMesh`` of a :class:`~meshstate.core.hybrid_grid.HybridGrid`, built once by every rank.
+"""The ``DeviceMesh`` of a :class:`~meshstate.core.hybrid_grid.HybridGrid`, built by every rank.
 
 The mesh layer's: one process group per axis, created by
 :func:`meshstate.core.groups.create_process_groups` (the one place groups are

@@ -234,7 +234,7 @@ class ParallelLayout:
         return grid.groups(axes)
 
     def group_ranks(self, rank: int, key: str) -> tuple[int, ...]:
-        """The global ranks of the group of ``key`` that holds ``rank`` (the mesh's ``ranks(key)``)."""
+        """The global ranks of ``rank``'s group of ``key`` (a mesh's ``ranks(key)`` on ``rank``)."""
         _, grid, axes = self.resolve(key)
         return grid.group_ranks(rank, axes)
 

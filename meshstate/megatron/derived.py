@@ -14,7 +14,7 @@ Example::
     >>> from meshstate.core.config import MeshConfig
     >>> from meshstate.core.layout import ParallelLayout
     >>> derived = derived_groups(MeshConfig(8, pp=4))
-    >>> derived[0] == EMBEDDING
+    >>> derived[0].lookup == EMBEDDING
     True
     >>> ParallelLayout(MeshConfig(8, pp=4)).every_group(derived[0])
     [[0, 6], [1, 7]]

@@ -36,7 +36,7 @@ from meshstate.core.layout import GROUP_KINDS, ParallelLayout
 from meshstate.core.mesh import init_mesh
 from meshstate.megatron import parallel_state as mpu
 from meshstate.testing import torch_internals
-from meshstate.testing.launch import fake_world
+from meshstate.testing.fake import fake_world
 
 INIT_MESH = "meshstate init_mesh"
 PARALLEL_STATE = "meshstate parallel_state"

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, init_mesh
-from meshstate.testing.launch import fake_world
+from meshstate.testing.fake import fake_world
 
 RUNTIME_WORLD = 8
 RUNTIME_TP, RUNTIME_CP = 2, 2
