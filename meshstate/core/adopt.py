@@ -81,7 +81,7 @@ def adopt(
         timeout=timeout or _compat.default_timeout(str(dist.get_backend())),
     )
     rank = dist.get_rank()
-    members = {key: layout.group_of(rank, key) for key in kinds}
+    members = {key: layout.group_ranks(rank, key) for key in kinds}
     problem = next(
         (
             f"the adopted {key!r} group of rank {rank} holds ranks {given}, but the layout "

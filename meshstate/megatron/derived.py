@@ -14,7 +14,7 @@ Example::
     >>> from meshstate.core.config import MeshConfig
     >>> from meshstate.core.layout import ParallelLayout
     >>> derived = derived_groups(MeshConfig(8, pp=4))
-    >>> derived[0] == EMBEDDING
+    >>> derived[0].lookup == EMBEDDING
     True
     >>> ParallelLayout(MeshConfig(8, pp=4)).every_group(derived[0])
     [[0, 6], [1, 7]]
@@ -51,7 +51,7 @@ def hierarchical_cp(level: int) -> DerivedGroup:
 
 def hierarchical_cp_levels(keys: Iterable[Key]) -> list[DerivedGroup]:
     """The hierarchical context-parallel levels among ``keys``, innermost first."""
-    declared = set(keys)
+    declared = {key.lookup if isinstance(key, DerivedGroup) else key for key in keys}
     return list(itertools.takewhile(declared.__contains__, map(hierarchical_cp, itertools.count())))
 
 
@@ -133,7 +133,7 @@ def derived_groups(
     if create_all_gather_group:
         derived.append(DP_CP_ALL_GATHER)
     if create_gloo_process_groups:
-        declared: dict[Key, Key] = {spec: spec for spec in derived}
+        declared: dict[Key, Key] = {spec.lookup: spec for spec in derived}
         derived += [gloo(declared.get(key, key)) for key in GLOO_KEYS]
     return derived
 

@@ -109,7 +109,7 @@ def _nccl_keys(pg_name: str, derived: Sequence[DerivedGroup]) -> tuple[Key, ...]
             spec for spec in derived
             if spec.base == DP_CP and (spec.separate or isinstance(spec.split, Chunks))
         )
-    declared = set(GROUP_KINDS) | set(derived)
+    declared = set(GROUP_KINDS) | {spec.lookup for spec in derived}
     return tuple(key for key in _NCCL_CONFIG_KEYS.get(pg_name, ()) if key in declared)
 
 
