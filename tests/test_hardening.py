@@ -220,7 +220,7 @@ def test_fuzzed_configs_raise_only_config_errors(world, order, tp, cp, ep, etp, 
     for kind in meshstate.GROUP_KINDS:
         groups = layout.groups(kind)
         assert groups.numel() == config.world_size
-        assert list(layout.group_of(config.world_size - 1, kind)) in groups.tolist()
+        assert list(layout.group_ranks(config.world_size - 1, kind)) in groups.tolist()
 
 
 SMALL = st.sampled_from([1, 1, 2, 3, 4, 0, -1])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from meshstate.core.errors import MeshStateError
-from meshstate.testing import launch
+from meshstate.testing import fork_server
 from meshstate.testing.launch import RankFailure, RankTimeout
 from meshstate.testing import local_world
 from harness_bodies import (
@@ -73,7 +73,7 @@ def test_a_fork_server_forked_from_the_caller_drops_its_handlers_and_captured_st
         status = 1
         try:
             signal.signal(signal.SIGTERM, lambda signum, frame: None)
-            launch._forget_caller_state()
+            fork_server._forget_caller_state()
             status = int(signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
                          or sys.stdout is not sys.__stdout__)
         finally:
@@ -179,7 +179,7 @@ while time.monotonic() < deadline:
 '''
 
 
-@pytest.mark.skipif(not launch._server_can_fork_from_here(), reason="the server is a new interpreter here")
+@pytest.mark.skipif(not fork_server._server_can_fork_from_here(), reason="the server is a new interpreter here")
 def test_a_request_cut_off_ends_the_copied_fork_server_quietly():
     done = subprocess.run([sys.executable, "-c", EOF_REQUEST], capture_output=True, text=True,
                           timeout=120)

@@ -134,18 +134,18 @@ def test_hsdp_key_errors() -> None:
 def test_listed_grid_maps_each_local_rank() -> None:
     grid = ListedGrid(("tp", "dp"), (2, 2), ranks=(1, 3, 5, 7))
     assert grid.rank_grid().tolist() == [[1, 3], [5, 7]]
-    assert grid.group_of(5, ["dp"]) == (1, 5) and grid.coordinate(7) == {"tp": 1, "dp": 1}
+    assert grid.group_ranks(5, ["dp"]) == (1, 5) and grid.coordinate(7) == {"tp": 1, "dp": 1}
     assert grid.members_at(7, ["dp", "tp"], range(1, 3)) == (3, 5)
     with pytest.raises(ConfigError, match=r"rank 2 is not one of the grid's ranks \[1, 3, 5, 7\]"):
-        grid.group_of(2, ["tp"])
-    with pytest.raises(ConfigError, match=r"a grid over listed ranks has no strides; ask group_of\(5, \['dp'\]\)"):
+        grid.group_ranks(2, ["tp"])
+    with pytest.raises(ConfigError, match=r"a grid over listed ranks has no strides; ask group_ranks\(5, \['dp'\]\)"):
         grid.lattice_of(5, ["dp"])
     with pytest.raises(ConfigError, match=r"listed ranks must increase from >= 0, got \[3, 1, 5, 7\]"):
         ListedGrid(("tp", "dp"), (2, 2), ranks=(3, 1, 5, 7))
     with pytest.raises(ConfigError, match="listed ranks take no rank_offset, got 4"):
         ParallelLayout(MeshConfig(4, tp=2), rank_offset=4, ranks=(0, 2, 4, 6))
     layout = ParallelLayout(MeshConfig(4, tp=2), ranks=(0, 2, 4, 6))
-    assert layout.groups("dp").tolist() == [[0, 4], [2, 6]] and layout.group_of(6, "tp") == (4, 6)
+    assert layout.groups("dp").tolist() == [[0, 4], [2, 6]] and layout.group_ranks(6, "tp") == (4, 6)
 
 
 def test_listed_ranks_build_a_mesh_on_those_ranks_only() -> None:

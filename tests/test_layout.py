@@ -1,6 +1,7 @@
 """The pure layout against megatron-core's RankGenerator, and its own invariants."""
 
 import itertools
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import assume, given, settings
@@ -53,7 +54,7 @@ def assert_layout_matches_megatron(config, sample_ranks=None):
         assert groups == expected[kind], (config, kind)
         group_by_rank = {rank: group for group in groups for rank in group}
         for rank in ranks:
-            assert list(layout.group_of(rank, kind)) == group_by_rank[rank], (config, kind, rank)
+            assert list(layout.group_ranks(rank, kind)) == group_by_rank[rank], (config, kind, rank)
 
 
 def test_table_has_many_configs():
@@ -105,7 +106,7 @@ def test_joint_key_is_a_set():
     assert layout.canonical("cp-dp") == "dp-cp"
     assert layout.canonical("pp-ep-etp") == "etp-ep-pp"
     assert layout.groups("cp-dp").tolist() == layout.groups("dp-cp").tolist()
-    assert layout.group_of(5, "cp-tp-dp") == layout.group_of(5, "tp-dp-cp")
+    assert layout.group_ranks(5, "cp-tp-dp") == layout.group_ranks(5, "tp-dp-cp")
 
 
 def test_rank_order_inside_joint_group_is_mesh_order():
@@ -130,7 +131,7 @@ def test_grid_ordered_groups_follow_the_callers_axis_order():
     grid = Grid(("tp", "dp"), (2, 3))
     assert grid.groups(["dp", "tp"]).tolist() == [[0, 1, 2, 3, 4, 5]]
     assert grid.groups(["tp", "dp"]).tolist() == [[0, 2, 4, 1, 3, 5]]
-    assert grid.group_of(3, ["tp", "dp"]) == (0, 2, 4, 1, 3, 5)
+    assert grid.group_ranks(3, ["tp", "dp"]) == (0, 2, 4, 1, 3, 5)
     assert grid.index_in_group(3, ["tp", "dp"]) == 4
     assert grid.index_in_group(3, ["dp", "tp"]) == 3
 
@@ -150,8 +151,8 @@ def test_grid_with_offset():
          "key 'tp-ep' mixes dense and expert axes; a joint group uses the dense axes "
          "tp, cp, dp, pp or the expert axes etp, ep, edp, pp"),
         (lambda l: l.groups("tp-tp"), AxisError, "key 'tp-tp' names an axis twice"),
-        (lambda l: l.group_of(8, "tp"), ConfigError, "rank 8 is outside the grid's ranks 0..7"),
-        (lambda l: l.group_of(-1, "tp"), ConfigError, "rank -1 is outside the grid's ranks 0..7"),
+        (lambda l: l.group_ranks(8, "tp"), ConfigError, "rank 8 is outside the grid's ranks 0..7"),
+        (lambda l: l.group_ranks(-1, "tp"), ConfigError, "rank -1 is outside the grid's ranks 0..7"),
         (lambda l: l.dense.groups(["tp", "ep"]), AxisError,
          "unknown axis 'ep'; valid axes are tp, cp, dp, pp"),
     ],
@@ -205,10 +206,42 @@ def test_a_pick_leaves_the_other_ranks_without_a_group():
     assert (layout.members(6, ends), layout.members(2, ends)) == ((0, 6), None)
 
 
+def test_derived_groups_that_carve_different_groups_are_different_values():
+    # Each pair splits the same base differently; one cache slot must not serve both.
+    pairs = [
+        (DerivedGroup("edp", Instances(2)), DerivedGroup("edp", Instances(4))),
+        (DerivedGroup("cp", Level(0, (2, 4))), DerivedGroup("cp", Level(0, (4, 2)))),
+        (DerivedGroup("pp", Pick("end", lambda stages: stages[:1])),
+         DerivedGroup("pp", Pick("end", lambda stages: stages[-1:]))),
+    ]
+    layout = ParallelLayout(MeshConfig(16, cp=8, pp=2))
+    for first, second in pairs:
+        assert first != second and len({first, second}) == 2, (first, second)
+        cache = {first: layout.every_group(first)}
+        assert second not in cache
+
+    @dataclass  # a callable without a hash: a pick compares its function by identity
+    class FirstOf:
+        count: int
+
+        def __call__(self, ranks: list[int]) -> list[int]:
+            return ranks[: self.count]
+
+    first = FirstOf(1)
+    assert Pick("p", first) == Pick("p", first) != Pick("p", FirstOf(1))
+    assert len({Pick("p", first), Pick("p", first), Pick("p", FirstOf(1))}) == 2
+
+
+def test_a_derived_groups_lookup_form_leaves_out_what_the_mesh_supplies():
+    assert DerivedGroup("cp", Level(1, (2, 2))).lookup == DerivedGroup("cp", Level(1))
+    assert DerivedGroup("edp", Instances(4, inter=True)).lookup == DerivedGroup("edp", Instances(inter=True))
+    assert DerivedGroup("pp", Pick("first", min)).lookup == DerivedGroup("pp", Pick("first"))
+    assert DerivedGroup("dp-cp", Chunks(2)).lookup == DerivedGroup("dp-cp", Chunks(2))
+    assert spellings(DerivedGroup("cp", Level(1, (2, 2)))) == [
+        DerivedGroup("cp", Level(1, (2, 2))), DerivedGroup("cp", Level(1))]
+
+
 def test_derived_groups_compare_by_what_tells_them_apart_in_one_mesh():
-    assert DerivedGroup("cp", Level(1, (2, 2))) == DerivedGroup("cp", Level(1))
-    assert hash(DerivedGroup("edp", Instances(4))) == hash(DerivedGroup("edp", Instances()))
-    assert DerivedGroup("pp", Pick("first", min)) == DerivedGroup("pp", Pick("first"))
     assert len({
         DerivedGroup("cp", Level(0)), DerivedGroup("cp", Level(1)), DerivedGroup("dp-cp", Chunks(2)),
         DerivedGroup("dp-cp", Chunks(4)), DerivedGroup("edp", Instances(inter=True)),

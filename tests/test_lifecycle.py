@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import meshstate
 from meshstate.core import compat
+from meshstate.testing import torch_internals
 from meshstate.core.errors import (
     MeshStateError,
     NotInitializedError,
@@ -38,7 +39,7 @@ def _share(value, key):
 def rebuild_under_an_agent_store():
     # torchrun's agent hosts the store and every rank initialises from the environment; a
     # second init_process_group would meet the first one's keys there and never connect.
-    agent = compat.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) \
+    agent = torch_internals.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) \
         if dist.get_rank() == 0 else None
     port = _share(agent.port if agent else "", "agent port")
     dist.barrier()
@@ -166,13 +167,13 @@ class _SlowReader:
 
 def host_leaves_at_once_after_a_mismatch():
     rank = dist.get_rank()
-    host = compat.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) \
+    host = torch_internals.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) \
         if rank == 0 else None
     port = int(_share(host.port if host else "", "host port"))
     dist.barrier()
     dist.destroy_process_group()
-    client = host or compat.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=compat.PrefixStore("mesh", client), rank=rank,
+    client = host or torch_internals.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=torch_internals.PrefixStore("mesh", client), rank=rank,
                             world_size=4)
     stores = {name: getattr(compat, name) for name in ("default_store", "thread_store")
               if hasattr(compat, name)}  # what the agreement reads the store through
@@ -346,27 +347,27 @@ MEGATRON = ["tensor_model_parallel_size", "pipeline_model_parallel_size",
 @given(arguments=st.dictionaries(st.sampled_from(INIT_MESH), ODD, min_size=1, max_size=3))
 def test_6_fuzzed_init_mesh_arguments_raise_only_meshstate_errors(arguments):
     with fake_world(1, 4):
-        before = len(compat.live_groups())
+        before = len(torch_internals.live_groups())
         try:
             mesh = meshstate.init_mesh(**arguments)
         except MeshStateError:
             mesh = None
         if mesh is not None:
             mesh.destroy()
-        assert len(compat.live_groups()) == before
+        assert len(torch_internals.live_groups()) == before
 
 
 @settings(FUZZED, max_examples=200)
 @given(arguments=st.dictionaries(st.sampled_from(MEGATRON), ODD, min_size=1, max_size=3))
 def test_6_fuzzed_initialize_model_parallel_arguments_raise_only_meshstate_errors(arguments):
     with fake_world(1, 4):
-        before = len(compat.live_groups())
+        before = len(torch_internals.live_groups())
         try:
             mpu.initialize_model_parallel(**arguments)
         except MeshStateError:
             assert not mpu.is_initialized()
         mpu.destroy_model_parallel()
-        assert len(compat.live_groups()) == before
+        assert len(torch_internals.live_groups()) == before
 
 
 FLAGS = st.sampled_from(["--world-size", "--tp", "--cp", "--ep", "--etp", "--pp", "--order",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import meshstate
 from meshstate import P, reshard, shard_map
-from meshstate.core.compat import live_groups
+from meshstate.testing.torch_internals import live_groups
 from meshstate.core.errors import AxisError, MeshStateError
 from meshstate.jax import collectives as lax
 from meshstate.jax.sharding import NamedSharding, distribute

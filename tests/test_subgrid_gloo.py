@@ -97,4 +97,4 @@ def test_hsdp_keys_groups_by_collectives():
 def test_layout_with_offset_gives_groups_of_those_ranks():
     layout = ParallelLayout(MeshConfig(4, tp=2), rank_offset=4)
     assert layout.groups("dp").tolist() == [[4, 6], [5, 7]]
-    assert layout.group_of(7, "tp") == (6, 7)
+    assert layout.group_ranks(7, "tp") == (6, 7)

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from meshstate import AxisError, ConfigError, Grid, MeshConfig, MeshStateError, ParallelLayout
-from meshstate.core import compat as _compat
-from meshstate.tools import topology
+from meshstate.core import compat
+from meshstate.testing import torch_internals
 from meshstate.tools.cli import main
 from meshstate.core.layout import GROUP_KINDS
 from meshstate.testing import fake_world
@@ -190,9 +190,9 @@ def test_hybrid_groups_by_hand():
     ]
     assert HYBRID.coordinate(9) == {"dp": 3, "tp": 0}
     assert HYBRID.coordinate(6) == {"dp": 0, "tp": 3}
-    assert HYBRID.group_of(11, ["dp"]) == (2, 3, 10, 11)
+    assert HYBRID.group_ranks(11, ["dp"]) == (2, 3, 10, 11)
     assert HYBRID.index_in_group(11, ["dp"]) == 3
-    assert HYBRID.group_of(11, ["tp"]) == (9, 11, 13, 15)
+    assert HYBRID.group_ranks(11, ["tp"]) == (9, 11, 13, 15)
     assert HYBRID.index_in_group(11, ["tp"]) == 1
 
 
@@ -250,7 +250,7 @@ def test_hybrid_grid_matches_jax_and_its_own_arithmetic(intra, inter):
         for rank in range(grid.world_size):
             coordinate = grid.coordinate(rank)
             assert rank_grid[tuple(coordinate[a] for a in grid.mesh_axes)] == rank
-            assert list(grid.group_of(rank, axes)) == row_of[rank]
+            assert list(grid.group_ranks(rank, axes)) == row_of[rank]
             assert row_of[rank][grid.index_in_group(rank, axes)] == rank
 
 
@@ -265,7 +265,7 @@ def test_hybrid_grid_matches_jax_and_its_own_arithmetic(intra, inter):
          "a hybrid grid needs at least one axis in intra or inter"),
         (lambda: HYBRID.coordinate(16), ConfigError, "rank 16 is outside the grid's ranks 0..15"),
         (lambda: HYBRID.groups(["pp"]), AxisError, "unknown axis 'pp'; valid axes are dp, tp"),
-        (lambda: HYBRID.group_of(0, ["tp", "tp"]), AxisError,
+        (lambda: HYBRID.group_ranks(0, ["tp", "tp"]), AxisError,
          "axis list ('tp', 'tp') names an axis twice"),
     ],
 )
@@ -297,7 +297,7 @@ def test_init_hybrid_mesh(grid, ranks):
             coordinate = grid.coordinate(rank)
             assert mesh.get_coordinate() == tuple(coordinate[a] for a in grid.mesh_axes)
             for axis in grid.axes:
-                members = list(grid.group_of(rank, [axis]))
+                members = list(grid.group_ranks(rank, [axis]))
                 assert dist.get_process_group_ranks(mesh.get_group(axis)) == members
                 assert mesh[axis].mesh.tolist() == members
                 assert mesh.get_local_rank(axis) == coordinate[axis]
@@ -309,7 +309,7 @@ def test_init_hybrid_mesh(grid, ranks):
 def test_hybrid_mesh_groups_are_created_by_meshstate_groups_alone():
     # One family per axis; DeviceMesh.from_group registers the groups and creates none.
     with fake_world(9, 16):
-        with _compat.counting_group_creation() as calls:
+        with torch_internals.counting_group_creation() as calls:
             hybrid = init_hybrid_mesh(HYBRID)
         assert calls[0] == hybrid.process_groups.creation_calls == 2
         assert hybrid.process_groups.by_name == {
@@ -318,17 +318,17 @@ def test_hybrid_mesh_groups_are_created_by_meshstate_groups_alone():
 
 
 def test_a_failed_hybrid_build_leaves_no_groups(monkeypatch):
-    create_group_family = topology.create_group_family
+    new_member_group = compat.new_member_group
 
-    def fail_on_dp(rank_lists, *, description, **options):
-        if description == "dp":
-            raise MeshStateError("the 'dp' group did not form")
-        return create_group_family(rank_lists, description=description, **options)
+    def fail_on_dp(ranks, name, *, description, **options):
+        if description == "meshstate:dp":
+            raise RuntimeError("connection refused")
+        return new_member_group(ranks, name, description=description, **options)
 
-    monkeypatch.setattr(topology, "create_group_family", fail_on_dp)
+    monkeypatch.setattr(compat, "new_member_group", fail_on_dp)
     with fake_world(9, 16):
         before = len(c10d._world.pg_map)
-        with pytest.raises(MeshStateError, match="'dp' group did not form"):
+        with pytest.raises(MeshStateError, match=r"the 'dp' group of ranks \[0, 1, 8, 9\] did not form"):
             init_hybrid_mesh(HYBRID)  # tp's group is made first, then destroyed
         assert len(c10d._world.pg_map) == before
 

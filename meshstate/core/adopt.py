@@ -69,7 +69,7 @@ def adopt(
         timeout=options.timeout,
     )
     rank = dist.get_rank()
-    members = {key: layout.group_of(rank, key) for key in kinds}
+    members = {key: layout.group_ranks(rank, key) for key in kinds}
     _check_adopted(layout, adopted, members)
     specs = [
         GroupSpec(key, ranks, partial(layout.every_group, key))

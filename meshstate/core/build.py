@@ -179,7 +179,7 @@ def _declared_keys(
         base = layout.canonical(spec.base) if isinstance(spec.base, str) else spec.base
         canonical = replace(spec, base=base)
         layout.resolve_base(canonical.base)
-        if canonical in declared:
+        if canonical.lookup in {other.lookup for other in declared}:
             raise ConfigError(f"derived group {str(spec)!r} is declared twice")
         declared.append(canonical)
     return kinds, tuple(declared)

@@ -1,28 +1,24 @@
-"""The private torch APIs meshstate touches, kept in one place.
+"""The private torch APIs the library touches (core, jax, megatron, titan), kept in one place.
 
 A torch upgrade that moves any of these is this file's work alone. Each
-function says which private name it relies on.
+function says which private name it relies on. What only the harness and the
+benchmark touch lives in :mod:`meshstate.testing.torch_internals`.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-import time
 import warnings
 from datetime import timedelta
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-# Store, TCPStore and PrefixStore are public as torch.distributed.TCPStore & co., but
-# torch does not declare them exported there, so a strict type check sees only these
-# torch._C names; switch when torch lists them in torch.distributed.__all__.
-from torch._C._distributed_c10d import PrefixStore as PrefixStore
+# Store is public as torch.distributed.Store, but torch does not declare it exported
+# there, so a strict type check sees only this torch._C name.
 from torch._C._distributed_c10d import Store
-from torch._C._distributed_c10d import TCPStore as TCPStore
 # Imported for what it does on import: register the backward of torch.ops._c10d_functional.
 import torch.distributed._functional_collectives  # noqa: F401
 from torch.distributed import distributed_c10d as c10d
@@ -245,52 +241,6 @@ def symmetric_memory(
         return None, None
 
 
-@contextmanager
-def counting_group_creation() -> Iterator[list[float]]:
-    """Count the calls that create process groups while the block runs, and time them.
-
-    Every group creation, by ``new_group``, ``init_device_mesh`` or meshstate,
-    goes through ``c10d._new_process_group_helper`` (members and non-members
-    alike), or through ``split_group``; the count is ``calls[0]``. ``calls[1]``
-    is the seconds spent in torch's constructors, with the member lists that
-    meshstate makes only for them.
-    """
-    global _torch_group
-    calls = [0, 0.0]
-    helper, split, listed_helper = c10d._new_process_group_helper, dist.split_group, _torch_group
-    depth = [0]
-
-    def timed(create: Any, counts: bool) -> Any:
-        def create_timed(*args: Any, **kwargs: Any) -> Any:
-            calls[0] += counts
-            depth[0] += 1
-            started = time.perf_counter()
-            try:
-                return create(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-                if not depth[0]:  # the outermost constructor only
-                    calls[1] += time.perf_counter() - started
-
-        return create_timed
-
-    c10d._new_process_group_helper = timed(helper, counts=True)
-    dist.split_group = timed(split, counts=True)
-    _torch_group = timed(listed_helper, counts=False)
-    try:
-        yield calls
-    finally:
-        c10d._new_process_group_helper = helper
-        dist.split_group = split
-        _torch_group = listed_helper
-
-
-def live_groups() -> list[dist.ProcessGroup]:
-    """Every process group this rank is a member of, the default group aside."""
-    world_group = default_group()
-    return [group for group in c10d._world.pg_map if group is not world_group]
-
-
 def forget_sharding_decisions() -> None:
     """Clear DTensor's sharding-propagation caches.
 
@@ -416,36 +366,6 @@ def mesh_copies(device_mesh: DeviceMesh) -> torch.Tensor:
     """
     every_copy = device_mesh._layout.remap_to_tensor(device_mesh._rank_map)
     return every_copy.reshape(-1, *device_mesh.shape)
-
-
-def fake_store() -> Store:
-    """A store for torch's ``fake`` backend, which simulates a rank of a large world.
-
-    Uses ``torch.testing._internal.distributed.fake_pg.FakeStore``; torch has no public
-    name for it yet.
-    """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    store: Store = FakeStore()
-    return store
-
-
-def flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """``mesh``'s dims flattened into one named ``name``, as torch itself does it.
-
-    Creates the flattened dim's groups for every rank of the world (the
-    benchmark's peer measures exactly that). Uses ``DeviceMesh._flatten``,
-    which torch has not made public yet.
-    """
-    return mesh._flatten(name)
-
-
-def unflatten(mesh: DeviceMesh, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """A 1-D ``mesh`` split into dims of ``shape`` named ``names``.
-
-    Uses ``DeviceMesh._unflatten``, which torch has not made public yet.
-    """
-    return mesh._unflatten(0, shape, names)
 
 
 def unflatten_with_groups(

@@ -264,7 +264,7 @@ class ParallelMesh:
         with self._creating:
             creating = self._creating_axes.setdefault(mesh_axes, threading.Lock())
         with creating:
-            ranks = grid.group_of(self.global_rank, major_to_minor)
+            ranks = grid.group_ranks(self.global_rank, major_to_minor)
             group = self._axis_set_group(mesh_axes, ranks)
         position = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
         group_ranks = tuple(position[rank] for rank in ranks)

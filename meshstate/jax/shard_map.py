@@ -165,7 +165,7 @@ def _check_replicated(outputs: list[tuple[P, torch.Tensor]], plan: Plan) -> None
         if rank != nobody:
             layout = parallel_mesh.layout
             grid = layout.dense if view is parallel_mesh.dense else layout.expert
-            ranks = grid.group_of(rank, (axis,))
+            ranks = grid.group_ranks(rank, (axis,))
             raise MeshStateError(
                 f"shard_map: result {number} has out-spec {spec!r}, which leaves out axis {axis!r} "
                 f"(replicated), but ranks {ranks[0]} and {rank} of {axis!r} group {list(ranks)} "

@@ -14,7 +14,7 @@ Example::
     >>> from meshstate.core.config import MeshConfig
     >>> from meshstate.core.layout import ParallelLayout
     >>> derived = derived_groups(MeshConfig(8, pp=4))
-    >>> derived[0] == EMBEDDING
+    >>> derived[0].lookup == EMBEDDING
     True
     >>> ParallelLayout(MeshConfig(8, pp=4)).every_group(derived[0])
     [[0, 6], [1, 7]]
@@ -51,7 +51,7 @@ def hierarchical_cp(level: int) -> DerivedGroup:
 
 def hierarchical_cp_levels(keys: Iterable[Key]) -> list[DerivedGroup]:
     """The hierarchical context-parallel levels among ``keys``, innermost first."""
-    declared = set(keys)
+    declared = {key.lookup if isinstance(key, DerivedGroup) else key for key in keys}
     return list(itertools.takewhile(declared.__contains__, map(hierarchical_cp, itertools.count())))
 
 
@@ -117,6 +117,29 @@ def derived_groups(
             )
         derived += [DerivedGroup("cp", Level(level, sizes)) for level in range(len(sizes))]
     instances = num_distributed_optimizer_instances
+    _check_instances(config, instances)
+    dp_cp = config.dp * config.cp
+    intra = Instances(instances)
+    derived += [replace(INTRA_DP_CP, split=intra), replace(INTRA_EDP, split=intra)]
+    derived.append(replace(DIST_OPT_INSTANCE, split=intra))
+    if instances > 1:
+        derived.append(replace(INTER_EDP, split=Instances(instances, inter=True)))
+    if hybrid_context_parallel:
+        if dp_cp % 2:
+            raise ParallelStateError(
+                f"hybrid context parallel needs an even dp*cp, got {config.dp}*{config.cp} = {dp_cp}"
+            )
+        derived += [hybrid_dp_cp(size) for size in hybrid_sizes(dp_cp)]
+    if create_all_gather_group:
+        derived.append(DP_CP_ALL_GATHER)
+    if create_gloo_process_groups:
+        declared: dict[Key, Key] = {spec.lookup: spec for spec in derived}
+        derived += [gloo(declared.get(key, key)) for key in GLOO_KEYS]
+    return derived
+
+
+def _check_instances(config: MeshConfig, instances: int) -> None:
+    """megatron-core's checks of ``num_distributed_optimizer_instances``, with the numbers."""
     if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
         raise ParallelStateError(
             f"num_distributed_optimizer_instances must be a positive integer, got {instances!r}"
@@ -132,20 +155,3 @@ def derived_groups(
             f"expert data parallel size edp = {config.edp} is not divisible by "
             f"num_distributed_optimizer_instances = {instances}"
         )
-    intra = Instances(instances)
-    derived += [replace(INTRA_DP_CP, split=intra), replace(INTRA_EDP, split=intra)]
-    derived.append(replace(DIST_OPT_INSTANCE, split=intra))
-    if instances > 1:
-        derived.append(replace(INTER_EDP, split=Instances(instances, inter=True)))
-    if hybrid_context_parallel:
-        if dp_cp % 2:
-            raise ParallelStateError(
-                f"hybrid context parallel needs an even dp*cp, got {config.dp}*{config.cp} = {dp_cp}"
-            )
-        derived += [hybrid_dp_cp(size) for size in hybrid_sizes(dp_cp)]
-    if create_all_gather_group:
-        derived.append(DP_CP_ALL_GATHER)
-    if create_gloo_process_groups:
-        declared: dict[Key, Key] = {spec: spec for spec in derived}
-        derived += [gloo(declared.get(key, key)) for key in GLOO_KEYS]
-    return derived

@@ -185,14 +185,9 @@ class HyperCommGrid:
             )
         self._check_world()
         axes = tuple(axis for axis in ordered if self._grid.size(axis) > 1)
-        created = next(
-            (
-                done
-                for done in self._created
-                if done.axes == axes and done.timeout == timeout and done.pg_options is pg_options
-            ),
-            None,
-        )
+        same = (done for done in self._created
+                if done.axes == axes and done.timeout == timeout and done.pg_options is pg_options)
+        created = next(same, None)
         if created is None:
             group = create_group_family(
                 self._grid.groups(ordered).tolist(),

@@ -286,7 +286,7 @@ _OPTIMIZER_FIELDS = (
 def _required_group(mesh: ParallelMesh, name: str, gloo: bool = False) -> ProcessGroup:
     """The caller's group of field ``name`` (its gloo twin if ``gloo``), which must exist."""
     if gloo:
-        keys = [key for key in _FIELD_KEYS[name] if key in mesh.keys()]
+        keys = [key for key in _FIELD_KEYS[name] if key in mesh]
         twin = families.gloo(keys[0]) if keys else None
         group = mesh.group(twin) if twin is not None and mesh.has_group(twin) else None
     else:
@@ -351,5 +351,5 @@ def _group_of(mesh: ParallelMesh, name: str) -> ProcessGroup | list[ProcessGroup
     if name == "hcp":
         levels = families.hierarchical_cp_levels(mesh.keys())
         return [mesh.group(level) for level in levels] or None
-    keys = [key for key in _FIELD_KEYS[name] if key in mesh.keys()]
+    keys = [key for key in _FIELD_KEYS[name] if key in mesh]
     return mesh.group(keys[0]) if keys and mesh.has_group(keys[0]) else None

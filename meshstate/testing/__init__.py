@@ -37,13 +37,9 @@ from typing import Any, TypeVar, cast
 import torch
 
 from meshstate.core.errors import MeshStateError
-from meshstate.testing.launch import (
-    DEFAULT_TIMEOUT,
-    LocalWorld,
-    default_backend,
-    fake_world,
-    warm_up,
-)
+from meshstate.testing.fake import fake_world
+from meshstate.testing.fork_server import warm_up
+from meshstate.testing.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend
 
 __all__ = ["close_pooled_worlds", "distributed", "fake_world", "local_world"]
 

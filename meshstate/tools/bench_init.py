@@ -31,12 +31,12 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from meshstate.core import compat as _compat
 from meshstate.core.config import MeshConfig
 from meshstate.core.layout import GROUP_KINDS, ParallelLayout
 from meshstate.core.build import init_mesh
 from meshstate.megatron import parallel_state as mpu
-from meshstate.testing.launch import fake_world
+from meshstate.testing import torch_internals
+from meshstate.testing.fake import fake_world
 
 INIT_MESH = "meshstate init_mesh"
 PARALLEL_STATE = "meshstate parallel_state"
@@ -154,12 +154,12 @@ def _build_device_mesh(config: MeshConfig) -> _Built:
     for key in GROUP_KINDS:
         _, grid, axes = layout.resolve(key)
         if "-" in key and grid is layout.dense:
-            flattened[key] = _compat.flatten(dense[axes], key)
-    expert = _compat.unflatten(
-        _compat.flatten(dense, "world"), layout.expert.mesh_shape, layout.expert.mesh_axes
+            flattened[key] = torch_internals.flatten(dense[axes], key)
+    expert = torch_internals.unflatten(
+        torch_internals.flatten(dense, "world"), layout.expert.mesh_shape, layout.expert.mesh_axes
     )
     for key in ("etp-ep", "etp-ep-pp"):
-        flattened[key] = _compat.flatten(expert[layout.resolve(key)[2]], key)
+        flattened[key] = torch_internals.flatten(expert[layout.resolve(key)[2]], key)
     tp, pp, dp_cp = dense["tp"], dense["pp"], flattened["dp-cp"]
     return _Built(
         {
@@ -273,12 +273,12 @@ def measure(config: MeshConfig, approach: str, rank: int, repeats: int) -> Row:
         gc.collect()
         tracemalloc.start()
         before, _ = tracemalloc.get_traced_memory()
-        with _compat.counting_group_creation() as calls:
+        with torch_internals.counting_group_creation() as calls:
             built = build(config)
         gc.collect()
         kept, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        groups = _compat.live_groups()
+        groups = torch_internals.live_groups()
         rank_sets = {tuple(dist.get_process_group_ranks(group)) for group in groups}
         getter_ns = {name: _ns_per_call(*getter) for name, getter in built.getters.items()}
         built.teardown()
@@ -287,7 +287,7 @@ def measure(config: MeshConfig, approach: str, rank: int, repeats: int) -> Row:
         with fake_world(rank, config.world_size):
             gc.collect()
             rss_before = _rss_mib()
-            with _compat.counting_group_creation() as timed:
+            with torch_internals.counting_group_creation() as timed:
                 started = time.perf_counter()
                 built = build(config)
                 times.append(time.perf_counter() - started)

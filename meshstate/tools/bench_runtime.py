@@ -36,7 +36,7 @@ from meshstate.jax import collectives as lax
 from meshstate.jax.reshard import reshard
 from meshstate.jax.shard_map import shard_map
 from meshstate.jax.sharding import P
-from meshstate.testing.launch import fake_world
+from meshstate.testing.fake import fake_world
 
 RUNTIME_WORLD = 8
 RUNTIME_TP, RUNTIME_CP = 2, 2

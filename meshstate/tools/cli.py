@@ -133,8 +133,8 @@ def _print_output(text: str) -> bool:
 
 def _is_rank_failure(error: MeshStateError) -> bool:
     """Whether ``error`` says local ranks failed or timed out (their module is loaded if so)."""
-    launch = sys.modules.get("meshstate.testing.launch")
-    return launch is not None and isinstance(error, (launch.RankFailure, launch.RankTimeout))
+    report = sys.modules.get("meshstate.testing.report")
+    return report is not None and isinstance(error, (report.RankFailure, report.RankTimeout))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

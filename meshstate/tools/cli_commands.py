@@ -164,7 +164,7 @@ def _plan_json(
             "groups": {
                 kind: {"ranks": list(ranks), "index": ranks.index(rank)}
                 for kind in kinds
-                for ranks in [layout.group_of(rank, kind)]
+                for ranks in [layout.group_ranks(rank, kind)]
             },
         }
     if locality is not None:

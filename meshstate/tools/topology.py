@@ -1,44 +1,41 @@
-"""Nodes: which groups stay inside one, a better order when they don't, hybrid layouts.
+"""Nodes: which groups stay inside one, and a better order when they don't.
 
 Ranks sit on nodes the way torchrun places them: node ``n`` holds ranks
 ``n*ranks_per_node .. (n+1)*ranks_per_node - 1``. :func:`locality_report` says,
 for every group kind of a :class:`~meshstate.core.layout.ParallelLayout`, how many
 nodes one group spans, and warns when a bandwidth-hungry axis (tp, cp, ep, etp)
-crosses nodes while another order would keep it inside one. :class:`HybridGrid`
-lays ranks out JAX-style, every axis split into an inter-node and an intra-node
-part, which no order string can express in general; :func:`init_hybrid_mesh`
-builds its ``DeviceMesh``.
+crosses nodes while another order would keep it inside one. Pure rank
+arithmetic. :class:`HybridGrid` (JAX-style layouts, every axis split into an
+inter-node and an intra-node part) and :func:`init_hybrid_mesh` live in
+:mod:`meshstate.core.hybrid_grid` and :mod:`meshstate.core.hybrid_mesh`, and
+are importable from here.
 
-Everything but :func:`init_hybrid_mesh` is pure rank arithmetic.
-
-Example (16 ranks, 8 per node)::
+Example (16 ranks, 8 per node; the report also warns, caught here)::
 
     >>> layout = ParallelLayout(MeshConfig(16, order="dp-tp-pp", tp=8))
-    >>> report = locality_report(layout, 8)    # also warns NodeCrossingWarning
-    >>> report.nodes_spanned["tp"], report.suggested_order
-    (2, 'tp-dp-pp')
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     report = locality_report(layout, 8)
+    >>> report.nodes_spanned["tp"], report.suggested_order, caught[0].category.__name__
+    (2, 'tp-dp-pp', 'NodeCrossingWarning')
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 
-import einops
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
-from meshstate.core.arguments import resolve_device_type
 from meshstate.core.config import MeshConfig, check_positive_int
-from meshstate.core.errors import AxisError, ConfigError, MeshStateError
-from meshstate.core.groups import ProcessGroupSet, create_group_family
-from meshstate.core.layout import GROUP_KINDS, Grid, ParallelLayout
+from meshstate.core.errors import AxisError, ConfigError
+from meshstate.core.hybrid_grid import HybridGrid as HybridGrid
+from meshstate.core.hybrid_mesh import HybridMesh as HybridMesh
+from meshstate.core.hybrid_mesh import init_hybrid_mesh as init_hybrid_mesh
+from meshstate.core.layout import GROUP_KINDS, ParallelLayout
 
 BANDWIDTH_HUNGRY_KINDS = ("tp", "cp", "ep", "etp")
 """Group kinds whose traffic should stay on a node's fast links."""
@@ -217,203 +214,3 @@ def _advice(
         then = ", ".join(f"{kind} groups span {suggested_spans[kind]} nodes" for kind in pushed_out)
         advice += f" ({then} there)"
     return advice
-
-
-@dataclass(frozen=True, init=False)
-class HybridGrid:
-    """Ranks on named axes, each axis an inter-node part (major) times an intra-node part.
-
-    JAX's ``mesh_utils.create_hybrid_device_mesh`` for ranks: axis ``a`` has size
-    ``inter[a] * intra[a]`` and coordinate ``inter_index * intra[a] + intra_index``.
-    The rank at a coordinate is ``node * ranks_per_node + local``, where ``node``
-    numbers the inter indices and ``local`` the intra indices. ``axes`` run
-    fastest first, for ``node``, ``local`` and the groups alike: the axes of
-    ``intra`` in the order given, then those only ``inter`` names. ``mesh_axes``
-    is that order reversed, as in :class:`~meshstate.core.layout.Grid`.
-
-    Example (16 ranks on 2 nodes of 8; data parallel twice inside a node and
-    twice across nodes; a dp group ``[0, 1, 8, 9]`` is no order string's)::
-
-        >>> grid = HybridGrid(intra={"dp": 2, "tp": 4}, inter={"dp": 2})
-        >>> grid.sizes, grid.ranks_per_node
-        ((4, 4), 8)
-        >>> grid.groups(["dp"]).tolist()
-        [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
-        >>> grid.groups(["tp"]).tolist()
-        [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
-        >>> grid.coordinate(9)
-        {'dp': 3, 'tp': 0}
-    """
-
-    axes: tuple[str, ...]
-    intra_sizes: tuple[int, ...]
-    inter_sizes: tuple[int, ...]
-    _positions: Grid = field(repr=False, compare=False)
-
-    def __init__(self, intra: Mapping[str, int], inter: Mapping[str, int]) -> None:
-        axes = tuple(intra) + tuple(axis for axis in inter if axis not in intra)
-        if not axes:
-            raise ConfigError("a hybrid grid needs at least one axis in intra or inter")
-        for part, part_sizes in (("intra", intra), ("inter", inter)):
-            for axis, size in part_sizes.items():
-                check_positive_int(f"{part} size of axis {axis!r}", size)
-        intra_sizes = tuple(intra.get(axis, 1) for axis in axes)
-        inter_sizes = tuple(inter.get(axis, 1) for axis in axes)
-        object.__setattr__(self, "axes", axes)
-        object.__setattr__(self, "intra_sizes", intra_sizes)
-        object.__setattr__(self, "inter_sizes", inter_sizes)
-        sizes = tuple(i * n for i, n in zip(intra_sizes, inter_sizes))
-        object.__setattr__(self, "_positions", Grid(axes, sizes))
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Axis sizes (intra times inter), fastest first."""
-        return self._positions.sizes
-
-    @property
-    def mesh_axes(self) -> tuple[str, ...]:
-        """Axis names outer to inner (``axes`` reversed)."""
-        return self._positions.mesh_axes
-
-    @property
-    def mesh_shape(self) -> tuple[int, ...]:
-        """Axis sizes outer to inner."""
-        return self._positions.mesh_shape
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks on the grid."""
-        return self._positions.world_size
-
-    @property
-    def ranks_per_node(self) -> int:
-        """Ranks on one node: the product of the intra sizes."""
-        return math.prod(self.intra_sizes)
-
-    @property
-    def num_nodes(self) -> int:
-        """Number of nodes: the product of the inter sizes."""
-        return math.prod(self.inter_sizes)
-
-    def size(self, axis: str) -> int:
-        """Size of one axis."""
-        return self._positions.size(axis)
-
-    def coordinate(self, rank: int) -> dict[str, int]:
-        """The position of ``rank`` on every axis."""
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise ConfigError(f"rank must be an integer, got {rank!r}")
-        if not 0 <= rank < self.world_size:
-            raise ConfigError(f"rank {rank} is outside the grid's ranks 0..{self.world_size - 1}")
-        node, local = divmod(rank, self.ranks_per_node)
-        coordinate = {}
-        for axis, intra_size, inter_size in zip(self.axes, self.intra_sizes, self.inter_sizes):
-            node, inter_index = divmod(node, inter_size)
-            local, intra_index = divmod(local, intra_size)
-            coordinate[axis] = inter_index * intra_size + intra_index
-        return coordinate
-
-    def rank_grid(self) -> torch.Tensor:
-        """All ranks as an int tensor of ``mesh_shape``: the rank at each coordinate."""
-        inter = [f"n{i}" for i in range(len(self.axes))][::-1]
-        intra = [f"l{i}" for i in range(len(self.axes))][::-1]
-        merged = " ".join(f"({n} {l})" for n, l in zip(inter, intra))
-        ranks = torch.arange(self.world_size).view(*self.inter_sizes[::-1], *self.intra_sizes[::-1])
-        return einops.rearrange(ranks, f"{' '.join(inter)} {' '.join(intra)} -> {merged}")
-
-    def groups(self, axes: Sequence[str]) -> torch.Tensor:
-        """Every group of ``axes``, one row each, ordered as :meth:`Grid.groups` orders them.
-
-        ``axes`` runs major to minor: the last one varies fastest inside a row.
-        Rows are enumerated over the other axes, outer to inner.
-        """
-        return self.rank_grid().flatten()[self._positions.groups(axes)]
-
-    def group_of(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
-        """The group of ``axes`` (major to minor) that contains ``rank``."""
-        positions = self._positions.group_of(self._position(rank), axes)
-        return tuple(self._rank_at(self._positions.coordinate(p)) for p in positions)
-
-    def index_in_group(self, rank: int, axes: Sequence[str]) -> int:
-        """Position of ``rank`` inside its group of ``axes`` (major to minor)."""
-        return self._positions.index_in_group(self._position(rank), axes)
-
-    def _position(self, rank: int) -> int:
-        coordinate = self.coordinate(rank)
-        return sum(coordinate[axis] * self._positions.stride(axis) for axis in self.axes)
-
-    def _rank_at(self, coordinate: Mapping[str, int]) -> int:
-        node = local = 0
-        node_stride = local_stride = 1
-        for axis, intra_size, inter_size in zip(self.axes, self.intra_sizes, self.inter_sizes):
-            inter_index, intra_index = divmod(coordinate[axis], intra_size)
-            node += inter_index * node_stride
-            local += intra_index * local_stride
-            node_stride *= inter_size
-            local_stride *= intra_size
-        return node * self.ranks_per_node + local
-
-
-@dataclass
-class HybridMesh:
-    """The calling rank's ``DeviceMesh`` of a :class:`HybridGrid` and the groups behind it."""
-
-    grid: HybridGrid
-    device_mesh: DeviceMesh
-    process_groups: ProcessGroupSet
-
-    def destroy(self) -> None:
-        """Destroy the process groups this build created; safe to call twice."""
-        self.process_groups.destroy()
-
-
-def init_hybrid_mesh(
-    grid: HybridGrid,
-    *,
-    device_type: str | None = None,
-    backend: str | None = None,
-    timeout: timedelta | None = None,
-) -> HybridMesh:
-    """Build ``grid``'s ``DeviceMesh`` (dims ``grid.mesh_axes``); every rank must call it.
-
-    Creates one group per axis through :func:`meshstate.core.groups.create_group_family`
-    and builds the mesh from them (``DeviceMesh.from_group`` creates none).
-    ``device_type`` defaults to ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise.
-
-    Example, on rank 9 of 16 with ``HybridGrid(intra={"dp": 2, "tp": 4}, inter={"dp": 2})``::
-
-        hybrid = init_hybrid_mesh(grid)
-        hybrid.device_mesh["dp"].mesh.tolist()   # [0, 1, 8, 9]
-        hybrid.device_mesh["tp"].mesh.tolist()   # [9, 11, 13, 15]
-        hybrid.device_mesh.get_coordinate()      # (0, 3): tp=0, dp=3
-        hybrid.destroy()
-    """
-    if not dist.is_initialized():
-        raise MeshStateError("torch.distributed is not initialized; call init_process_group first")
-    if dist.get_world_size() != grid.world_size:
-        raise ConfigError(
-            f"hybrid grid has {grid.world_size} ranks "
-            f"({' '.join(f'{a}={s}' for a, s in zip(grid.axes, grid.sizes))}) "
-            f"but the world has {dist.get_world_size()}"
-        )
-    device_type = resolve_device_type(device_type)
-    process_groups = ProcessGroupSet(by_name={})
-    try:
-        for axis in grid.mesh_axes:
-            create_group_family(
-                grid.groups([axis]).tolist(),
-                description=axis,
-                backend=backend,
-                timeout=timeout,
-                owner=process_groups,
-            )
-        device_mesh = DeviceMesh.from_group(
-            [process_groups.by_name[axis] for axis in grid.mesh_axes],
-            device_type,
-            mesh=grid.rank_grid(),
-            mesh_dim_names=grid.mesh_axes,
-        )
-    except BaseException:
-        process_groups.destroy()
-        raise
-    return HybridMesh(grid, device_mesh, process_groups)

@@ -1,0 +1,587 @@
+"""megatron-core's ``get_*`` and ``is_*`` functions, answered by the mesh served.
+
+Every getter is one attribute read: ``_facts.tp_rank`` for an axis or joint key
+(the mesh's own ``facts``, Python's fastest read) and ``_tables.<name>`` for the
+rest (a :class:`~meshstate.megatron.tables.TableFacts` over the same mesh's
+tables, derived groups included; ``_tables.maybe`` answers ``None`` where
+megatron-core's ``check_initialized=False`` does). Before init, and under a
+``set_*`` override, ``_facts`` is ``_tables``; once the mesh is destroyed its
+tables and facts raise, so no answer outlives its mesh. No getter calls into
+``torch.distributed``, except the answers megatron-core gives as 0 before it is
+initialized (``torch.distributed.is_initialized()``) and
+``is_rank_in_embedding_group(ignore_virtual=False)`` (``get_rank()``).
+
+Example, on rank 5 of 8 after ``initialize_model_parallel(tensor_model_parallel_size=2)``::
+
+    get_tensor_model_parallel_rank(), get_data_parallel_world_size()   # (1, 4)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import cast
+
+import torch.distributed as dist
+
+from meshstate.core.errors import AxisError, ParallelStateError
+from meshstate.core.layout import Chunks, DerivedGroup, Key
+from meshstate.core.mesh import ParallelMesh
+from meshstate.megatron import derived as families
+from meshstate.megatron.tables import (
+    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, Answers, GetterFacts, TableFacts, checked_getter,
+    not_initialized,
+)
+
+__all__ = [
+    "get_all_ranks", "get_amax_reduction_group", "get_context_parallel_global_ranks",
+    "get_context_parallel_group", "get_context_parallel_rank",
+    "get_context_parallel_world_size", "get_data_modulo_expert_parallel_group",
+    "get_data_parallel_group", "get_data_parallel_group_gloo", "get_data_parallel_rank",
+    "get_data_parallel_src_rank", "get_data_parallel_world_size", "get_embedding_group",
+    "get_expert_data_parallel_group", "get_expert_data_parallel_group_gloo",
+    "get_expert_data_parallel_rank", "get_expert_data_parallel_world_size",
+    "get_expert_model_parallel_group", "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_src_rank", "get_expert_model_parallel_world_size",
+    "get_expert_tensor_and_model_parallel_group", "get_expert_tensor_and_model_parallel_rank",
+    "get_expert_tensor_and_model_parallel_world_size",
+    "get_expert_tensor_model_pipeline_parallel_group", "get_expert_tensor_parallel_group",
+    "get_expert_tensor_parallel_rank", "get_expert_tensor_parallel_world_size",
+    "get_hierarchical_context_parallel_groups", "get_hybrid_data_context_parallel_groups",
+    "get_inter_distributed_optimizer_instance_group",
+    "get_intra_distributed_optimizer_instance_group", "get_mesh", "get_model_parallel_group",
+    "get_model_parallel_src_rank", "get_pipeline_model_parallel_first_rank",
+    "get_pipeline_model_parallel_group", "get_pipeline_model_parallel_last_rank",
+    "get_pipeline_model_parallel_next_rank", "get_pipeline_model_parallel_prev_rank",
+    "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size",
+    "get_position_embedding_group", "get_tensor_and_context_parallel_group",
+    "get_tensor_and_context_parallel_rank", "get_tensor_and_context_parallel_world_size",
+    "get_tensor_and_data_parallel_group", "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank", "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size", "get_virtual_pipeline_model_parallel_rank",
+    "get_virtual_pipeline_model_parallel_world_size", "has_separate_all_gather_group",
+    "is_initialized", "is_pipeline_first_stage", "is_pipeline_last_stage",
+    "is_rank_in_embedding_group", "is_rank_in_position_embedding_group", "is_unitialized",
+    "model_parallel_is_initialized", "set_virtual_pipeline_model_parallel_rank",
+    "set_virtual_pipeline_model_parallel_world_size",
+]
+
+ProcessGroup = dist.ProcessGroup
+
+
+# The mesh served, its tables by attribute, and what the hot getters read: rebound by serve().
+_mesh: ParallelMesh | None = None
+_tables: Answers = cast(Answers, TableFacts(None, OVERRIDES))
+_facts: GetterFacts = _tables
+# megatron-core's virtual pipeline stage and stage count, beside its groups.
+_vpp_rank: int | None = None
+_vpp_size: int | None = None
+
+
+def serve(mesh: ParallelMesh | None) -> None:
+    """Answer every getter from ``mesh`` (stand-ins when ``None``), under the overrides."""
+    global _mesh, _tables, _facts
+    _mesh = mesh
+    _tables = cast(Answers, TableFacts(mesh, OVERRIDES))
+    _facts = cast(GetterFacts, mesh.facts) if mesh is not None and not OVERRIDES.any() else _tables
+
+
+OVERRIDES.changed = lambda: serve(_mesh)
+
+
+def served_mesh() -> ParallelMesh | None:
+    """The mesh served, destroyed or not; ``None`` before init."""
+    return _mesh
+
+
+def set_virtual_pipeline_stages(rank: int | None, size: int | None) -> None:
+    """Set the virtual pipeline stage and stage count (``initialize_model_parallel`` does)."""
+    global _vpp_rank, _vpp_size
+    _vpp_rank, _vpp_size = rank, size
+
+
+def get_mesh() -> ParallelMesh:
+    """The :class:`~meshstate.ParallelMesh` behind every getter."""
+    mesh = _mesh
+    if mesh is None or mesh.destroyed_at is not None:
+        raise not_initialized("model parallel state", mesh)
+    return mesh
+
+
+def is_initialized() -> bool:
+    """Whether ``initialize_model_parallel`` has run and its mesh is not destroyed."""
+    return _mesh is not None and _mesh.destroyed_at is None
+
+
+def is_unitialized() -> bool:
+    """Deprecated: ``not is_initialized()``."""
+    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2)
+    return not is_initialized()
+
+
+def model_parallel_is_initialized() -> bool:
+    """Whether the model- and data-parallel groups exist."""
+    return is_initialized()
+
+
+def process_group_list() -> list[ProcessGroup | None] | None:
+    """megatron-core's ``_global_process_group_list``: ``None`` (the default group), then ours."""
+    mesh = _mesh
+    if mesh is None or not is_initialized():
+        return None
+    return [None, *dict.fromkeys([*mesh.group_of.values(), *mesh.process_groups.owned])]
+
+
+def _partial_without_cp(table: Mapping[Key, int]) -> int:
+    """Partial data parallel without cp: an override, the answer before init, or an error."""
+    try:
+        return table[PARTIAL_DP]
+    except KeyError:
+        raise ParallelStateError("Partial DP for Optimizer needs to include CP") from None
+
+
+def _refuse_partial_without_cp(key: Key) -> None:
+    if key in _tables.group_of:
+        raise ParallelStateError("Partial DP for Optimizer needs to include CP")
+
+
+def _virtual_stage(vp_stage: int | None) -> int:
+    if vp_stage is None:
+        raise ParallelStateError("vp_stage must be passed if virtual pipeline is enabled")
+    return vp_stage
+
+
+# -- groups ----------------------------------------------------------------------------
+
+
+@checked_getter
+def get_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
+    """The model-parallel (tensor + pipeline) group of the caller."""
+    return _facts.tp_pp_group if check_initialized else _tables.maybe.tp_pp_group
+
+
+@checked_getter
+def get_tensor_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
+    """The tensor-model-parallel group of the caller."""
+    return _facts.tp_group if check_initialized else _tables.maybe.tp_group
+
+
+@checked_getter
+def get_pipeline_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
+    """The pipeline-model-parallel group of the caller."""
+    return _facts.pp_group if check_initialized else _tables.maybe.pp_group
+
+
+def get_data_parallel_group(
+    with_context_parallel: bool = False,
+    partial_data_parallel: bool = False,
+    independent_all_gather: bool = False,
+) -> ProcessGroup:
+    """The data-parallel group of the caller, with context parallel if asked.
+
+    ``partial_data_parallel`` gives the group inside one distributed-optimizer
+    instance; ``independent_all_gather`` the separate all-gather communicator.
+    """
+    if not with_context_parallel:
+        if partial_data_parallel:
+            _refuse_partial_without_cp("dp")
+            return _tables.dp_group
+        return _facts.dp_group
+    if independent_all_gather and not partial_data_parallel:
+        return _tables.dp_cp_all_gather_group
+    return _tables.intra_dp_cp_group if partial_data_parallel else _facts.dp_cp_group
+
+
+def has_separate_all_gather_group() -> bool:
+    """Whether a separate data+context all-gather group was created."""
+    return _tables.maybe.dp_cp_all_gather_group is not None
+
+
+def get_data_parallel_group_gloo(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> ProcessGroup:
+    """The gloo twin of the caller's data-parallel group."""
+    if with_context_parallel:
+        return _tables.intra_dp_cp_gloo_group if partial_data_parallel else _tables.dp_cp_gloo_group
+    if partial_data_parallel:
+        _refuse_partial_without_cp(GLOO["dp"])
+    return _tables.dp_gloo_group
+
+
+@checked_getter
+def get_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
+    """The context-parallel group of the caller."""
+    return _facts.cp_group if check_initialized else _tables.maybe.cp_group
+
+
+@checked_getter
+def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int] | None:
+    """Global ranks of the caller's context-parallel group."""
+    ranks = _tables.maybe.cp_ranks
+    if ranks is None and check_initialized:
+        raise not_initialized(WHAT["cp"], _mesh)
+    return None if ranks is None else list(ranks)
+
+
+@checked_getter
+def get_hierarchical_context_parallel_groups(
+    check_initialized: bool = True,
+) -> list[ProcessGroup] | None:
+    """The caller's hierarchical context-parallel groups, innermost level first."""
+    groups = _tables.group_of
+    levels = [groups[level] for level in families.hierarchical_cp_levels(groups)]
+    if not levels and check_initialized:
+        raise not_initialized("hierarchical context parallel groups", _mesh)
+    return levels or None
+
+
+def get_hybrid_data_context_parallel_groups(
+    check_initialized: bool = True, group_size: int | None = None
+) -> ProcessGroup | None:
+    """The caller's hybrid data+context group of ``group_size`` ranks (dp-cp's own at its size)."""
+    if _mesh is not None and group_size == get_data_parallel_world_size(True):
+        return _tables.dp_cp_group if check_initialized else _tables.maybe.dp_cp_group
+    groups = hybrid_dp_cp_groups()
+    if group_size not in groups and (check_initialized or _mesh is not None):
+        raise AxisError(
+            f"no hybrid data+context group of {group_size} ranks; sizes are {sorted(groups)} "
+            "(initialize with hybrid_context_parallel=True)"
+        )
+    return groups.get(group_size) if group_size is not None else None
+
+
+def hybrid_dp_cp_groups() -> dict[int, ProcessGroup]:
+    """megatron-core's ``_HYBRID_DP_CP_GROUPS``: the caller's hybrid data+context groups by size."""
+    return {
+        key.split.size: group
+        for key, group in _tables.group_of.items()
+        if isinstance(key, DerivedGroup) and key.base == DP_CP and isinstance(key.split, Chunks)
+    }
+
+
+@checked_getter
+def get_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
+    """The caller's embedding group (first and last stages by default)."""
+    return _tables.embedding_group if check_initialized else _tables.maybe.embedding_group
+
+
+@checked_getter
+def get_position_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
+    """The caller's position-embedding group (the first stage by default)."""
+    if check_initialized:
+        return _tables.position_embedding_group
+    return _tables.maybe.position_embedding_group
+
+
+def get_amax_reduction_group(
+    with_context_parallel: bool = False, tp_only_amax_red: bool = False
+) -> ProcessGroup:
+    """The FP8 amax reduction group: tensor(+context)(+data) parallel."""
+    if tp_only_amax_red:
+        return _tables.tp_cp_group if with_context_parallel else _tables.tp_group
+    return _tables.tp_dp_cp_group if with_context_parallel else _tables.tp_dp_group
+
+
+@checked_getter
+def get_tensor_and_data_parallel_group(
+    check_initialized: bool = True, with_context_parallel: bool = False
+) -> ProcessGroup | None:
+    """The tensor+data (and context, if asked) parallel group of the caller."""
+    tables = _tables if check_initialized else _tables.maybe
+    return tables.tp_dp_cp_group if with_context_parallel else tables.tp_dp_group
+
+
+@checked_getter
+def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
+    """The tensor+context parallel group of the caller."""
+    return _facts.tp_cp_group if check_initialized else _tables.maybe.tp_cp_group
+
+
+@checked_getter
+def get_expert_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
+    """The expert-model-parallel group of the caller."""
+    return _facts.ep_group if check_initialized else _tables.maybe.ep_group
+
+
+@checked_getter
+def get_expert_tensor_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
+    """The expert-tensor-parallel group of the caller."""
+    return _facts.etp_group if check_initialized else _tables.maybe.etp_group
+
+
+@checked_getter
+def get_expert_tensor_and_model_parallel_group(
+    check_initialized: bool = True,
+) -> ProcessGroup | None:
+    """The expert tensor+model parallel group of the caller."""
+    return _facts.etp_ep_group if check_initialized else _tables.maybe.etp_ep_group
+
+
+@checked_getter
+def get_expert_tensor_model_pipeline_parallel_group(
+    check_initialized: bool = True,
+) -> ProcessGroup | None:
+    """The expert tensor+model+pipeline parallel group of the caller."""
+    return _facts.etp_ep_pp_group if check_initialized else _tables.maybe.etp_ep_pp_group
+
+
+@checked_getter
+def get_expert_data_parallel_group(
+    check_initialized: bool = True, partial_expert_data_parallel: bool = False
+) -> ProcessGroup | None:
+    """The expert data-parallel group of the caller (one optimizer instance's if partial)."""
+    tables = _tables if check_initialized else _tables.maybe
+    return tables.intra_edp_group if partial_expert_data_parallel else tables.edp_group
+
+
+def get_data_modulo_expert_parallel_group(
+    partial_expert_data_parallel: bool = False,
+) -> ProcessGroup:
+    """Deprecated: ``get_expert_data_parallel_group``."""
+    warnings.warn(
+        "get_data_modulo_expert_parallel_group is deprecated, please use "
+        "get_expert_data_parallel_group instead.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return get_expert_data_parallel_group(
+        partial_expert_data_parallel=partial_expert_data_parallel
+    )
+
+
+def get_expert_data_parallel_group_gloo(
+    partial_expert_data_parallel: bool = False,
+) -> ProcessGroup:
+    """The gloo twin of the caller's expert data-parallel group."""
+    return _tables.intra_edp_gloo_group if partial_expert_data_parallel else _tables.edp_gloo_group
+
+
+@checked_getter
+def get_intra_distributed_optimizer_instance_group(
+    check_initialized: bool = True,
+) -> ProcessGroup | None:
+    """All ranks of the caller's distributed-optimizer instance."""
+    return _tables.dist_opt_instance_group if check_initialized else _tables.maybe.dist_opt_instance_group
+
+
+@checked_getter
+def get_inter_distributed_optimizer_instance_group(
+    check_initialized: bool = True,
+) -> ProcessGroup | None:
+    """The caller's peers in the other distributed-optimizer instances."""
+    return _tables.inter_edp_group if check_initialized else _tables.maybe.inter_edp_group
+
+
+# -- sizes and ranks (the hot path: one global, one attribute) ---------------------------
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Size of the caller's tensor-model-parallel group."""
+    return _facts.tp_size
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """The caller's rank in its tensor-model-parallel group."""
+    return _facts.tp_rank
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Number of pipeline stages."""
+    return _facts.pp_size
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """The caller's pipeline stage."""
+    return _facts.pp_rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """Whether the caller is the first pipeline stage (and virtual stage 0 if asked)."""
+    if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == 0:
+        return not _facts.pp_rank
+    return False
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """Whether the caller is the last pipeline stage (and last virtual stage if asked)."""
+    if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == _vpp_size - 1:
+        return _facts.pp_rank == _facts.pp_size - 1
+    return False
+
+
+def get_data_parallel_world_size(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
+    """Size of the caller's data-parallel group (0 without torch.distributed)."""
+    if with_context_parallel:
+        return _tables.intra_dp_cp_size if partial_data_parallel else _facts.dp_cp_size
+    return _partial_without_cp(_tables.size_of) if partial_data_parallel else _facts.dp_size
+
+
+def get_data_parallel_rank(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
+    """The caller's rank in its data-parallel group (0 without torch.distributed)."""
+    if with_context_parallel:
+        return _tables.intra_dp_cp_rank if partial_data_parallel else _facts.dp_cp_rank
+    return _partial_without_cp(_tables.rank_in) if partial_data_parallel else _facts.dp_rank
+
+
+def get_context_parallel_world_size() -> int:
+    """Size of the caller's context-parallel group (0 without torch.distributed)."""
+    return _facts.cp_size
+
+
+def get_context_parallel_rank() -> int:
+    """The caller's rank in its context-parallel group (0 without torch.distributed)."""
+    return _facts.cp_rank
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """Size of the caller's tensor+context group (0 without torch.distributed)."""
+    return _facts.tp_cp_size
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """The caller's rank in its tensor+context group (0 without torch.distributed)."""
+    return _facts.tp_cp_rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Size of the caller's expert-model-parallel group (0 without torch.distributed)."""
+    return _facts.ep_size
+
+
+def get_expert_model_parallel_rank() -> int:
+    """The caller's rank in its expert-model-parallel group (0 without torch.distributed)."""
+    return _facts.ep_rank
+
+
+def get_expert_tensor_parallel_world_size() -> int | None:
+    """Size of the caller's expert-tensor group; before init, the tp override (maybe None)."""
+    return _tables.maybe.etp_size
+
+
+def get_expert_tensor_parallel_rank() -> int | None:
+    """The caller's expert-tensor rank; before init, the tp rank override (maybe None)."""
+    return _tables.maybe.etp_rank
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    """Size of the caller's expert tensor+model group (0 without torch.distributed)."""
+    return _facts.etp_ep_size
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    """The caller's rank in its expert tensor+model group (0 without torch.distributed)."""
+    return _facts.etp_ep_rank
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+    """Size of the caller's expert data-parallel group (0 without torch.distributed)."""
+    return _tables.intra_edp_size if partial_expert_data_parallel else _tables.edp_size
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+    """The caller's rank in its expert data-parallel group (0 without torch.distributed)."""
+    return _tables.intra_edp_rank if partial_expert_data_parallel else _tables.edp_rank
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    """The current virtual pipeline stage, or ``None`` without interleaving."""
+    return _vpp_rank
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    """Virtual pipeline stages per rank, or ``None`` without interleaving."""
+    return _vpp_size
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    """Set the number of virtual pipeline stages per rank."""
+    global _vpp_size
+    _vpp_size = world_size
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Deprecated: pass ``vp_stage`` to the stage queries instead."""
+    global _vpp_rank
+    warnings.warn(
+        "set_virtual_pipeline_model_parallel_rank in global scope is deprecated. "
+        "Pass vp_stage explicitly to is_pipeline_first_stage, is_pipeline_last_stage, etc.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    _vpp_rank = rank
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """Whether the caller holds word embeddings (at ``vp_stage`` if not ignoring virtual)."""
+    ranks = _tables.maybe.embedding_ranks
+    if ranks is None or ignore_virtual or ranks[0] != dist.get_rank() != ranks[-1]:
+        return ranks is not None
+    if dist.get_rank() == ranks[0]:
+        return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    """Whether the caller holds position embeddings."""
+    return _tables.maybe.position_embedding_ranks is not None
+
+
+# -- global ranks ----------------------------------------------------------------------
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of the first member of the caller's tensor-parallel group."""
+    return _facts.tp_ranks[0]
+
+
+def get_model_parallel_src_rank() -> int:
+    """Global rank of the first member of the caller's model-parallel group."""
+    return _facts.tp_pp_ranks[0]
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of the first member of the caller's data-parallel group."""
+    return (_tables.dp_cp_ranks if with_context_parallel else _tables.dp_ranks)[0]
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """Global rank of the first member of the caller's expert-parallel group."""
+    return _facts.ep_ranks[0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    """Global rank of the first stage of the caller's pipeline."""
+    return _facts.pp_ranks[0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    """Global rank of the last stage of the caller's pipeline."""
+    return _facts.pp_ranks[get_pipeline_model_parallel_world_size() - 1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage of the caller's pipeline (wrapping around)."""
+    stages = _facts.pp_ranks
+    return stages[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous stage of the caller's pipeline (wrapping around)."""
+    stages = _facts.pp_ranks
+    return stages[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
+
+
+def get_all_ranks() -> str:
+    """The caller's tp, dp, cp, pp and ep ranks as ``"tp_dp_cp_pp_ep"``."""
+    ranks = [
+        get_tensor_model_parallel_rank(),
+        get_data_parallel_rank(),
+        get_context_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
+        get_expert_model_parallel_rank(),
+    ]
+    return "_".join(str(rank or 0) for rank in ranks)

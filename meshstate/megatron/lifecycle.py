@@ -1,0 +1,187 @@
+"""megatron-core's ``initialize_model_parallel`` and ``destroy_model_parallel``: the served mesh's life.
+
+``initialize_model_parallel`` builds one :class:`~meshstate.ParallelMesh` with
+megatron-core's groups and serves it to every getter; ``destroy_model_parallel``
+destroys it and resets every value. Example, on every rank of 8::
+
+    initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    get_mesh()                # ParallelMesh(rank 5 of 8, order='tp-cp-ep-dp-pp', tp=2 pp=2 ...)
+    destroy_model_parallel()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from meshstate.core.config import DEFAULT_ORDER, MeshConfig
+from meshstate.core.errors import ConfigError, ParallelStateError
+from meshstate.core.groups import GroupOptions
+from meshstate.core.layout import DerivedGroup, Key
+from meshstate.core.mesh import ParallelMesh, init_mesh, set_mesh
+from meshstate.megatron import buffers, getters, nccl
+from meshstate.megatron import derived as families
+from meshstate.megatron.tables import OVERRIDES
+
+logger = logging.getLogger("meshstate.megatron.parallel_state")
+
+__all__ = ["destroy_model_parallel", "initialize_model_parallel"]
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    pipeline_model_parallel_comm_backend: str | None = None,
+    use_sharp: bool = False,
+    context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: list[int] | None = None,
+    hybrid_context_parallel: bool = False,
+    expert_model_parallel_size: int = 1,
+    num_distributed_optimizer_instances: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    nccl_communicator_config_path: str | None = None,
+    distributed_timeout_minutes: int = 30,
+    order: str = DEFAULT_ORDER,
+    get_embedding_ranks: Callable[..., list[int]] | None = None,
+    get_position_embedding_ranks: Callable[..., list[int]] | None = None,
+    create_gloo_process_groups: bool = True,
+    high_priority_stream_groups: list[str] | None = None,
+    sharp_enabled_group: str | None = None,
+    create_all_gather_group: bool | None = False,
+) -> None:
+    """Build every Megatron group on the calling rank; every rank must call it.
+
+    Takes megatron-core's parameters (see its docs): e.g. on 16 ranks with
+    ``tensor_model_parallel_size=2, pipeline_model_parallel_size=4`` the tensor
+    groups are ``[0, 1], [2, 3], ...`` and the pipelines ``[0, 4, 8, 12], ...``.
+    ``distributed_timeout_minutes`` reaches every group.
+    """
+    _start_afresh()
+    sharp_group = nccl.check_sharp(use_sharp, sharp_enabled_group, num_distributed_optimizer_instances)
+    config = _config(
+        tensor_model_parallel_size, context_parallel_size, expert_model_parallel_size,
+        expert_tensor_parallel_size, pipeline_model_parallel_size, order,
+        virtual_pipeline_model_parallel_size,
+    )
+    derived = families.derived_groups(
+        config,
+        get_embedding_ranks=get_embedding_ranks,
+        get_position_embedding_ranks=get_position_embedding_ranks,
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        hybrid_context_parallel=hybrid_context_parallel,
+        create_all_gather_group=bool(create_all_gather_group),
+        create_gloo_process_groups=create_gloo_process_groups,
+    )
+    configs = nccl.nccl_configs(nccl_communicator_config_path, high_priority_stream_groups)
+    options = nccl.group_options(derived, configs, pipeline_model_parallel_comm_backend)
+    mesh = _build_mesh(config, distributed_timeout_minutes, derived, options, {
+        "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
+        "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
+        "use_sharp": use_sharp,
+        "sharp_enabled_group": sharp_enabled_group,
+        "hierarchical_context_parallel_sizes": hierarchical_context_parallel_sizes,
+        "num_distributed_optimizer_instances": num_distributed_optimizer_instances,
+        "get_embedding_ranks": _name_of(get_embedding_ranks),
+        "get_position_embedding_ranks": _name_of(get_position_embedding_ranks),
+        "create_gloo_process_groups": create_gloo_process_groups,
+    })
+    if sharp_group is not None:
+        nccl.enable_sharp(mesh.group_of.get(sharp_group))
+    _serve(mesh, virtual_pipeline_model_parallel_size)
+    logger.debug("initialized model parallel state: %r", mesh)
+
+
+def _serve(mesh: ParallelMesh, vpp: int | None) -> None:
+    """Serve ``mesh`` to every getter, with a fresh memory buffer and the virtual stages."""
+    if vpp is not None:
+        getters.set_virtual_pipeline_stages(0, vpp)
+    buffers.destroy_global_memory_buffer()
+    buffers._set_global_memory_buffer()
+    getters.serve(mesh)
+    set_mesh(mesh)
+
+
+def _start_afresh() -> None:
+    """Refuse a second init; forget a mesh destroyed behind this module's back."""
+    os.environ.pop("NCCL_COLLNET_ENABLE", None)
+    if getters.is_initialized():
+        raise ParallelStateError(
+            "model parallel state is already initialized; call destroy_model_parallel() first"
+        )
+    if getters.served_mesh() is not None:
+        destroy_model_parallel()
+    if not dist.is_initialized():
+        raise ParallelStateError(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group first"
+        )
+
+
+def _config(
+    tp: int, cp: int, ep: int, etp: int | None, pp: int, order: str, vpp: int | None
+) -> MeshConfig:
+    """The layout of megatron-core's sizes, validated with its errors."""
+    try:
+        config = MeshConfig(dist.get_world_size(), order=order, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp)
+    except ConfigError as error:
+        raise ParallelStateError(str(error)) from None
+    if vpp is not None and pp <= 1:
+        raise ParallelStateError(
+            "pipeline-model-parallel size should be greater than 1 with interleaved schedule, "
+            f"got pipeline_model_parallel_size={pp} and "
+            f"virtual_pipeline_model_parallel_size={vpp}"
+        )
+    return config
+
+
+def _build_mesh(
+    config: MeshConfig,
+    timeout_minutes: object,
+    derived: list[DerivedGroup],
+    options: dict[Key, GroupOptions],
+    agree_on: dict[str, Any],
+) -> ParallelMesh:
+    """``init_mesh`` of megatron-core's layout, timeout and derived groups; every rank agrees."""
+    return init_mesh(
+        **config.arguments(),
+        timeout=_minutes(timeout_minutes),
+        derived=derived,
+        group_options=options,
+        agree_on=agree_on,
+    )
+
+
+def _minutes(minutes: object) -> timedelta:
+    """``distributed_timeout_minutes`` as a timedelta; a ParallelStateError unless a positive number."""
+    if isinstance(minutes, (int, float)) and not isinstance(minutes, bool) and minutes > 0:
+        try:
+            return timedelta(minutes=minutes)
+        except OverflowError:
+            pass
+    raise ParallelStateError(
+        f"distributed_timeout_minutes must be a positive number, got {minutes!r}"
+    )
+
+
+def _name_of(function: Callable[..., object] | None) -> str | None:
+    if function is None:
+        return None
+    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def destroy_model_parallel() -> None:
+    """Destroy the groups and reset every value; safe to call when not initialized."""
+    mesh = getters.served_mesh()
+    OVERRIDES.clear()
+    getters.set_virtual_pipeline_stages(None, None)
+    buffers.destroy_global_memory_buffer()
+    buffers.destroy_global_symmetric_memory_buffer()
+    getters.serve(None)
+    if mesh is not None:
+        mesh.destroy()

@@ -1,0 +1,391 @@
+"""The tables Megatron's getters read, and megatron-core's ``set_*`` overrides laid over them.
+
+A :class:`TableFacts` reads the served mesh's four tables (``rank_in``,
+``size_of``, ``group_of``, ``ranks_of``) by attribute, as the mesh's own
+``facts`` do, for every key the getters ask, derived groups included; before
+init its tables are stand-ins that give megatron-core's answers. The
+``set_*`` functions record megatron-core's ``_MPU_*`` overrides, which are laid
+over the rank and size tables. Example::
+
+    set_tensor_model_parallel_world_size(4)
+    TableFacts(None, OVERRIDES).tp_size       # 4, before any init
+    TableFacts(None, OVERRIDES).pp_size       # NotInitializedError: pipeline model parallel group ...
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import ChainMap
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeVar, cast, overload
+
+import torch.distributed as dist
+
+from meshstate.core.errors import NotInitializedError
+from meshstate.core.layout import Key
+from meshstate.core.mesh import ParallelMesh
+from meshstate.megatron import derived as families
+
+ProcessGroup = dist.ProcessGroup
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+__all__ = [
+    "set_data_parallel_rank",
+    "set_expert_model_parallel_rank",
+    "set_expert_model_parallel_world_size",
+    "set_expert_tensor_parallel_rank",
+    "set_expert_tensor_parallel_world_size",
+    "set_pipeline_model_parallel_rank",
+    "set_pipeline_model_parallel_world_size",
+    "set_tensor_model_parallel_rank",
+    "set_tensor_model_parallel_world_size",
+]
+
+# The joint keys, interned: the mesh's tables then find them by identity (a code constant
+# with a "-" is not interned, and a lookup by an equal but distinct string is slower).
+TP_PP, TP_CP, TP_DP, TP_DP_CP, DP_CP, ETP_EP, ETP_EP_PP = map(
+    sys.intern, ("tp-pp", "tp-cp", "tp-dp", "tp-dp-cp", "dp-cp", "etp-ep", "etp-ep-pp")
+)
+GLOO = {key: families.gloo(key) for key in families.GLOO_KEYS}
+# A key no mesh has: data parallel without context parallel, partial (only an override answers).
+PARTIAL_DP = "dp (partial, without cp)"
+
+# The name of each key in a TableFacts attribute: ``tp_cp_size`` is size_of["tp-cp"].
+KEY_OF_NAME: dict[str, Key] = {
+    **{key.replace("-", "_"): key for key in ("tp", "pp", "dp", "cp", "ep", "etp", "edp", TP_PP,
+                                             TP_CP, TP_DP, TP_DP_CP, DP_CP, ETP_EP, ETP_EP_PP)},
+    "partial_dp": PARTIAL_DP,
+    "intra_dp_cp": families.INTRA_DP_CP,
+    "intra_edp": families.INTRA_EDP,
+    "inter_edp": families.INTER_EDP,
+    "dist_opt_instance": families.DIST_OPT_INSTANCE,
+    "dp_cp_all_gather": families.DP_CP_ALL_GATHER,
+    "embedding": families.EMBEDDING,
+    "position_embedding": families.POSITION_EMBEDDING,
+    "dp_gloo": GLOO["dp"],
+    "dp_cp_gloo": GLOO[DP_CP],
+    "edp_gloo": GLOO["edp"],
+    "intra_dp_cp_gloo": GLOO[families.INTRA_DP_CP],
+    "intra_edp_gloo": GLOO[families.INTRA_EDP],
+}
+
+# megatron-core's name of each group, for "... is not initialized".
+WHAT: dict[Key, str] = {
+    "tp": "tensor model parallel group",
+    "pp": "pipeline model parallel group",
+    TP_PP: "model parallel group",
+    "dp": "data parallel group",
+    PARTIAL_DP: "data parallel group",
+    DP_CP: "data parallel group with context parallel",
+    families.INTRA_DP_CP: "intra partial data parallel group with context parallel",
+    families.DP_CP_ALL_GATHER: "all-gather data parallel group with context parallel",
+    "cp": "context parallel group",
+    TP_CP: "tensor and context parallel group",
+    TP_DP: "tensor and data parallel group",
+    TP_DP_CP: "tensor and data parallel group with context parallel",
+    "ep": "expert model parallel group",
+    "etp": "expert tensor parallel group",
+    ETP_EP: "expert tensor and model parallel group",
+    ETP_EP_PP: "expert tensor-model-pipeline parallel group",
+    "edp": "expert data parallel group",
+    families.INTRA_EDP: "intra partial expert data parallel group",
+    families.INTER_EDP: "inter distributed optimizer instance group "
+    "(needs num_distributed_optimizer_instances > 1)",
+    families.DIST_OPT_INSTANCE: "intra distributed optimizer instance group",
+    families.EMBEDDING: "embedding group",
+    families.POSITION_EMBEDDING: "position embedding group",
+}
+WHAT.update({twin: f"gloo {WHAT[key]}" for key, twin in GLOO.items()})
+
+# Sizes and ranks megatron-core answers with 0 before torch.distributed is initialized.
+ZERO_UNLESS_DISTRIBUTED: frozenset[Key] = frozenset(
+    {"dp", PARTIAL_DP, DP_CP, families.INTRA_DP_CP, "cp", TP_CP, "ep", ETP_EP, "edp",
+     families.INTRA_EDP}
+)
+
+# megatron-core's override names -> the table and the keys each answers for.
+OVERRIDDEN: dict[str, tuple[Literal["rank", "size"], tuple[Key, ...]]] = {
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": ("size", ("tp",)),
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK": ("rank", ("tp",)),
+    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": ("size", ("pp",)),
+    "_MPU_PIPELINE_MODEL_PARALLEL_RANK": ("rank", ("pp",)),
+    "_MPU_DATA_PARALLEL_WORLD_SIZE": ("size", ("dp", PARTIAL_DP, DP_CP, families.INTRA_DP_CP)),
+    "_MPU_DATA_PARALLEL_RANK": ("rank", ("dp", PARTIAL_DP, DP_CP, families.INTRA_DP_CP)),
+    "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": ("size", ("ep",)),
+    "_MPU_EXPERT_MODEL_PARALLEL_RANK": ("rank", ("ep",)),
+    "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": ("size", ("etp",)),
+    "_MPU_EXPERT_TENSOR_PARALLEL_RANK": ("rank", ("etp",)),
+}
+
+
+def not_initialized(what: str, mesh: ParallelMesh | None) -> NotInitializedError:
+    """megatron-core's "``what`` is not initialized", or where ``mesh`` was destroyed."""
+    if mesh is not None and mesh.destroyed_at is not None:
+        return NotInitializedError(
+            f"{what} is gone: its mesh was destroyed at {mesh.destroyed_at}; call "
+            "initialize_model_parallel() again"
+        )
+    return NotInitializedError(
+        f"{what} is not initialized; call initialize_model_parallel() first"
+    )
+
+
+class CheckedGetter(Protocol[T_co]):
+    """A getter of megatron-core's ``check_initialized``: ``False`` may answer ``None``."""
+
+    @overload
+    def __call__(self, check_initialized: Literal[True] = True, **options: bool) -> T_co: ...
+    @overload
+    def __call__(self, check_initialized: bool, **options: bool) -> T_co | None: ...
+
+
+def checked_getter(getter: Callable[..., T | None]) -> CheckedGetter[T]:
+    """``getter`` itself, typed as never ``None`` unless ``check_initialized=False``."""
+    return cast(CheckedGetter[T], getter)
+
+
+class GetterFacts(Protocol):
+    """The attributes of a mesh's ``facts`` the hot getters read (types for the checker)."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+    ep_rank: int
+    ep_size: int
+    tp_cp_rank: int
+    tp_cp_size: int
+    dp_cp_rank: int
+    dp_cp_size: int
+    etp_ep_rank: int
+    etp_ep_size: int
+    tp_group: ProcessGroup
+    pp_group: ProcessGroup
+    dp_group: ProcessGroup
+    cp_group: ProcessGroup
+    ep_group: ProcessGroup
+    etp_group: ProcessGroup
+    tp_cp_group: ProcessGroup
+    dp_cp_group: ProcessGroup
+    tp_pp_group: ProcessGroup
+    etp_ep_group: ProcessGroup
+    etp_ep_pp_group: ProcessGroup
+    tp_ranks: Sequence[int]
+    pp_ranks: Sequence[int]
+    ep_ranks: Sequence[int]
+    tp_pp_ranks: Sequence[int]
+
+class MaybeAnswers(Protocol):
+    """``TableFacts.maybe``'s attributes the getters read: ``None`` where there is none."""
+
+    tp_group: ProcessGroup | None
+    pp_group: ProcessGroup | None
+    cp_group: ProcessGroup | None
+    ep_group: ProcessGroup | None
+    etp_group: ProcessGroup | None
+    edp_group: ProcessGroup | None
+    tp_pp_group: ProcessGroup | None
+    tp_cp_group: ProcessGroup | None
+    tp_dp_group: ProcessGroup | None
+    tp_dp_cp_group: ProcessGroup | None
+    dp_cp_group: ProcessGroup | None
+    etp_ep_group: ProcessGroup | None
+    etp_ep_pp_group: ProcessGroup | None
+    intra_edp_group: ProcessGroup | None
+    inter_edp_group: ProcessGroup | None
+    dist_opt_instance_group: ProcessGroup | None
+    dp_cp_all_gather_group: ProcessGroup | None
+    embedding_group: ProcessGroup | None
+    position_embedding_group: ProcessGroup | None
+    etp_rank: int | None
+    etp_size: int | None
+    cp_ranks: Sequence[int] | None
+    embedding_ranks: Sequence[int] | None
+    position_embedding_ranks: Sequence[int] | None
+
+
+class Answers(GetterFacts, Protocol):
+    """A :class:`TableFacts`' attributes the getters read (types for the checker)."""
+
+    rank_in: Mapping[Key, int]
+    size_of: Mapping[Key, int]
+    group_of: Mapping[Key, ProcessGroup]
+    ranks_of: Mapping[Key, Sequence[int]]
+    maybe: MaybeAnswers
+    edp_rank: int
+    edp_size: int
+    intra_dp_cp_rank: int
+    intra_dp_cp_size: int
+    intra_edp_rank: int
+    intra_edp_size: int
+    tp_dp_group: ProcessGroup
+    tp_dp_cp_group: ProcessGroup
+    edp_group: ProcessGroup
+    intra_dp_cp_group: ProcessGroup
+    intra_edp_group: ProcessGroup
+    inter_edp_group: ProcessGroup
+    dist_opt_instance_group: ProcessGroup
+    dp_cp_all_gather_group: ProcessGroup
+    embedding_group: ProcessGroup
+    position_embedding_group: ProcessGroup
+    dp_gloo_group: ProcessGroup
+    dp_cp_gloo_group: ProcessGroup
+    edp_gloo_group: ProcessGroup
+    intra_dp_cp_gloo_group: ProcessGroup
+    intra_edp_gloo_group: ProcessGroup
+    dp_ranks: Sequence[int]
+    dp_cp_ranks: Sequence[int]
+
+
+class _NotInitialized(dict[Key, Any]):
+    """A table before init: empty, and a lookup by ``[]`` is megatron-core's answer.
+
+    That answer is an error naming the group or, for the sizes and ranks that
+    megatron-core gives as 0 while torch.distributed is not initialized, 0.
+    ``get`` answers ``None``, as for a group the caller is not in.
+    """
+
+    def __init__(self, zero_keys: frozenset[Key] = frozenset()) -> None:
+        super().__init__()
+        self.zero_keys = zero_keys
+
+    def __missing__(self, key: Key) -> Any:
+        if key in self.zero_keys and not dist.is_initialized():
+            return 0
+        raise not_initialized(WHAT[key], None)
+
+
+class Overrides:
+    """megatron-core's ``_MPU_*`` values, set by the ``set_*`` functions; ``None`` is unset.
+
+    ``changed`` is called after each change (the getters re-read their tables).
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, int | None] = dict.fromkeys(OVERRIDDEN)
+        self.changed: Callable[[], None] = lambda: None
+
+    def set(self, name: str, value: int | None) -> None:
+        self.values[name] = value
+        self.changed()
+
+    def clear(self) -> None:
+        self.values.update(dict.fromkeys(self.values))
+
+    def any(self) -> bool:
+        return any(value is not None for value in self.values.values())
+
+    def layers(self, initialized: bool) -> dict[str, dict[Key, int]]:
+        """The overridden ranks and sizes by key (``"rank"``, ``"size"``)."""
+        layers: dict[str, dict[Key, int]] = {"rank": {}, "size": {}}
+        for name, value in self.values.items():
+            if value is not None:
+                table, keys = OVERRIDDEN[name]
+                layers[table].update(dict.fromkeys(keys, value))
+        for layer in layers.values():
+            if not initialized and "tp" in layer:  # megatron-core's etp falls back to the tp override
+                layer.setdefault("etp", layer["tp"])
+        return layers
+
+
+OVERRIDES = Overrides()
+
+
+class TableFacts:
+    """The tables of ``mesh`` (stand-ins before init) under ``overrides``, read by attribute.
+
+    ``tp_rank`` is ``rank_in["tp"]``, ``dp_cp_size`` is ``size_of["dp-cp"]``,
+    ``embedding_group`` the embedding group (names in :data:`KEY_OF_NAME`);
+    a group the caller is not in raises megatron-core's "not initialized".
+    ``maybe`` reads the same names but answers ``None`` where there is none.
+    """
+
+    def __init__(
+        self, mesh: ParallelMesh | None, overrides: Overrides, *, optional: bool = False
+    ) -> None:
+        self.mesh = mesh
+        self.optional = optional
+        layers = overrides.layers(initialized=mesh is not None)
+        self.rank_in: Mapping[Key, int]
+        self.size_of: Mapping[Key, int]
+        self.group_of: Mapping[Key, dist.ProcessGroup]
+        self.ranks_of: Mapping[Key, Sequence[int]]
+        if mesh is None:
+            self.rank_in = _layered(layers["rank"], _NotInitialized(ZERO_UNLESS_DISTRIBUTED))
+            self.size_of = _layered(layers["size"], _NotInitialized(ZERO_UNLESS_DISTRIBUTED))
+            self.group_of, self.ranks_of = _NotInitialized(), _NotInitialized()
+        else:
+            self.rank_in = _layered(layers["rank"], mesh.rank_in)
+            self.size_of = _layered(layers["size"], mesh.size_of)
+            self.group_of, self.ranks_of = mesh.group_of, mesh.ranks_of
+        self.maybe = self if optional else TableFacts(mesh, overrides, optional=True)
+
+    def __getattr__(self, name: str) -> Any:
+        prefix, _, field = name.rpartition("_")
+        tables = {"rank": self.rank_in, "size": self.size_of, "group": self.group_of,
+                  "ranks": self.ranks_of}
+        if field not in tables or prefix not in KEY_OF_NAME:
+            raise AttributeError(f"no table answers {name!r}")
+        key = KEY_OF_NAME[prefix]
+        if self.optional:
+            return tables[field].get(key)
+        if field == "group":  # a group the caller is not in: megatron-core's "not initialized"
+            group = self.group_of.get(key)
+            if group is None:
+                raise not_initialized(WHAT[key], self.mesh)
+            return group
+        return tables[field][key]
+
+
+def _layered(overrides: dict[Key, int], table: dict[Key, int]) -> Mapping[Key, int]:
+    return ChainMap(overrides, table) if overrides else table
+
+
+def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the tensor-model-parallel size the getters report."""
+    OVERRIDES.set("_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", world_size)
+
+
+def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the pipeline-model-parallel size the getters report."""
+    OVERRIDES.set("_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", world_size)
+
+
+def set_tensor_model_parallel_rank(rank: int | None) -> None:
+    """Override the tensor-model-parallel rank the getters report."""
+    OVERRIDES.set("_MPU_TENSOR_MODEL_PARALLEL_RANK", rank)
+
+
+def set_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Override the pipeline-model-parallel rank the getters report."""
+    OVERRIDES.set("_MPU_PIPELINE_MODEL_PARALLEL_RANK", rank)
+
+
+def set_data_parallel_rank(rank: int | None) -> None:
+    """Override the data-parallel rank the getters report."""
+    OVERRIDES.set("_MPU_DATA_PARALLEL_RANK", rank)
+
+
+def set_expert_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the expert-model-parallel size the getters report."""
+    OVERRIDES.set("_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE", world_size)
+
+
+def set_expert_model_parallel_rank(rank: int | None) -> None:
+    """Override the expert-model-parallel rank the getters report."""
+    OVERRIDES.set("_MPU_EXPERT_MODEL_PARALLEL_RANK", rank)
+
+
+def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
+    """Override the expert-tensor-parallel size the getters report."""
+    OVERRIDES.set("_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE", world_size)
+
+
+def set_expert_tensor_parallel_rank(rank: int | None) -> None:
+    """Override the expert-tensor-parallel rank the getters report."""
+    OVERRIDES.set("_MPU_EXPERT_TENSOR_PARALLEL_RANK", rank)
