@@ -23,7 +23,8 @@ from meshstate.core.config import DEFAULT_ORDER, MeshConfig
 from meshstate.core.errors import ConfigError, ParallelStateError
 from meshstate.core.groups import GroupOptions
 from meshstate.core.layout import DerivedGroup, Key
-from meshstate.core.mesh import ParallelMesh, init_mesh, set_mesh
+from meshstate.core.build import init_mesh
+from meshstate.core.mesh import ParallelMesh, set_mesh
 from meshstate.megatron import buffers, getters, nccl
 from meshstate.megatron import derived as families
 from meshstate.megatron.tables import OVERRIDES

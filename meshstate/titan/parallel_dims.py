@@ -32,7 +32,8 @@ from meshstate.core import compat as _compat
 from meshstate.core.config import check_positive_int
 from meshstate.core.errors import AxisError, ConfigError, DimNameError
 from meshstate.core.layout import HSDP_KINDS, Chunks, DerivedGroup, Key
-from meshstate.core.mesh import ParallelMesh, init_mesh
+from meshstate.core.build import init_mesh
+from meshstate.core.mesh import ParallelMesh
 
 SpmdBackend = Literal["partial_dtensor", "full_dtensor", "spmd_types"]
 

@@ -31,7 +31,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import local_map
 
 from meshstate.core import compat as _compat
-from meshstate.core.mesh import ParallelMesh, init_mesh
+from meshstate.core.build import init_mesh
+from meshstate.core.mesh import ParallelMesh
 from meshstate.jax import collectives as lax
 from meshstate.jax.reshard import reshard
 from meshstate.jax.shard_map import shard_map
