@@ -207,3 +207,17 @@ def test_reshard_between_tuples_gathers_once_and_prints_nothing():
     assert back.to_local().tolist() == table[:, cp * 2 + dp : cp * 2 + dp + 1].tolist()
     assert [str(w.message) for w in caught] == [] and records == []
     mesh.destroy()
+
+
+@distributed(world_size=4)
+def test_reshard_on_a_mesh_built_again_uses_its_groups():
+    """The second time: an equal mesh built after a destroy has equal DeviceMeshes, so what
+    reshard keeps must be told apart by mesh, not by the DeviceMesh's value."""
+    table = torch.arange(32.0).view(8, 4)
+    rank = dist.get_rank()
+    for _ in range(2):
+        mesh = meshstate.init_mesh(tp=2, cp=2)
+        with mesh:
+            moved = reshard(reshard(table, P(("cp", "tp"))), P("tp"))
+            assert moved.to_local().tolist() == table[4 * (rank % 2) : 4 * (rank % 2) + 4].tolist()
+        mesh.destroy()

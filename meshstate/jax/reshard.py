@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,7 +107,12 @@ class _Move:
     placements: tuple[Placement, ...]
 
 
-_moves: dict[tuple[object, ...], _Move | None] = {}
+_moves: weakref.WeakKeyDictionary[ParallelMesh, dict[tuple[object, ...], _Move | None]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The moves worked out on each mesh, by placements, spec and shape (kept with the mesh)."""
+MOVES_KEPT = 256
+"""A mesh forgets its moves past this many (shapes vary, say with sequence length)."""
 
 
 @_compat.constant_when_traced
@@ -117,19 +123,29 @@ def _move(
     shape: tuple[int, ...],
 ) -> _Move | None:
     """The move of a DTensor on ``view`` with ``placements`` to the spec ``signature``;
-    ``None`` where DTensor's redistribution must do it. Kept per argument set."""
-    key = (view, placements, signature, shape)
-    if key not in _moves:
-        _moves[key] = _plan_move(view, placements, P(*signature[0], unreduced=signature[1]), shape)
-    return _moves[key]
+    ``None`` where DTensor's redistribution must do it. Kept on the mesh that owns ``view``."""
+    parallel_mesh = _owner(view)
+    if parallel_mesh is None:
+        return None
+    moves = _moves.setdefault(parallel_mesh, {})
+    key = (placements, signature, shape)
+    if key not in moves:
+        if len(moves) >= MOVES_KEPT:
+            moves.clear()
+        target = P(*signature[0], unreduced=signature[1])
+        moves[key] = _plan_move(parallel_mesh, view, placements, target, shape)
+    return moves[key]
 
 
 def _plan_move(
-    view: DeviceMesh, placements: tuple[Placement, ...], target: P, shape: tuple[int, ...]
+    parallel_mesh: ParallelMesh,
+    view: DeviceMesh,
+    placements: tuple[Placement, ...],
+    target: P,
+    shape: tuple[int, ...],
 ) -> _Move | None:
-    parallel_mesh = _owner(view)
-    source = None if parallel_mesh is None else _spec_of(view, placements)
-    if parallel_mesh is None or source is None or source.unreduced or target.unreduced:
+    source = _spec_of(view, placements)
+    if source is None or source.unreduced or target.unreduced:
         return None
     sizes = dict(zip(view.mesh_dim_names or (), view.shape))
     for spec in (source, target):
