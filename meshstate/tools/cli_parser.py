@@ -209,7 +209,8 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
     bench = commands.add_parser(
         "bench", help="init time, groups, getter cost and memory beside megatron-core",
         description="Simulate one rank of each world on torch's fake backend and time every "
-        "approach, then time init on real local processes. The simulated layout defaults to "
+        "approach, then time init on real local processes and what each JAX-layer call costs, "
+        "eager and compiled, beside torch's own. The simulated layout defaults to "
         "a large model's, tp=8 cp=2 ep=8 etp=1 pp=8, unlike plan and check, whose sizes "
         "default to 1.",
         formatter_class=_HelpFormatter,
