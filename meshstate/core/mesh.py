@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -178,6 +178,9 @@ class ParallelMesh:
                 self.ranks_of[spelling] = ranks
         self.facts = Facts(self)
         self._device_meshes: dict[str | tuple[str, ...], DeviceMesh] = {}
+        self.store: dict[Hashable, Any] = {}
+        """What the layers above compute from this mesh (shard_map and reshard plans), by a
+        key of their own; ``destroy()`` empties it."""
         _live_meshes.add(self)
 
     @property
@@ -410,6 +413,7 @@ class ParallelMesh:
             _compat.forget_sharding_decisions()
         self._device_meshes.clear()
         self._ordered_groups.clear()
+        self.store.clear()
         for name in roots:
             del self.__dict__[name]
         for table in (self.rank_in, self.size_of, self.group_of, self.ranks_of):
