@@ -356,6 +356,12 @@ def sharded_dim(placement: torch.distributed.tensor.Placement) -> int | None:
     return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
 
 
+def root_of(device_mesh: DeviceMesh) -> DeviceMesh:
+    """The DeviceMesh ``device_mesh`` was sliced or flattened from (itself for a root).
+    Uses ``DeviceMesh._get_root_mesh``."""
+    return device_mesh._get_root_mesh()
+
+
 def mesh_copies(device_mesh: DeviceMesh) -> torch.Tensor:
     """Global ranks of every copy of ``device_mesh`` in its root mesh.
 

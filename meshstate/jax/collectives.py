@@ -1,4 +1,4 @@
-"""JAX-style collectives over named mesh axes.
+"""JAX-style collectives over named mesh axes, with JAX's default types and gradients.
 
 ``axes`` is one axis (``"tp"``), a joint key (``"dp-cp"``: mesh order) or any
 tuple of axes of one view (dense: tp, cp, dp, pp; expert: etp, ep, edp, pp),
@@ -16,18 +16,27 @@ mesh order (its lowering sorts each replica group) while its ``axis_index``
 follows the tuple; meshstate keeps the two consistent.
 Every function takes ``mesh=`` and defaults to :func:`meshstate.current_mesh`.
 
-``psum``, ``pmean``, ``all_gather``, ``psum_scatter``, ``all_to_all`` and
-``ppermute`` are differentiable (the backward of each is its transpose);
-``pmax`` and ``pmin`` refuse tensors that require grad.
+Gradients are JAX's default (``check_vma=True``) transposes: ``psum``'s
+backward is the identity (a ``pvary``) and ``pvary``'s a ``psum``, so in
+plain torch code, where a value is taken to vary over the axes a collective
+names, a rank's ``loss.backward()`` on a replicated loss gives the gradient
+one process would (megatron-core's ``reduce_from_`` / ``copy_to_tensor_model_parallel_region``).
+``all_gather``'s backward is ``psum_scatter`` and the reverse;
+``all_gather_invariant``'s keeps the rank's own slice, ``ppermute``'s is the
+inverse permutation, ``all_to_all``'s the swapped one; ``pmax`` and ``pmin``
+refuse tensors that require grad. Inside a ``shard_map`` body each collective
+also follows JAX's type rule (see :mod:`meshstate.jax.vma`); inside a
+``shard_map(check_vma=False)`` body ``psum``, ``pmean`` and ``pvary`` have
+JAX's legacy transposes (``psum``'s backward a ``psum``, ``pvary``'s the identity).
 
 Compiled and eager alike: under ``torch.compile`` (or any torch tracer), and
 wherever a gradient is needed, each call is one of torch's traceable functional
-collectives, so ``torch.compile(fullgraph=True)`` sees one graph with no break
-and autograd gets torch's own backward. In eager code that needs no gradient
-the call is the in-place c10d collective in tensor form (``all_reduce`` on a
-copy, ``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``),
-the cost of the hand-written call. No copy is made
-to reorder shards where the axis order is the group's rank order.
+collectives, so ``torch.compile(fullgraph=True)`` sees one graph with no break.
+In eager code that needs no gradient the call is the in-place c10d collective
+in tensor form (``all_reduce`` on a copy, ``all_gather_single``,
+``reduce_scatter_single``, ``all_to_all_single``), the cost of the hand-written
+call. No copy is made to reorder shards where the axis order is the group's
+rank order.
 
 Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 
@@ -39,7 +48,8 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,11 +57,21 @@ import torch.distributed as dist
 from meshstate.core import compat as _compat
 from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.jax.vma import (
+    NO_AXES,
+    VaryingAxesError,
+    axes_text,
+    body,
+    type_text,
+    typed,
+    vma,
+)
 
 Axes = str | tuple[str, ...]
 
 __all__ = [
     "all_gather",
+    "all_gather_invariant",
     "all_to_all",
     "axis_index",
     "axis_size",
@@ -61,6 +81,7 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "pvary",
 ]
 
 
@@ -87,13 +108,75 @@ def _traced(x: object, name: str) -> bool:
         if not isinstance(x, torch.Tensor):
             raise ConfigError(f"{name} takes a torch.Tensor, got {kind.__name__}")
         return True
-    recorded: bool = x.requires_grad and torch.is_grad_enabled()  # type: ignore[attr-defined]
-    return recorded or torch.compiler.is_compiling()
+    return _recorded(cast(torch.Tensor, x)) or torch.compiler.is_compiling()
 
 
-def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
-    """The caller's index along ``axes`` (row-major over a tuple, first axis major)."""
-    return _ordered(axes, mesh, "axis_index").index
+def _recorded(x: torch.Tensor) -> bool:
+    """Whether autograd records ``x`` (it requires grad and grad mode is on)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+def _axis_names(axes: Axes) -> frozenset[str]:
+    """The mesh axes a collective names: ``"dp-cp"`` and ``("cp", "dp")`` name dp and cp."""
+    if isinstance(axes, str):
+        return frozenset(axes.split("-"))
+    return frozenset(name for axis in axes for name in axis.split("-"))
+
+
+def _typed_input(
+    x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None, name: str, *, reduces: bool
+) -> tuple[torch.Tensor, frozenset[str]]:
+    """``x`` made to vary over the collective's axes (pvary'd where it does not), and
+    its type before: JAX's rule inside a typed body. A reduction (psum, pmean,
+    psum_scatter) over axes of which ``x`` varies over some and not others is refused."""
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError(f"{name} takes a torch.Tensor, got {type(x).__name__}")
+    names, before = _axis_names(axes), vma(x)
+    varying = names & before
+    if varying == names:
+        return x, before
+    if reduces and varying:
+        raise VaryingAxesError(
+            f"meshstate.{name} can only accept axis_name which corresponds to one of varying "
+            f"or invarying state of the input. Got input type: {type_text(x)}, axes: "
+            f"{axes!r} and input state: {{'invarying', 'varying'}}; pvary the input over "
+            f"{tuple(sorted(names - before))!r} or reduce over {tuple(sorted(varying))!r} alone"
+        )
+    parallel_mesh = current_mesh() if mesh is None else mesh
+    return pvary_over(x, names - before, parallel_mesh), before
+
+
+def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
+    """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
+    ``pvary`` inside a typed body, and what casting an operand up inserts)."""
+    group = _ordered_group(parallel_mesh, tuple(sorted(axes)))
+    if len(group.ranks) == 1 or not _recorded(x):
+        cast = x.view_as(x)
+    else:
+        cast = _summed_gradient(x, group.group_name)
+    return typed(cast, vma(x) | axes)
+
+
+def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> Any:
+    """The caller's index along ``axes`` (row-major over a tuple, first axis major).
+
+    An ``int``; inside a ``shard_map`` body with ``check_vma=True`` (the default)
+    JAX's typed value instead: a 0-dim int64 tensor that varies over ``axes``, so
+    what is computed from it is typed as varying too.
+    """
+    group = _ordered(axes, mesh, "axis_index")
+    if body.types is None:
+        return group.index
+    parallel_mesh = current_mesh() if mesh is None else mesh
+    index = torch.tensor(group.index, device=device_for(parallel_mesh.device_type))
+    return typed(index, _axis_names(axes))
+
+
+def device_for(device_type: str) -> torch.device:
+    """The device a mesh of ``device_type`` computes on: the current CUDA device for ``"cuda"``."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 def axis_size(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
@@ -102,29 +185,84 @@ def axis_size(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
 
 
 def psum(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
-    """The sum of ``x`` over ``axes``, on every rank."""
+    """The sum of ``x`` over ``axes``, on every rank.
+
+    Backward: the identity (JAX's default; megatron-core's
+    ``reduce_from_tensor_model_parallel_region``); a ``psum`` inside a
+    ``shard_map(check_vma=False)`` body. Type: ``vma(x)`` without ``axes``.
+    """
     group = _ordered(axes, mesh, "psum")
-    if _traced(x, "psum"):
-        return _compat.traced_all_reduce(x, "sum", group.group_name)
-    result: torch.Tensor = x.clone()
-    dist.all_reduce(result, group=group.group)
-    return result
+    if body.types is None:
+        return _sum(x, group, "psum")
+    x, before = _typed_input(x, axes, mesh, "psum", reduces=True)
+    return typed(_sum(x, group, "psum"), before - _axis_names(axes))
 
 
 def pmean(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
-    """The mean of ``x`` over ``axes``, on every rank."""
+    """The mean of ``x`` over ``axes``, on every rank (``psum(x, axes) / axis_size(axes)``)."""
     group = _ordered(axes, mesh, "pmean")
-    return _all_reduce(x, group, "sum", "pmean") / len(group.ranks)
+    if body.types is None:
+        return _sum(x, group, "pmean") / len(group.ranks)
+    x, before = _typed_input(x, axes, mesh, "pmean", reduces=True)
+    return typed(_sum(x, group, "pmean") / len(group.ranks), before - _axis_names(axes))
 
 
 def pmax(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The elementwise maximum of ``x`` over ``axes`` (not differentiable)."""
-    return _all_reduce(x, _ordered(axes, mesh, "pmax"), "max", "pmax")
+    return _extreme(x, axes, mesh, "max", "pmax")
 
 
 def pmin(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The elementwise minimum of ``x`` over ``axes`` (not differentiable)."""
-    return _all_reduce(x, _ordered(axes, mesh, "pmin"), "min", "pmin")
+    return _extreme(x, axes, mesh, "min", "pmin")
+
+
+def _extreme(
+    x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None, op: str, name: str
+) -> torch.Tensor:
+    group = _ordered(axes, mesh, name)
+    traced = _traced(x, name)
+    if x.requires_grad:
+        raise ConfigError(f"{name} is not differentiable; call it on x.detach()")
+    if traced:
+        result = _compat.traced_all_reduce(x, op, group.group_name)
+    else:
+        result = x.clone()
+        dist.all_reduce(result, op=_REDUCE_OPS[op], group=group.group)
+    return result if body.types is None else typed(result, vma(x) - _axis_names(axes))
+
+
+def pvary(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
+    """``x``, cast to vary over ``axes``: the identity forward, a ``psum`` backward.
+
+    JAX's ``jax.lax.pcast(x, axes, to="varying")``; megatron-core's
+    ``copy_to_tensor_model_parallel_region``. In plain code it makes a value
+    every rank holds (a replicated input) enter per-rank work along ``axes``,
+    so its gradient is summed over them. Inside a ``shard_map`` body an axis
+    ``x`` already varies over is refused; inside a ``shard_map(check_vma=False)``
+    body it is the identity both ways (JAX's legacy mode).
+
+    Example (4 ranks, ``init_mesh(tp=2)``): ``pvary(x, "tp")`` equals ``x``;
+    after ``(pvary(x, "tp") * (axis_index("tp") + 1)).sum().backward()``,
+    ``x.grad`` is 3 on every rank.
+    """
+    group = _ordered(axes, mesh, "pvary")
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
+    if body.legacy:
+        return x
+    if body.types is None:
+        if len(group.ranks) == 1 or not _recorded(x):
+            return x
+        return _summed_gradient(x, group.group_name)
+    names = _axis_names(axes)
+    if names & vma(x):
+        raise VaryingAxesError(
+            f"meshstate.pvary: x of type {type_text(x)} already varies over "
+            f"{axes_text(names & vma(x))}; pvary only casts invariant axes to varying "
+            "(JAX: Unsupported pcast from=varying, to='varying')"
+        )
+    return pvary_over(x, names, current_mesh() if mesh is None else mesh)
 
 
 def all_gather(
@@ -138,8 +276,19 @@ def all_gather(
     """Every rank's ``x`` along ``axes``, in axis-index order.
 
     Stacked along a new dim ``axis``; with ``tiled=True`` concatenated along ``axis``.
+    Backward: ``psum_scatter`` (megatron-core's ``gather_from_sequence_parallel_region``).
+    Type: ``vma(x)`` and ``axes`` (every rank holds the same values, typed varying;
+    :func:`all_gather_invariant` gives them the invariant type).
     """
     group = _ordered(axes, mesh, "all_gather")
+    before = NO_AXES
+    if body.types is not None:
+        x, before = _typed_input(x, axes, mesh, "all_gather", reduces=False)
+    gathered = _all_gather(x, group, axis, tiled)
+    return gathered if body.types is None else typed(gathered, before | _axis_names(axes))
+
+
+def _all_gather(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
     traced = _traced(x, "all_gather")
     if tiled and axis == 0 and _in_place(x, traced, group):
         gathered = x.new_empty((len(group.ranks) * x.shape[0], *x.shape[1:]))
@@ -147,6 +296,33 @@ def all_gather(
         return gathered
     axis = _dim(axis, x.dim() + (not tiled), "all_gather", "axis")
     return gather(x, group, axis, tiled=tiled, traced=traced)
+
+
+def all_gather_invariant(
+    x: torch.Tensor,
+    axes: Axes,
+    *,
+    axis: int = 0,
+    tiled: bool = False,
+    mesh: ParallelMesh | None = None,
+) -> torch.Tensor:
+    """:func:`all_gather`, typed invariant over ``axes``; its backward keeps the caller's slice.
+
+    JAX's ``jax.lax.all_gather(x, axes, to="invarying")``; with ``axis=-1,
+    tiled=True`` megatron-core's ``gather_from_tensor_model_parallel_region``.
+    Type: ``vma(x)`` without ``axes``, so the result may leave a ``shard_map``
+    under an out-spec that leaves ``axes`` out.
+    """
+    group = _ordered(axes, mesh, "all_gather_invariant")
+    before = NO_AXES
+    if body.types is not None:
+        x, before = _typed_input(x, axes, mesh, "all_gather_invariant", reduces=False)
+    if not _recorded(x):
+        gathered = _all_gather(x, group, axis, tiled)
+    else:
+        axis = _dim(axis, x.dim() + (not tiled), "all_gather_invariant", "axis")
+        gathered = _gather_keeping_slice(x, group, axis, tiled)
+    return gathered if body.types is None else typed(gathered, before - _axis_names(axes))
 
 
 def gather(
@@ -183,21 +359,27 @@ def psum_scatter(
 
     Without ``tiled`` that dim must equal the axis size and is removed; with
     ``tiled=True`` it is split into axis-size chunks and the caller keeps its own.
+    Backward: ``all_gather`` (megatron-core's ``reduce_scatter_to_sequence_parallel_region``).
+    Type: ``vma(x)`` and ``axes``.
     """
     group = _ordered(axes, mesh, "psum_scatter")
+    before = NO_AXES
+    if body.types is not None:
+        x, before = _typed_input(x, axes, mesh, "psum_scatter", reduces=True)
     traced = _traced(x, "psum_scatter")
     n = len(group.ranks)
     if tiled and scatter_dimension == 0 and _in_place(x, traced, group) and x.shape[0] % n == 0:
         scattered = x.new_empty((x.shape[0] // n, *x.shape[1:]))
         dist.reduce_scatter_single(scattered, x, group=group.group)
-        return scattered
-    chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
-    if traced:
-        flat = _compat.traced_reduce_scatter(chunks.reshape(-1), n, group.group_name)
     else:
-        flat = x.new_empty((chunks[0].numel(),))
-        dist.reduce_scatter_single(flat, chunks.reshape(-1), group=group.group)
-    return flat.view(chunks.shape[1:])
+        chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
+        if traced:
+            flat = _compat.traced_reduce_scatter(chunks.reshape(-1), n, group.group_name)
+        else:
+            flat = x.new_empty((chunks[0].numel(),))
+            dist.reduce_scatter_single(flat, chunks.reshape(-1), group=group.group)
+        scattered = flat.view(chunks.shape[1:])
+    return scattered if body.types is None else typed(scattered, before | _axis_names(axes))
 
 
 def all_to_all(
@@ -214,9 +396,19 @@ def all_to_all(
     Received chunks are joined along ``concat_axis`` in sender order. Without
     ``tiled`` ``split_axis`` must equal the axis size and is removed, and a new
     dim of that size appears at ``concat_axis``; with ``tiled=True`` no dim is
-    added or removed.
+    added or removed. Backward: the swapped ``all_to_all``. Type: ``vma(x)`` and ``axes``.
     """
     group = _ordered(axes, mesh, "all_to_all")
+    before = NO_AXES
+    if body.types is not None:
+        x, before = _typed_input(x, axes, mesh, "all_to_all", reduces=False)
+    exchanged = _exchange(x, group, split_axis, concat_axis, tiled)
+    return exchanged if body.types is None else typed(exchanged, before | _axis_names(axes))
+
+
+def _exchange(
+    x: torch.Tensor, group: OrderedGroup, split_axis: int, concat_axis: int, tiled: bool
+) -> torch.Tensor:
     traced = _traced(x, "all_to_all")
     if tiled and split_axis == concat_axis == 0 and _in_place(x, traced, group) and (
         x.shape[0] % len(group.ranks) == 0
@@ -251,15 +443,24 @@ def ppermute(
     """Send ``x`` from axis index ``source`` to ``destination`` for each pair in ``perm``.
 
     A rank no pair sends to receives zeros. Each index may appear at most once
-    as a source and once as a destination.
+    as a source and once as a destination. Backward: the inverse permutation.
+    Type: ``vma(x)`` and ``axes``.
     """
     group = _ordered(axes, mesh, "ppermute")
-    traced = _traced(x, "ppermute")
-    pairs = _check_perm(perm, len(group.ranks))
+    before = NO_AXES
+    if body.types is not None:
+        x, before = _typed_input(x, axes, mesh, "ppermute", reduces=False)
+    moved = _permute(x, group, _check_perm(perm, len(group.ranks)))
+    return moved if body.types is None else typed(moved, before | _axis_names(axes))
+
+
+def _permute(
+    x: torch.Tensor, group: OrderedGroup, pairs: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
     # One all_to_all_single whose only non-empty pieces go to the destination and come
     # from the source: a point-to-point exchange that traces, and whose backward (the
     # splits swapped) is the inverse permutation.
-    if traced:
+    if _traced(x, "ppermute"):
         return _traced_ppermute(x, group, pairs)
     numel, n = x.numel(), len(group.ranks)
     sends, receives = [0] * n, [0] * n
@@ -302,21 +503,80 @@ def _traced_ppermute(
     return arrived.view(x.shape).where(received, 0)
 
 
+def _sum(x: torch.Tensor, group: OrderedGroup, name: str) -> torch.Tensor:
+    """``x`` summed over ``group``: backward the identity, or a sum in a legacy body."""
+    if _recorded(x) and not body.legacy:
+        return _sum_with_identity_gradient(x, group.group_name)
+    if _traced(x, name):
+        return _compat.traced_all_reduce(x, "sum", group.group_name)
+    result: torch.Tensor = x.clone()
+    dist.all_reduce(result, group=group.group)
+    return result
+
+
+class _SumWithIdentityGradient(torch.autograd.Function):
+    """``psum`` with JAX's default transpose: the gradient passes through unchanged.
+
+    Hand-written: torch's functional all-reduce has the legacy transpose (another
+    all-reduce) as its registered backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        return _compat.traced_all_reduce(x, "sum", group_name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _SummedGradient(torch.autograd.Function):
+    """``pvary``: the identity forward; backward sums the gradient over the group.
+
+    Hand-written: torch's functional collectives have no identity-forward op."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _compat.traced_all_reduce(grad.contiguous(), "sum", ctx.group_name), None
+
+
+class _GatherKeepingSlice(torch.autograd.Function):
+    """``all_gather_invariant``: gather forward; backward keeps the caller's slice of
+    the gradient (every rank holds the whole gradient of an invariant value)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool
+    ) -> torch.Tensor:
+        ctx.group, ctx.axis, ctx.tiled, ctx.size = group, axis, tiled, x.shape[axis] if tiled else 1
+        return gather(x, group, axis, tiled=tiled, traced=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        index = ctx.group.index
+        if ctx.tiled:
+            return grad.narrow(ctx.axis, index * ctx.size, ctx.size), None, None, None
+        return grad.select(ctx.axis, index), None, None, None
+
+
+# Function.apply is untyped; these name each one's signature.
+_sum_with_identity_gradient: Callable[[torch.Tensor, str], torch.Tensor] = (
+    _SumWithIdentityGradient.apply
+)
+_summed_gradient: Callable[[torch.Tensor, str], torch.Tensor] = _SummedGradient.apply
+_gather_keeping_slice: Callable[[torch.Tensor, OrderedGroup, int, bool], torch.Tensor] = (
+    _GatherKeepingSlice.apply
+)
+
+
 def _in_place(x: torch.Tensor, traced: bool, group: OrderedGroup) -> bool:
     """Whether a tiled collective along dim 0 can run on ``x`` as it is: eager,
     contiguous, with dims, chunks in the group's rank order."""
     return not traced and group.by_group_rank is None and x.is_contiguous() and x.dim() > 0
-
-
-def _all_reduce(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Tensor:
-    traced = _traced(x, name)
-    if op != "sum" and x.requires_grad:
-        raise ConfigError(f"{name} is not differentiable; call it on x.detach()")
-    if traced:
-        return _compat.traced_all_reduce(x, op, group.group_name)
-    result: torch.Tensor = x.clone()
-    dist.all_reduce(result, op=_REDUCE_OPS[op], group=group.group)
-    return result
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

@@ -2,13 +2,14 @@
 
 A :class:`Plan` holds, for one mesh and one set of specs, the view (dense or
 expert DeviceMesh), each spec's placements, the groups of its split dims and of
-the axes it leaves out; :class:`Specs` keeps the plan of the last mesh a
-shard_map ran on. Under ``torch.compile`` a plan is made while tracing, outside
-the graph, and read as a guarded attribute.
+the axes it leaves out; :func:`plan_on` keeps it with the mesh. Under
+``torch.compile`` a plan is made while tracing, outside the graph, and held as
+a constant (specs made inside the compiled function included: a plan is found
+by the specs' contents).
 
 Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
 
-    plan = Specs(P("tp"), P()).plan_for(mesh)
+    plan = plan_on(mesh, (spec_key(P("tp")),))
     plan.to_local(P("tp"), torch.arange(8.0), even=[True])   # this tp rank's half
 """
 
@@ -27,75 +28,79 @@ from meshstate.core import compat as _compat
 from meshstate.core.errors import AxisError, ConfigError
 from meshstate.core.layout import DENSE_AXES, EXPERT_AXES
 from meshstate.core.mesh import OrderedGroup, ParallelMesh
-from meshstate.jax.collectives import gather
-from meshstate.jax.sharding import NamedSharding, P, _axes_of, to_placements
+from meshstate.jax.collectives import device_for, gather
+from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
 
 SpecTree = P | None | tuple[Any, ...] | list[Any] | dict[Any, Any]
 """A ``P``, or a tuple, list or dict of spec trees (``None``: pass the value through)."""
 
+SpecKey = tuple[tuple[DimAxes, ...], frozenset[str]]
+"""A spec's contents, ``(spec.dims, spec.unreduced)``: what ``torch.compile`` can hold as a
+constant, also for a spec made inside the compiled function."""
 
-class Specs:
-    """A shard_map's in- and out-spec trees, checked once, and the plan of the last mesh."""
 
-    def __init__(self, in_specs: SpecTree, out_specs: SpecTree) -> None:
-        self.all = [*spec_leaves(in_specs), *spec_leaves(out_specs)]
-        self.mesh: ParallelMesh | None = None
-        self.plan: Plan | None = None
+def spec_key(spec: P) -> SpecKey:
+    return spec.dims, spec.unreduced
 
-    def plan_for(self, parallel_mesh: ParallelMesh) -> Plan:
-        """The plan on ``parallel_mesh``, made on first use (under torch.compile, made
-        while tracing and then read like any attribute, which torch guards on)."""
-        _keep_plan(self, parallel_mesh)
-        assert self.plan is not None
-        return self.plan
+
+def plan_on(parallel_mesh: ParallelMesh, keys: tuple[SpecKey, ...]) -> Plan:
+    """The plan of the specs ``keys`` on ``parallel_mesh``, made on first use and kept in
+    the mesh's store (under ``torch.compile``: made while tracing, then read from the
+    store like any attribute, which torch guards on)."""
+    _keep_plan(parallel_mesh, keys)
+    plan: Plan = parallel_mesh.store[("plan", keys)]
+    return plan
 
 
 @_compat.constant_when_traced
-def _keep_plan(specs: Specs, parallel_mesh: ParallelMesh) -> bool:
-    """Make ``specs.plan`` the plan on ``parallel_mesh``. A constant to torch.compile, so
-    it runs while tracing: the plan's groups and views are made outside the graph."""
-    if specs.mesh is not parallel_mesh:
-        specs.plan = Plan(parallel_mesh, specs.all)
-        specs.mesh = parallel_mesh
+def _keep_plan(parallel_mesh: ParallelMesh, keys: tuple[SpecKey, ...]) -> bool:
+    """Put the plan of ``keys`` in the mesh's store. A constant to torch.compile, so it
+    runs while tracing: the plan's groups and views are made outside the graph."""
+    if ("plan", keys) not in parallel_mesh.store:
+        parallel_mesh._check_alive()
+        specs = [P(*dims, unreduced=axes) for dims, axes in keys]
+        parallel_mesh.store[("plan", keys)] = Plan(parallel_mesh, specs)
     return True
 
 
 class Plan:
     """What shard_map's specs need of one mesh, worked out once.
 
-    ``view`` is the dense or expert DeviceMesh; per spec, its placements, the
-    groups of its split dims (each dim's axes, major to minor), and the group
-    of the view's axes it leaves out (``None`` if none of size > 1).
+    ``view`` is the dense or expert DeviceMesh; per spec (by :func:`spec_key`),
+    its placements, the groups of its split dims (each dim's axes, major to
+    minor), and the group of the view's axes it leaves out (``None`` if none of
+    size > 1).
     """
 
     def __init__(self, parallel_mesh: ParallelMesh, specs: Sequence[P]) -> None:
-        self.parallel_mesh = parallel_mesh
         self.view = _view(parallel_mesh, specs)
         self.mesh_axes = self.view.mesh_dim_names or ()
         self.sizes = dict(zip(self.mesh_axes, self.view.shape))
-        self.placements = {spec: to_placements(spec, self.view) for spec in specs}
+        self.placements = {spec_key(spec): to_placements(spec, self.view) for spec in specs}
         self.split_dims = {
-            spec: [
+            spec_key(spec): [
                 (dim, parallel_mesh.ordered(_axes_of(entry)))
                 for dim, entry in enumerate(spec.dims)
                 if entry is not None
             ]
             for spec in specs
         }
-        self.left_out = {spec: self._left_out(spec) for spec in specs}
+        self.left_out = {spec_key(spec): self._left_out(parallel_mesh, spec) for spec in specs}
         self.replicas = {
-            spec: math.prod(self.sizes[axis] for axis in self.left_out_axes(spec)) for spec in specs
+            spec_key(spec): math.prod(self.sizes[axis] for axis in self.left_out_axes(spec))
+            for spec in specs
         }
         self.whole = parallel_mesh.ordered(self.mesh_axes)
+        self.coordinate = parallel_mesh.coordinate
 
     def left_out_axes(self, spec: P) -> tuple[str, ...]:
         """The view's axes of size > 1 that ``spec`` does not name (unreduced axes are named)."""
         named = set(spec.axes)
         return tuple(a for a in self.mesh_axes if a not in named and self.sizes[a] > 1)
 
-    def _left_out(self, spec: P) -> OrderedGroup | None:
+    def _left_out(self, parallel_mesh: ParallelMesh, spec: P) -> OrderedGroup | None:
         axes = self.left_out_axes(spec)
-        return self.parallel_mesh.ordered(axes) if axes else None
+        return parallel_mesh.ordered(axes) if axes else None
 
     def to_local(
         self, spec: P, x: torch.Tensor, *, even: list[bool], jax_grads: bool = True
@@ -103,16 +108,17 @@ class Plan:
         """This rank's block of ``x`` under ``spec``; clears ``even[0]`` for an uneven one.
 
         With ``jax_grads`` the gradient is also summed over the axes ``spec``
-        leaves out (JAX's rule); without, it is DTensor's (each replica's own).
+        leaves out (JAX's legacy rule); without, it is each replica's own.
         """
+        key = spec_key(spec)
         if isinstance(x, DTensor) and x.device_mesh is not self.view:
-            x = x.full_tensor()
+            x = self._on_view(x)
         if isinstance(x, DTensor):
-            even[0] &= self._divides(spec, x.shape)
-            if x.placements != self.placements[spec]:
-                x = x.redistribute(self.view, self.placements[spec])
+            even[0] &= self._divides(key, x.shape)
+            if x.placements != self.placements[key]:
+                x = x.redistribute(self.view, self.placements[key])
             local = x.to_local()
-            left_out = self.left_out[spec]
+            left_out = self.left_out[key]
             if left_out is None or not jax_grads or not local.requires_grad:
                 return local
             return sum_grad(local, left_out.group_name)
@@ -120,7 +126,7 @@ class Plan:
             raise ConfigError(
                 f"{spec!r} has {len(spec.dims)} dims but the shape {tuple(x.shape)} has {x.dim()}"
             )
-        if not self._divides(spec, x.shape):
+        if not self._divides(key, x.shape):
             NamedSharding(self.view, spec).shard_shape(x.shape)  # refuses what DTensor cannot cut
             even[0] = False
             replicated = DTensor.from_local(
@@ -129,17 +135,30 @@ class Plan:
             return self.to_local(spec, replicated, even=even, jax_grads=jax_grads)
         # The full value on every rank: this rank's block is a slice, whose gradient
         # is gathered back whole (as DTensor's Replicate -> Shard gives it).
-        split_dims = self.split_dims[spec]
+        split_dims = self.split_dims[key]
         if not (x.requires_grad and torch.is_grad_enabled()):
             return block(x, split_dims)
         local = take_block(x, split_dims)
-        left_out = self.left_out[spec]
+        left_out = self.left_out[key]
         if left_out is None or not jax_grads:
             return local
         return sum_grad(local, left_out.group_name)
 
-    def _divides(self, spec: P, shape: Sequence[int]) -> bool:
-        return all(shape[dim] % len(group.ranks) == 0 for dim, group in self.split_dims[spec])
+    def _on_view(self, x: DTensor) -> DTensor:
+        """``x`` on the view: a DTensor laid out on a slice of the view (``mesh["tp"]``)
+        keeps its local block, replicated over the view's other axes; any other is
+        gathered whole first."""
+        names = x.device_mesh.mesh_dim_names or ()
+        if _compat.root_of(x.device_mesh) != self.view or not set(names) <= set(self.mesh_axes):
+            return x.full_tensor()  # type: ignore[return-value]
+        by_axis = dict(zip(names, x.placements))
+        placements = [by_axis.get(axis, Replicate()) for axis in self.mesh_axes]
+        return DTensor.from_local(
+            x.to_local(), self.view, placements, run_check=False, shape=x.shape, stride=x.stride()
+        )
+
+    def _divides(self, key: SpecKey, shape: Sequence[int]) -> bool:
+        return all(shape[dim] % len(group.ranks) == 0 for dim, group in self.split_dims[key])
 
     def to_dtensor(
         self, y: torch.Tensor, spec: P, shape: Sequence[int], *, share: bool = True
@@ -147,16 +166,17 @@ class Plan:
         """``y``, this rank's block, as a DTensor of global ``shape`` laid out by ``spec``.
 
         With ``share``, a result replicated over the axes ``spec`` leaves out
-        hands each replica its share of the cotangent (JAX counts it once).
+        hands each replica its share of the cotangent (JAX's legacy rule).
         """
+        key = spec_key(spec)
         if isinstance(y, DTensor):
             raise ConfigError("shard_map: f returned a DTensor; return local blocks (plain tensors)")
-        if share and self.replicas[spec] > 1 and y.requires_grad:
-            y = share_grad(y, self.replicas[spec])
+        if share and self.replicas[key] > 1 and y.requires_grad:
+            y = share_grad(y, self.replicas[key])
         return DTensor.from_local(
             y,
             self.view,
-            self.placements[spec],
+            self.placements[key],
             run_check=False,
             shape=torch.Size(shape),
             stride=contiguous_strides(shape),
@@ -169,12 +189,12 @@ class Plan:
             shapes = []
             for spec, y in outputs:
                 shape = list(y.shape)
-                for dim, group in self.split_dims[spec]:
+                for dim, group in self.split_dims[spec_key(spec)]:
                     if dim < y.dim():
                         shape[dim] *= len(group.ranks)
                 shapes.append(torch.Size(shape))
             return shapes
-        return _summed_shapes(outputs, self.view, self.parallel_mesh)
+        return _summed_shapes(outputs, self)
 
 
 def spec_leaves(tree: SpecTree) -> list[P]:
@@ -210,14 +230,11 @@ def _view(parallel_mesh: ParallelMesh, specs: Sequence[P]) -> DeviceMesh:
     )
 
 
-def _summed_shapes(
-    outputs: list[tuple[P, torch.Tensor]], view: DeviceMesh, parallel_mesh: ParallelMesh
-) -> list[torch.Size]:
+def _summed_shapes(outputs: list[tuple[P, torch.Tensor]], plan: Plan) -> list[torch.Size]:
     """Each result's global shape: its sharded dims summed over their axes (one all-reduce).
 
     Where an argument was cut unevenly a rank cannot know the others' blocks."""
-    mesh_axes = view.mesh_dim_names or ()
-    coordinate = parallel_mesh.coordinate
+    mesh_axes, coordinate = plan.mesh_axes, plan.coordinate
     counted = []
     for spec, y in outputs:
         for dim, entry in enumerate(spec.dims[: y.dim()]):
@@ -226,8 +243,8 @@ def _summed_shapes(
                 first_copy = all(coordinate[axis] == 0 for axis in others)
                 counted.append(y.shape[dim] if first_copy else 0)
     if counted:
-        sizes = torch.tensor(counted, dtype=torch.int64, device=device_of(view))
-        dist.all_reduce(sizes, group=parallel_mesh.ordered(mesh_axes).group)
+        sizes = torch.tensor(counted, dtype=torch.int64, device=device_of(plan.view))
+        dist.all_reduce(sizes, group=plan.whole.group)
         summed = iter(sizes.tolist())
     shapes = []
     for spec, y in outputs:
@@ -249,9 +266,7 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def device_of(view: DeviceMesh) -> torch.device:
-    if view.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(view.device_type)
+    return device_for(view.device_type)
 
 
 def block(x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from meshstate.core import compat as _compat
 from meshstate.core.errors import NotInitializedError
 from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.jax.collectives import gather
-from meshstate.jax.plan import Specs, block, contiguous_strides, take_block
+from meshstate.jax.plan import block, contiguous_strides, plan_on, take_block
 from meshstate.jax.sharding import DimAxes, P, _axes_of, to_placements
 
 __all__ = ["reshard"]
@@ -68,25 +68,9 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
     parallel_mesh = (
         current_mesh() if mesh is None else require_parallel_mesh(mesh, "reshard(mesh=...)")
     )
-    _keep_reshard_plan(parallel_mesh, signature)
-    plan = _reshard_specs[signature].plan_for(parallel_mesh)
+    plan = plan_on(parallel_mesh, (signature,))
     local = plan.to_local(spec, x, even=[True], jax_grads=False)
     return plan.to_dtensor(local, spec, x.shape, share=False)
-
-
-_reshard_specs: dict[tuple[tuple[DimAxes, ...], frozenset[str]], Specs] = {}
-"""reshard's specs by their contents (a spec may be made inside a compiled function)."""
-
-
-@_compat.constant_when_traced
-def _keep_reshard_plan(
-    parallel_mesh: ParallelMesh, signature: tuple[tuple[DimAxes, ...], frozenset[str]]
-) -> bool:
-    """Keep ``_reshard_specs[signature]`` and its plan on ``parallel_mesh``; a constant to
-    torch.compile, like ``Specs.plan_for``."""
-    spec = P(*signature[0], unreduced=signature[1])
-    _reshard_specs.setdefault(signature, Specs(spec, spec)).plan_for(parallel_mesh)
-    return True
 
 
 @_compat.constant_when_traced

@@ -1,4 +1,4 @@
-"""``shard_map``: JAX's per-shard programming model on a ParallelMesh.
+"""``shard_map``: JAX's per-shard programming model on a ParallelMesh, with JAX's types.
 
 ``shard_map(f, in_specs=..., out_specs=...)`` returns a function that cuts each
 argument to this rank's block of its :class:`~meshstate.jax.sharding.P`, runs
@@ -6,23 +6,28 @@ argument to this rank's block of its :class:`~meshstate.jax.sharding.P`, runs
 no ``mesh=``), and returns DTensors laid out by the out-specs. The specs pick
 the view: dense axes (tp, cp, dp, pp) or expert axes (etp, ep, edp, pp).
 
-Gradients are JAX's. A result that an out-spec leaves replicated over an axis
-counts once, not once per rank, and an argument's gradient is summed over the
-axes its in-spec does not name. Inside ``f`` each rank holds its share of the
-cotangent of a value replicated over an axis (shares sum to the whole), which
-is what makes ``psum``'s backward (an all-reduce) right; a plain DTensor round
-trip (``to_local`` / ``from_local``) hands every rank the whole cotangent, and
-a row-parallel matmul's weight gradient comes out ``tp`` times too large.
+``check_vma=True`` (the default, JAX's) types every value inside ``f`` with
+the mesh axes it may vary over (:mod:`meshstate.jax.vma`): arguments vary over
+their in-spec's axes, ops join their operands' axes (casting the less varying
+up with ``pvary``, or refusing the mix with ``auto_pvary=False``), and each
+collective follows JAX's rule. An out-spec that leaves out an axis its result
+varies over is refused while tracing, on every rank, before anything is sent.
+Gradients follow the types: ``psum``'s backward is the identity and ``pvary``'s
+a ``psum``, so a gradient taken inside ``f`` (``torch.autograd.grad``) is
+JAX's, and the boundary passes cotangents through unchanged.
+
+``check_vma=False`` is JAX's legacy mode: nothing is typed or checked,
+``psum``'s backward is a ``psum``, and the boundary divides each result's
+cotangent among the replicas of the axes its out-spec leaves out and sums each
+argument's gradient over the axes its in-spec leaves out. The gradient of the
+whole function is the same in both modes wherever both accept the program.
 
 Differences from JAX, and why:
 
-- ``check_vma=True`` checks at run time, by comparing the results along each
-  axis an out-spec leaves out (JAX proves it while tracing); torch has no
-  tracer that knows which values vary over which axes. Off by default.
 - Dims need not divide: blocks are DTensor's uneven shards (last ones smaller).
-- torch's ``local_map`` does the placement bookkeeping too, but it gives every
-  rank the whole cotangent of a replicated result and never sums an input's
-  gradient over the axes its spec leaves out, so it does not fit here.
+- torch's ``local_map`` does the placement bookkeeping too, but gives every
+  rank the whole cotangent of a replicated result under the legacy transposes,
+  and knows no types.
 
 Example (8 ranks, ``init_mesh(tp=2, cp=2)``; a row-parallel matmul)::
 
@@ -41,13 +46,14 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from meshstate.core.errors import MeshStateError, ConfigError
+from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
-from meshstate.jax.plan import Plan, Specs, SpecTree, device_of
+from meshstate.jax.collectives import pvary_over
+from meshstate.jax.plan import Plan, SpecTree, plan_on, spec_key, spec_leaves
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
+from meshstate.jax.vma import VaryingAxesError, VaryingTypes, axes_text, body, typed, vma
 
 __all__ = ["reshard", "shard_map"]
 
@@ -58,77 +64,156 @@ def shard_map(
     in_specs: SpecTree,
     out_specs: SpecTree,
     mesh: ParallelMesh | None = None,
-    check_vma: bool = False,
+    check_vma: bool = True,
+    auto_pvary: bool = True,
 ) -> Callable[..., Any]:
     """``f`` applied to each rank's blocks of the arguments; results as DTensors.
 
-    Each argument is a ``DTensor`` (redistributed to its in-spec if needed) or
-    a plain tensor holding the full global value on every rank. Specs are
-    pytrees like JAX's: one ``P`` stands for every argument (or result), a
-    tuple, list or dict matches the arguments (results) it describes. While
-    ``f`` runs, ``mesh`` (default: the current mesh when called) is current.
-    What the specs need of a mesh (its view, placements, groups) is worked out
-    on the first call and kept; under ``torch.compile`` the call traces as part
-    of the caller's graph (with ``check_vma=False``).
+    Each argument is a ``DTensor`` (redistributed to its in-spec if needed; one
+    on a slice of the view, such as ``mesh["tp"]``, keeps its block) or a plain
+    tensor holding the full global value on every rank. Specs are pytrees like
+    JAX's: one ``P`` stands for every argument (or result), a tuple, list or
+    dict matches the arguments (results) it describes. While ``f`` runs,
+    ``mesh`` (default: the current mesh when called) is current. What the specs
+    need of a mesh is worked out on the first call and kept with the mesh;
+    under ``torch.compile`` the call traces as part of the caller's graph,
+    built inside the compiled function or outside.
+
+    ``check_vma`` (JAX's default ``True``) types the values inside ``f`` and
+    checks the out-specs against the types; ``False`` is JAX's legacy mode
+    (see the module). ``auto_pvary=False`` refuses an op whose operands vary
+    over different axes instead of casting them up.
 
     Example (8 ranks, ``init_mesh(tp=2, cp=2)``, so dp=2)::
 
-        gather = shard_map(lambda x: all_gather(x, ("cp", "dp"), tiled=True),
+        gather = shard_map(lambda x: all_gather_invariant(x, ("cp", "dp"), tiled=True),
                            in_specs=P(("cp", "dp")), out_specs=P())
         gather(torch.arange(8)).full_tensor()   # tensor([0, 1, ..., 7]) on every rank
 
     Raises:
         AxisError: a spec names an axis the mesh lacks, or mixes dense and
             expert axes (on every rank, before anything is sent).
-        MeshStateError: with ``check_vma``, a result differs along an axis its
-            out-spec leaves out; the message names the axis and two ranks.
+        VaryingAxesError: with ``check_vma``, a result varies over an axis its
+            out-spec leaves out (JAX's ``ValueError``), or ``f`` mixes types
+            the rules refuse (see :mod:`meshstate.jax.vma`).
     """
-    specs = Specs(in_specs, out_specs)
+    keys = tuple(spec_key(spec) for spec in [*spec_leaves(in_specs), *spec_leaves(out_specs)])
+    name = getattr(f, "__name__", type(f).__name__)
 
     def mapped(*args: Any) -> Any:
         parallel_mesh = (
             current_mesh() if mesh is None else require_parallel_mesh(mesh, "shard_map(mesh=...)")
         )
-        plan = specs.plan_for(parallel_mesh)
+        plan = plan_on(parallel_mesh, keys)
         even = [True]
-        local_args = _map(in_specs, args, "in_specs", partial(plan.to_local, even=even))
-        parallel_mesh.__enter__()  # not `with`: torch.compile traces enter and exit calls only
-        try:
-            results = f(*local_args)
-        finally:
-            parallel_mesh.__exit__(None, None, None)
-        outputs: list[tuple[P, torch.Tensor]] = []
-        _map(out_specs, results, "out_specs", lambda spec, y: outputs.append((spec, y)))
         if check_vma:
-            _check_replicated(outputs, plan)
+            local_args = _map(in_specs, args, "in_specs", partial(_typed_block, plan, even))
+            types: VaryingTypes | None = VaryingTypes(
+                auto_pvary, lambda x, axes: pvary_over(x, axes, parallel_mesh)
+            )
+        else:
+            local_args = _map(
+                in_specs, args, "in_specs", lambda spec, x, path: plan.to_local(spec, x, even=even)
+            )
+            types = None
+        results = _run(f, local_args, parallel_mesh, types)
+        outputs: list[tuple[P, torch.Tensor]] = []
+        _map(out_specs, results, "out_specs", lambda spec, y, path: outputs.append((spec, y)))
+        if check_vma:
+            _map(out_specs, results, "out_specs", partial(_check_out_spec, name, plan))
         shapes = iter(plan.global_shapes(outputs, even[0]))
-        return _map(out_specs, results, "out_specs", lambda spec, y: plan.to_dtensor(y, spec, next(shapes)))
+        if not check_vma:
+            return _map(out_specs, results, "out_specs",
+                        lambda spec, y, path: plan.to_dtensor(y, spec, next(shapes)))
+        return _map(
+            out_specs, results, "out_specs",
+            lambda spec, y, path: plan.to_dtensor(
+                _untyped(y, spec, parallel_mesh), spec, next(shapes), share=False
+            ),
+        )
 
     return mapped
 
 
-def _map(tree: SpecTree, values: Any, where: str, apply: Callable[[P, Any], Any]) -> Any:
-    """``values`` with ``apply(spec, tensor)`` on each tensor leaf under a spec of ``tree``."""
+def _run(
+    f: Callable[..., Any], local_args: Any, parallel_mesh: ParallelMesh, types: VaryingTypes | None
+) -> Any:
+    """``f(*local_args)`` with the mesh current and the body's semantics set for this thread."""
+    outer = body.types, body.legacy
+    body.types, body.legacy = types, types is None
+    # Not `with`: torch.compile traces enter and exit calls only.
+    parallel_mesh.__enter__()
+    if types is not None:
+        types.__enter__()  # type: ignore[no-untyped-call]
+    try:
+        return f(*local_args)
+    finally:
+        if types is not None:
+            types.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        parallel_mesh.__exit__(None, None, None)
+        body.types, body.legacy = outer
+
+
+def _typed_block(plan: Plan, even: list[bool], spec: P, x: torch.Tensor, path: str) -> torch.Tensor:
+    """This rank's block of ``x``, typed as varying over the axes ``spec`` names; its
+    gradient is the block's own (the types, not the boundary, sum where JAX sums)."""
+    local = plan.to_local(spec, x, even=even, jax_grads=False)
+    return typed(local.view_as(local), frozenset(spec.axes))
+
+
+def _check_out_spec(name: str, plan: Plan, spec: P, y: torch.Tensor, path: str) -> None:
+    """Refuse a result that varies over an axis its out-spec leaves out (JAX's message)."""
+    extra = vma(y) - set(spec.axes)
+    if extra:
+        shape = tuple(plan.sizes[axis] for axis in plan.mesh_axes)
+        raise VaryingAxesError(
+            f"shard_map applied to the function {name!r} was given out_specs which require "
+            f"replication which can't be statically inferred given the mesh of shape {shape} "
+            f"with axis names {plan.mesh_axes}: {path} is {spec!r} which implies that the "
+            f"corresponding output value is only varying across mesh axes "
+            f"{axes_text(spec.axes)} and not {axes_text(extra)}, but it was inferred to be "
+            f"possibly varying over {axes_text(vma(y))}; name {axes_text(extra)} in that "
+            "out_spec, reduce over it (psum, all_gather_invariant), or pass check_vma=False"
+        )
+
+
+def _untyped(y: torch.Tensor, spec: P, parallel_mesh: ParallelMesh) -> torch.Tensor:
+    """A result leaving a typed body: pvary'd over the out-spec's axes it does not vary
+    over (their copies' cotangents are summed back), and without its type."""
+    missing = frozenset(spec.axes) - vma(y)
+    if missing:
+        y = pvary_over(y, missing, parallel_mesh)
+    return y.view_as(y)
+
+
+def _map(tree: SpecTree, values: Any, path: str, apply: Callable[[P, Any, str], Any]) -> Any:
+    """``values`` with ``apply(spec, tensor, path)`` on each tensor leaf under a spec of
+    ``tree``; ``path`` names the spec in the tree as JAX does (``out_specs['a'][1]``)."""
     if tree is None:
         return values
     if isinstance(tree, P):
         if isinstance(values, torch.Tensor):
-            return apply(tree, values)
+            return apply(tree, values, path)
         if isinstance(values, dict):
-            return {key: _map(tree, value, where, apply) for key, value in values.items()}
+            return {key: _map(tree, value, path, apply) for key, value in values.items()}
         if isinstance(values, (tuple, list)):
-            return type(values)(_map(tree, value, where, apply) for value in values)
+            return type(values)(_map(tree, value, path, apply) for value in values)
         return values
     if isinstance(tree, dict):
         if not isinstance(values, dict) or set(values) != set(tree):
             raise ConfigError(
-                f"{where} is a dict with keys {sorted(map(str, tree))}, "
+                f"{path} is a dict with keys {sorted(map(str, tree))}, "
                 f"the value is {_describe(values)}"
             )
-        return {key: _map(tree[key], value, where, apply) for key, value in values.items()}
+        return {
+            key: _map(tree[key], value, f"{path}[{key!r}]", apply) for key, value in values.items()
+        }
     if not isinstance(values, (tuple, list)) or len(values) != len(tree):
-        raise ConfigError(f"{where} has {len(tree)} entries, the value is {_describe(values)}")
-    return type(values)(_map(spec, value, where, apply) for spec, value in zip(tree, values))
+        raise ConfigError(f"{path} has {len(tree)} entries, the value is {_describe(values)}")
+    return type(values)(
+        _map(spec, value, f"{path}[{number}]", apply)
+        for number, (spec, value) in enumerate(zip(tree, values))
+    )
 
 
 def _describe(value: Any) -> str:
@@ -137,37 +222,3 @@ def _describe(value: Any) -> str:
     if isinstance(value, dict):
         return f"a dict with keys {sorted(map(str, value))}"
     return f"a {type(value).__name__}"
-
-
-def _check_replicated(outputs: list[tuple[P, torch.Tensor]], plan: Plan) -> None:
-    """Raise on every rank if a result differs along an axis its out-spec leaves out."""
-    view, parallel_mesh, mesh_axes = plan.view, plan.parallel_mesh, plan.mesh_axes
-    checks = [
-        (number, spec, axis)
-        for number, (spec, _) in enumerate(outputs)
-        for axis in plan.left_out_axes(spec)
-    ]
-    if not checks:
-        return
-    differing, nobody = [], parallel_mesh.config.world_size
-    with torch.no_grad():
-        for number, _, axis in checks:
-            group = parallel_mesh.ordered((axis,))
-            local = outputs[number][1].detach()
-            pieces = [torch.empty_like(local) for _ in group.ranks]
-            dist.all_gather(pieces, local.contiguous(), group=group.group)
-            by_index = [pieces[group_rank] for group_rank in group.group_ranks]
-            odd = [i for i, piece in enumerate(by_index) if not torch.equal(piece, by_index[0])]
-            differing.append(group.ranks[odd[0]] if odd else nobody)
-        found = torch.tensor(differing, dtype=torch.int64, device=device_of(view))
-        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=parallel_mesh.ordered(mesh_axes).group)
-    for (number, spec, axis), rank in zip(checks, found.tolist()):
-        if rank != nobody:
-            layout = parallel_mesh.layout
-            grid = layout.dense if view is parallel_mesh.dense else layout.expert
-            ranks = grid.group_ranks(rank, (axis,))
-            raise MeshStateError(
-                f"shard_map: result {number} has out-spec {spec!r}, which leaves out axis {axis!r} "
-                f"(replicated), but ranks {ranks[0]} and {rank} of {axis!r} group {list(ranks)} "
-                f"hold different values; name {axis!r} in the out-spec or psum/all_gather over it"
-            )
