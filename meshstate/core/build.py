@@ -32,7 +32,7 @@ from meshstate.core.arguments import (
     split_arguments,
 )
 from meshstate.core.config import DEFAULT_ORDER, MeshConfig
-from meshstate.core.errors import ConfigError, MeshStateError
+from meshstate.core.errors import ConfigError, MeshStateError, SimulationError
 from meshstate.core.groups import GroupOptions, GroupSpec, create_process_groups
 from meshstate.core.layout import (
     GROUP_KINDS,
@@ -44,6 +44,7 @@ from meshstate.core.layout import (
     splits_dp,
 )
 from meshstate.core.mesh import ParallelMesh
+from meshstate.core.simulation import process_rank, simulated_ranks
 
 
 @overload
@@ -116,10 +117,30 @@ def init_mesh(
     )
     kinds, declared = _declared_keys(layout, options.joint_groups, options.derived)
     options_of_key = _options_by_key(layout, kinds + declared, options.group_options)
-    if span is not None and dist.get_rank() not in span:
+    simulated = simulated_ranks()
+    if simulated is not None:
+        _check_simulated(simulated, span)
+    elif span is not None and dist.get_rank() not in span:
         return None
     build_id = _agree(layout, sizes.get("etp"), options, span)
-    return _create_mesh(layout, kinds, declared, options_of_key, options, build_id, span)
+    return _create_mesh(layout, kinds, declared, options_of_key, options, build_id, span, simulated)
+
+
+def _check_simulated(simulated: frozenset[int], span: range | tuple[int, ...] | None) -> None:
+    """Refuse what a simulated world cannot build: a mesh over some ranks, or a simulation
+    of only some ranks of the world."""
+    world_size = dist.get_world_size()
+    if span is not None:
+        raise SimulationError(
+            f"init_mesh(ranks=...) over {len(span)} of {world_size} ranks in a simulated world: "
+            "the other ranks would take part in its collectives; run it in processes with "
+            "meshstate.testing.local_world"
+        )
+    if simulated != frozenset(range(world_size)):
+        raise SimulationError(
+            f"torch's LocalTensorMode simulates {len(simulated)} of the world's {world_size} "
+            "ranks; init_mesh simulates the whole world"
+        )
 
 
 def _agree(
@@ -145,9 +166,11 @@ def _create_mesh(
     options: BuildOptions,
     build_id: int | None,
     span: range | tuple[int, ...] | None,
+    simulated: frozenset[int] | None,
 ) -> ParallelMesh:
-    """Create the calling rank's groups of every key and the mesh holding them."""
-    rank = dist.get_rank()
+    """Create the calling rank's groups of every key and the mesh holding them (one that
+    answers for every simulated rank where ``simulated`` names them)."""
+    rank = process_rank()
     members = {key: layout.members(rank, key) for key in kinds + declared}
     specs = [
         GroupSpec(key, ranks, partial(layout.every_group, key), options_of_key[key])
@@ -157,13 +180,16 @@ def _create_mesh(
         specs, backend=options.backend, timeout=options.timeout, build_id=build_id,
         group_creation="local" if span is not None else options.group_creation,
     )
-    return ParallelMesh(
-        layout,
-        process_groups,
-        members,
-        device_type=resolve_device_type(options.device_type),
-        kinds=kinds,
-        derived=declared,
+    device_type = resolve_device_type(options.device_type)
+    if simulated is None:
+        return ParallelMesh(
+            layout, process_groups, members, device_type=device_type, kinds=kinds, derived=declared
+        )
+    from meshstate.core.simulated_mesh import SimulatedMesh  # imports torch's simulation
+
+    return SimulatedMesh(
+        layout, process_groups, members, device_type=device_type, kinds=kinds, derived=declared,
+        simulated=simulated,
     )
 
 

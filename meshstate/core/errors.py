@@ -73,6 +73,16 @@ class WrongMeshError(MeshStateError, TypeError, AttributeError):
     """
 
 
+class SimulationError(MeshStateError, NotImplementedError):
+    """What a world simulated in one process (torch's ``LocalTensorMode``) cannot do.
+
+    Raised instead of a wrong value: a Python branch on a value that differs
+    between the simulated ranks, send/recv, a group that only some ranks have
+    or that is no regular grid. The message names the values and points to a
+    world of processes (``meshstate.testing.local_world``), which can.
+    """
+
+
 class DimNameError(AxisError, ValueError):
     """An axis name where code written for torchtitan catches ``ValueError``.
 

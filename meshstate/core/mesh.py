@@ -31,6 +31,7 @@ from meshstate.core import compat as _compat
 from meshstate.core.errors import AxisError, MeshStateError, NotInitializedError, WrongMeshError
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
 from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Key, ParallelLayout, spellings, splits_dp
+from meshstate.core.simulation import process_rank
 from meshstate.core.tables import Facts, Table
 from meshstate.core.views import build_root_mesh, flattened_mesh, sliced_mesh
 
@@ -149,7 +150,8 @@ class ParallelMesh:
         self.config = layout.config
         self.layout = layout
         self.device_type = device_type
-        self.global_rank = dist.get_rank()
+        self._rank = process_rank()  # whose groups this process holds (rank 0 when simulating)
+        self.global_rank = self._rank
         self._process_groups = process_groups
         self.kinds = kinds
         self.derived = derived
@@ -172,11 +174,14 @@ class ParallelMesh:
         for spelling, key in self._declared.items():
             ranks = members[key]
             if ranks is not None:
-                self.rank_in[spelling] = ranks.index(self.global_rank)
+                self.rank_in[spelling] = ranks.index(self._rank)
                 self.size_of[spelling] = len(ranks)
                 self.group_of[spelling] = process_groups.by_name[key]
                 self.ranks_of[spelling] = ranks
         self.facts = Facts(self)
+        # The groups this process holds and their members, for making groups on first use:
+        # the tables themselves here; rank 0's beside the per-rank tables of a simulated mesh.
+        self._own_group_of, self._own_ranks_of = self.group_of, self.ranks_of
         self._device_meshes: dict[str | tuple[str, ...], DeviceMesh] = {}
         self.store: dict[Hashable, Any] = {}
         """What the layers above compute from this mesh (shard_map and reshard plans), by a
@@ -267,14 +272,14 @@ class ParallelMesh:
         with self._creating:
             creating = self._creating_axes.setdefault(mesh_axes, threading.Lock())
         with creating:
-            ranks = grid.group_ranks(self.global_rank, major_to_minor)
+            ranks = grid.group_ranks(self._rank, major_to_minor)
             group = self._axis_set_group(mesh_axes, ranks)
         position = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
         group_ranks = tuple(position[rank] for rank in ranks)
         in_group_order = group_ranks == tuple(range(len(ranks)))
         found = OrderedGroup(
             ranks=ranks,
-            index=ranks.index(self.global_rank),
+            index=ranks.index(self._rank),
             group=group,
             group_ranks=group_ranks,
             group_name=group.group_name,
@@ -288,14 +293,18 @@ class ParallelMesh:
     ) -> dist.ProcessGroup:
         """The group of a declared key with these axes or these ranks, else a new one."""
         joint = "-".join(mesh_axes)
-        if joint in self.group_of:
-            return self.group_of[joint]
+        if joint in self._own_group_of:
+            return self._own_group_of[joint]
         members = tuple(sorted(ranks))
-        for spelling, declared_ranks in self.ranks_of.items():
+        for spelling, declared_ranks in self._own_ranks_of.items():
             if isinstance(spelling, str) and len(declared_ranks) == len(members):
                 if tuple(sorted(declared_ranks)) == members:
-                    return self.group_of[spelling]
+                    return self._own_group_of[spelling]
         return create_axis_set_group(self._process_groups, joint, members)
+
+    def _rank_in_group(self, group: dist.ProcessGroup) -> int:
+        """The calling rank's rank in ``group`` (``torch.distributed.get_rank(group)``)."""
+        return dist.get_rank(group)
 
     def axis_group(self, key: Key) -> AxisGroup:
         """Everything the calling rank knows about its group of ``key``."""
@@ -416,7 +425,8 @@ class ParallelMesh:
         self.store.clear()
         for name in roots:
             del self.__dict__[name]
-        for table in (self.rank_in, self.size_of, self.group_of, self.ranks_of):
+        tables = self.rank_in, self.size_of, self.group_of, self.ranks_of
+        for table in (*tables, self._own_group_of, self._own_ranks_of):
             table.clear()
             table.destroyed = str(self._destroyed_error())
         self.facts.forget(str(self._destroyed_error()))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
@@ -96,7 +95,7 @@ def sliced_mesh(mesh: ParallelMesh, names: tuple[str, ...]) -> DeviceMesh:
 def check_consistent(mesh: ParallelMesh, view: DeviceMesh, keys: tuple[str, ...]) -> DeviceMesh:
     """Refuse a DeviceMesh whose ranks disagree with the process groups behind it."""
     for dim, key in enumerate(keys):
-        mesh_rank, group_rank = view.get_local_rank(dim), dist.get_rank(view.get_group(dim))
+        mesh_rank, group_rank = view.get_local_rank(dim), mesh._rank_in_group(view.get_group(dim))
         layout_rank = mesh.ordered(key).index
         if mesh_rank != group_rank or mesh_rank != layout_rank:
             raise MeshStateError(

@@ -1,0 +1,96 @@
+"""The private torch names behind simulated worlds, kept in one place.
+
+``torch.distributed._local_tensor`` (torch 2.13) runs every rank of a world in
+one process: under ``LocalTensorMode`` a tensor holds one value per rank and a
+collective computes every group's result. Nothing of it is public yet; each
+function here says which private name it relies on. Importing this module
+imports torch's; :mod:`meshstate.core.simulation` tells, without importing
+either, whether a simulation is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+# The per-rank integer node torch's simulation maps to each rank's value in every op;
+# meshstate's per-rank integers subclass it so they reach aten ops as torch's do.
+from torch.distributed._local_tensor import LocalIntNode as LocalIntNode
+from torch.distributed._local_tensor import (
+    LocalTensor,
+    LocalTensorMode,
+    _int_on_rank,
+    enabled_local_tensor_mode,
+)
+from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+
+
+def enabled_ranks() -> frozenset[int] | None:
+    """The ranks the enabled ``LocalTensorMode`` of this thread simulates, or ``None``.
+
+    Uses ``enabled_local_tensor_mode`` and the mode's ``ranks``.
+    """
+    mode = enabled_local_tensor_mode()
+    return None if mode is None else frozenset(mode.ranks)
+
+
+def local_tensor_mode(ranks: frozenset[int]) -> LocalTensorMode:
+    """torch's mode that runs every op and collective once per rank of ``ranks``."""
+    return LocalTensorMode(ranks)
+
+
+def per_rank_tensor(make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """A tensor whose value on each simulated rank is ``make(rank)``.
+
+    Uses ``LocalTensorMode.rank_map``.
+    """
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        raise RuntimeError("per_rank_tensor needs torch's LocalTensorMode")
+    return mode.rank_map(make)
+
+
+def tensor_by_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor] | None:
+    """Each simulated rank's value of ``tensor``, or ``None`` for a plain tensor.
+
+    Reads ``LocalTensor._local_tensors``.
+    """
+    if isinstance(tensor, LocalTensor):
+        values: dict[int, torch.Tensor] = tensor._local_tensors
+        return values
+    return None
+
+
+def int_on_rank(node: Any, rank: int) -> int:
+    """Simulated rank ``rank``'s value of an integer ``SymInt`` node (a per-rank
+    ``LocalIntNode``, a constant) or of a plain int. Uses ``_local_tensor._int_on_rank``.
+    """
+    value: int = _int_on_rank(node, rank)
+    return value
+
+
+def local_ints(node: LocalIntNode) -> dict[int, int]:
+    """Each simulated rank's value of a per-rank integer node: ``LocalIntNode._local_ints``."""
+    values: dict[int, int] = node._local_ints
+    return values
+
+
+def constant_bool_node(value: bool) -> Any:
+    """torch's constant ``SymBool`` node: what a per-rank comparison that every rank
+    answers alike returns. Uses ``torch._C._get_constant_bool_symnode``, as
+    ``LocalIntNode``'s own comparisons do."""
+    return torch._C._get_constant_bool_symnode(value)
+
+
+def collective_groups(group: ProcessGroup) -> list[tuple[int, ...]]:
+    """The rank sets the simulation runs each collective over ``group`` on.
+
+    torch infers them from the group the process holds (rank 0's): its ranks
+    read as a strided grid, repeated over the rest of the world. Raises
+    ``AssertionError`` where they are no such grid. Uses
+    ``_local_tensor._c10d._prepare_collective_groups``.
+    """
+    relative, offsets, _ = _prepare_collective_groups(group)
+    return [tuple(offset + rank for rank in relative) for offset in offsets]

@@ -1,0 +1,369 @@
+"""Values that differ between the ranks one process simulates.
+
+Under torch's ``LocalTensorMode`` every rank of a world runs in one process,
+so a rank-dependent answer (a rank's position in its group, its coordinate,
+its pipeline's first stage) is one value per simulated rank.
+:func:`per_rank_int` makes such an integer a ``torch.SymInt`` over
+:class:`PerRankIntNode`: torch's own per-rank integer node, whose comparisons
+also answer per rank (a ``torch.SymBool`` over :class:`PerRankBoolNode`, made
+by :func:`per_rank_bool`). It works in arithmetic, as a tensor op's argument
+(``x.narrow(0, 2 * index, 2)`` takes each rank's block) and, where every rank
+agrees, in a Python ``if``; a branch the ranks would take differently, or an
+``int()`` of a value they do not share, raises :class:`SimulationError`.
+:class:`PerRankRanks` is a group's members, one group per rank, and
+:func:`value_on` reads any of these (and tensors) as one rank sees it.
+
+Example, simulating 4 ranks with ``tp=2``::
+
+    tp_rank = per_rank_int({0: 0, 1: 1, 2: 0, 3: 1})
+    tp_rank + 1                   # per rank {0: 1, 1: 2, 2: 1, 3: 2}
+    value_on(tp_rank == 0, 3)     # False
+    if tp_rank == 0: ...          # SimulationError: the ranks would branch apart
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, cast, overload
+
+import torch
+from torch.distributed import ProcessGroup
+
+from meshstate.core import local_compat
+from meshstate.core.errors import SimulationError
+
+_LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
+
+
+def _on(value: object, rank: int) -> Any:
+    """``value`` (an int or bool, a ``SymInt``, a ``SymBool`` or their node) as ``rank`` sees it."""
+    node: Any = value.node if isinstance(value, (torch.SymInt, torch.SymBool)) else value
+    if isinstance(node, (PerRankIntNode, PerRankBoolNode)):
+        return node.values[rank]
+    if isinstance(value, torch.SymBool) or isinstance(node, bool):
+        return bool(value)  # a constant: torch unwraps the others before they get here
+    if not isinstance(node, int) and node.is_bool():
+        return node.bool_()  # torch's constant bool node
+    return local_compat.int_on_rank(node, rank)
+
+
+def describe(values: Mapping[int, object], most: int = 4) -> str:
+    """Per-rank values grouped by value: ``"0 on ranks 0, 2; 1 on ranks 1, 3"``.
+
+    Shows at most ``most`` values and ``most`` ranks of each.
+    """
+    by_value: dict[object, list[int]] = {}
+    for rank, value in sorted(values.items()):
+        by_value.setdefault(value, []).append(rank)
+    parts = []
+    for value, ranks in list(by_value.items())[:most]:
+        shown = ", ".join(map(str, ranks[:most])) + (", …" if len(ranks) > most else "")
+        parts.append(f"{value} on rank{'s' if len(ranks) > 1 else ''} {shown}")
+    return "; ".join(parts) + ("; …" if len(by_value) > most else "")
+
+
+class PerRankIntNode(local_compat.LocalIntNode):
+    """torch's per-rank integer node, whose arithmetic and comparisons stay per rank.
+
+    torch's ``LocalIntNode`` answers ``==`` with whether every rank's values
+    are equal and has no ``int()``; this one answers ``==``, ``<`` and the rest
+    with a per-rank :class:`PerRankBoolNode` and refuses ``int()`` with a
+    :class:`SimulationError` that names the values. Make one with
+    :func:`per_rank_int`, which gives a plain ``int`` where every rank agrees.
+    """
+
+    @property
+    def values(self) -> dict[int, int]:
+        """Each simulated rank's value."""
+        return local_compat.local_ints(self)
+
+    def _each(self, other: object, combine: Callable[[int, Any], Any]) -> Any:
+        return PerRankIntNode({rank: combine(mine, _on(other, rank)) for rank, mine in self.values.items()})
+
+    def add(self, other: object) -> Any:
+        return self._each(other, operator.add)
+
+    def sub(self, other: object) -> Any:
+        return self._each(other, operator.sub)
+
+    def mul(self, other: object) -> Any:
+        return self._each(other, operator.mul)
+
+    def floordiv(self, other: object) -> Any:
+        return self._each(other, operator.floordiv)
+
+    def int_floordiv(self, other: object) -> Any:
+        return self._each(other, operator.floordiv)
+
+    def mod(self, other: object) -> Any:
+        return self._each(other, operator.mod)
+
+    def sym_max(self, other: object) -> Any:
+        return self._each(other, max)
+
+    def sym_min(self, other: object) -> Any:
+        return self._each(other, min)
+
+    def neg(self) -> Any:
+        return PerRankIntNode({rank: -mine for rank, mine in self.values.items()})
+
+    def _compare(self, other: object, compare: Callable[[int, Any], bool]) -> Any:
+        return _bool_node({rank: compare(mine, _on(other, rank)) for rank, mine in self.values.items()})
+
+    def eq(self, other: object) -> Any:
+        return self._compare(other, operator.eq)
+
+    def ne(self, other: object) -> Any:
+        return self._compare(other, operator.ne)
+
+    def lt(self, other: object) -> Any:
+        return self._compare(other, operator.lt)
+
+    def le(self, other: object) -> Any:
+        return self._compare(other, operator.le)
+
+    def gt(self, other: object) -> Any:
+        return self._compare(other, operator.gt)
+
+    def ge(self, other: object) -> Any:
+        return self._compare(other, operator.ge)
+
+    def int_(self) -> int:
+        raise SimulationError(
+            f"int() of a value that differs between the simulated ranks ({describe(self.values)}); "
+            f"use it in tensor ops (it reaches each rank's op as that rank's value), or {_LOCAL_WORLD}"
+        )
+
+    def guard_int(self, file: str, line: int) -> int:
+        return self.int_()
+
+    def _str(self) -> str:
+        return f"per rank {{{', '.join(f'{r}: {v}' for r, v in sorted(self.values.items()))}}}"
+
+
+class PerRankBoolNode:
+    """A ``torch.SymBool`` node holding one bool per simulated rank.
+
+    ``&``, ``|``, ``==`` and ``torch.sym_not`` stay per rank; ``bool()`` (an
+    ``if``, ``not``, ``and``) raises :class:`SimulationError`, since the ranks
+    would take the branch apart. Make one with :func:`per_rank_bool`.
+    """
+
+    def __init__(self, values: dict[int, bool]) -> None:
+        self.values = values
+
+    def _each(self, other: object, combine: Callable[[bool, Any], bool]) -> Any:
+        return _bool_node({rank: combine(mine, _on(other, rank)) for rank, mine in self.values.items()})
+
+    def sym_and(self, other: object) -> Any:
+        return self._each(other, operator.and_)
+
+    def sym_or(self, other: object) -> Any:
+        return self._each(other, operator.or_)
+
+    def eq(self, other: object) -> Any:
+        return self._each(other, operator.eq)
+
+    def ne(self, other: object) -> Any:
+        return self._each(other, operator.ne)
+
+    def sym_not(self) -> Any:
+        return _bool_node({rank: not mine for rank, mine in self.values.items()})
+
+    def bool_(self) -> bool:
+        raise SimulationError(
+            f"a Python branch on a value that differs between the simulated ranks "
+            f"({describe(self.values)}): every simulated rank takes the same branch; "
+            f"compute both sides with tensor ops, or {_LOCAL_WORLD}"
+        )
+
+    def guard_bool(self, file: str, line: int) -> bool:
+        return self.bool_()
+
+    def expect_true(self, file: str, line: int) -> bool:
+        return self.bool_()
+
+    def wrap_bool(self, value: bool) -> Any:
+        return local_compat.constant_bool_node(value)
+
+    def is_bool(self) -> bool:
+        return True
+
+    def is_int(self) -> bool:
+        return False
+
+    def is_float(self) -> bool:
+        return False
+
+    def is_nested_int(self) -> bool:
+        return False
+
+    def is_constant(self) -> bool:
+        return False
+
+    def is_symbolic(self) -> bool:
+        return False
+
+    def maybe_as_bool(self) -> bool | None:
+        return None
+
+    def clone(self) -> PerRankBoolNode:
+        return self
+
+    def _graph_repr(self) -> str:
+        return f"per rank {{{', '.join(f'{r}: {v}' for r, v in sorted(self.values.items()))}}}"
+
+    __str__ = __repr__ = _graph_repr
+
+
+def _bool_node(values: dict[int, bool]) -> Any:
+    first = next(iter(values.values()))
+    if all(value == first for value in values.values()):
+        return local_compat.constant_bool_node(first)
+    return PerRankBoolNode(values)
+
+
+def per_rank_int(values: Mapping[int, int]) -> int:
+    """An integer that is ``values[r]`` on simulated rank ``r``; a plain ``int`` where
+    they are all equal.
+
+    Example: ``per_rank_int({0: 0, 1: 1}) + 1`` is 1 on rank 0 and 2 on rank 1.
+    """
+    first = next(iter(values.values()))
+    if all(value == first for value in values.values()):
+        return first
+    return cast(int, torch.SymInt(PerRankIntNode(dict(values))))  # type: ignore[no-untyped-call]
+
+
+def per_rank_bool(values: Mapping[int, bool]) -> bool:
+    """A bool that is ``values[r]`` on simulated rank ``r``; a plain ``bool`` where
+    they are all equal.
+
+    Example: ``value_on(per_rank_bool({0: True, 1: False}), 1)`` is ``False``.
+    """
+    node = _bool_node(dict(values))
+    return cast(bool, node if isinstance(node, bool) else torch.SymBool(node))  # type: ignore[no-untyped-call]
+
+
+class PerRankRanks(Sequence[int]):
+    """The members of a group, one group per simulated rank (``mesh.ranks("dp")``).
+
+    Every group has the same size. ``ranks[i]`` (``i`` an int or a per-rank
+    int) is the ``i``-th member of each rank's group, as a per-rank int;
+    ``in`` and ``index`` answer per rank too; ``on(rank)`` is one rank's group.
+
+    Example, simulating 4 ranks with ``tp=2``: ``ranks[0]`` is 0 on ranks 0
+    and 1 and 2 on ranks 2 and 3; ``ranks.on(3) == (2, 3)``.
+    """
+
+    def __init__(self, group_of_rank: Mapping[int, Sequence[int]], size: int) -> None:
+        self.group_of_rank = group_of_rank
+        self.size = size
+
+    def on(self, rank: int) -> tuple[int, ...]:
+        """The group simulated rank ``rank`` is in."""
+        return tuple(self.group_of_rank[rank])
+
+    def __len__(self) -> int:
+        return self.size
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self.size)))
+        return per_rank_int(
+            {rank: group[_on(index, rank)] for rank, group in self.group_of_rank.items()}
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        return (self[i] for i in range(self.size))
+
+    def __contains__(self, rank: object) -> bool:
+        return per_rank_bool(
+            {r: _on(rank, r) in group for r, group in self.group_of_rank.items()}
+        )
+
+    def index(self, rank: object, start: int = 0, stop: int | None = None) -> int:
+        return per_rank_int(
+            {r: list(group).index(_on(rank, r)) for r, group in self.group_of_rank.items()}
+        )
+
+    def __repr__(self) -> str:
+        shown = describe({rank: self.on(rank) for rank in sorted(self.group_of_rank)[:8]})
+        return f"PerRankRanks({shown}{'; …' if len(self.group_of_rank) > 8 else ''})"
+
+
+def positions(groups: Iterable[Sequence[int]]) -> tuple[dict[int, int], dict[int, Sequence[int]]]:
+    """Each rank's position in its group, and its group, for disjoint ``groups``.
+
+    Example: ``positions([[0, 2], [1, 3]])[0] == {0: 0, 2: 1, 1: 0, 3: 1}``.
+    """
+    index: dict[int, int] = {}
+    group_of_rank: dict[int, Sequence[int]] = {}
+    for group in groups:
+        for position, rank in enumerate(group):
+            index[rank] = position
+            group_of_rank[rank] = group
+    return index, group_of_rank
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """Each simulated rank's rank in its group of the family ``group`` belongs to:
+    ``torch.distributed.get_rank(group)`` for every simulated rank.
+
+    Raises :class:`SimulationError` where torch's simulation cannot read the
+    family from ``group`` (its ranks form no regular grid).
+    """
+    index, _ = positions(simulated_groups(group))
+    return per_rank_int(index)
+
+
+def simulated_groups(group: ProcessGroup) -> list[tuple[int, ...]]:
+    """The rank sets a collective over ``group`` runs on in a simulated world."""
+    try:
+        return local_compat.collective_groups(group)
+    except AssertionError as error:
+        raise SimulationError(
+            f"torch's simulation cannot run a collective over ranks {_short(group)}: "
+            f"they are no regular grid ({error}); {_LOCAL_WORLD}"
+        ) from None
+
+
+def _short(group: ProcessGroup) -> str:
+    from torch.distributed import get_process_group_ranks
+
+    ranks = get_process_group_ranks(group)
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, …, {ranks[-1]}]"
+
+
+def value_on(value: Any, rank: int) -> Any:
+    """``value`` as simulated rank ``rank`` sees it: per-rank tensors, ints, bools and
+    groups replaced by that rank's, inside lists, tuples, dicts and sets too.
+
+    Example: ``value_on({"tp": per_rank_int({0: 0, 1: 1})}, 1) == {"tp": 1}``.
+    """
+    if isinstance(value, (torch.SymInt, torch.SymBool)):
+        return _on(value, rank)
+    if isinstance(value, torch.Tensor):
+        by_rank = local_compat.tensor_by_rank(value)
+        if by_rank is None and type(value) not in (torch.Tensor, torch.nn.Parameter):
+            raise SimulationError(
+                f"a {type(value).__name__} cannot leave a simulated world; return its "
+                "local tensor (DTensor.to_local()) or full_tensor() instead"
+            )
+        return value if by_rank is None else by_rank[rank]
+    if isinstance(value, PerRankRanks):
+        return value.on(rank)
+    if isinstance(value, dict):
+        return type(value)({key: value_on(item, rank) for key, item in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(value_on(item, rank) for item in value))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value)(value_on(item, rank) for item in value)
+    return value

@@ -1,0 +1,53 @@
+"""Whether this thread simulates a whole world, asked without importing the simulation.
+
+torch's ``LocalTensorMode`` runs every rank of a world in one process (rank 0
+of torch's ``fake`` backend); :mod:`meshstate.testing.simulated` turns it on.
+A real run never imports torch's simulation, so the question costs it one
+dict lookup.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed import distributed_c10d as c10d
+
+from meshstate.core.errors import SimulationError
+
+_TORCH_SIMULATION = "torch.distributed._local_tensor"
+"""The module of torch's ``LocalTensorMode``; no mode is on before it is imported."""
+
+
+def simulated_ranks() -> frozenset[int] | None:
+    """The ranks this thread simulates under torch's ``LocalTensorMode``, else ``None``.
+
+    Example: inside ``simulated_world(8).run(body)``, ``frozenset(range(8))``.
+    """
+    if _TORCH_SIMULATION not in sys.modules:
+        return None
+    from meshstate.core.local_compat import enabled_ranks
+
+    return enabled_ranks()
+
+
+def process_rank() -> int:
+    """This process's rank in the default group.
+
+    The same as ``torch.distributed.get_rank()``, except in a simulated world:
+    there the process is rank 0 of the fake backend, whose groups it holds,
+    while ``torch.distributed.get_rank()`` answers for every simulated rank.
+    """
+    return c10d.get_rank()
+
+
+def refuse_simulation(what: str) -> None:
+    """Raise :class:`SimulationError` if a simulation is on: ``what`` cannot be simulated.
+
+    Example: ``refuse_simulation("adopt()")`` inside ``simulated_world(8).run``
+    raises ``adopt() cannot run in a simulated world; ...``.
+    """
+    if simulated_ranks() is not None:
+        raise SimulationError(
+            f"{what} cannot run in a simulated world (it needs groups every rank made "
+            "itself); run it in processes with meshstate.testing.local_world"
+        )
