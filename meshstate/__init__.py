@@ -17,7 +17,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshstate.jax.collectives import all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter
+    from meshstate.jax.collectives import all_gather, all_gather_invariant, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary
+    from meshstate.jax.vma import VaryingAxesError, vma
     from meshstate.core.adopt import adopt
     from meshstate.core.config import DEFAULT_ORDER, MeshConfig
     from meshstate.core.errors import AxisError, ConfigError, MeshStateError, NotInitializedError, ParallelStateError, WrongMeshError
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 # first used (PEP 562), so `import meshstate` costs no torch import; tools that pull heavy
 # optional packages (the benchmark imports megatron-core) are never loaded by it.
 _HOME: dict[str, str] = {
-    **dict.fromkeys(('all_gather', 'all_to_all', 'axis_index', 'axis_size', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter'), "meshstate.jax.collectives"),
+    **dict.fromkeys(('all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary'), "meshstate.jax.collectives"),
+    **dict.fromkeys(('VaryingAxesError', 'vma'), "meshstate.jax.vma"),
     **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
     **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.core.config"),
     **dict.fromkeys(('AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'ParallelStateError', 'WrongMeshError'), "meshstate.core.errors"),
@@ -69,4 +71,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'WrongMeshError', 'adopt', 'all_gather', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'reshard', 'set_mesh', 'shard_map', 'to_placements']
+__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']

@@ -129,6 +129,12 @@ def constant_when_traced(function: _Function) -> _Function:
     return cast(_Function, torch.compiler.assume_constant_result(function))  # type: ignore[no-untyped-call]
 
 
+def torch_functions_off() -> Any:
+    """A context in which no ``__torch_function__`` runs (modes and subclasses alike):
+    ``torch._C.DisableTorchFunction``, which ``torch.compile`` traces."""
+    return torch._C.DisableTorchFunction()
+
+
 def traced_all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     """``x`` reduced with ``op`` (``"sum"``, ``"max"``, ``"min"``) over the group; a new tensor.
 

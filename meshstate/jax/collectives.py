@@ -58,7 +58,6 @@ from meshstate.core import compat as _compat
 from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.jax.vma import (
-    NO_AXES,
     VaryingAxesError,
     axes_text,
     body,
@@ -116,11 +115,17 @@ def _recorded(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
 
+@_compat.constant_when_traced
 def _axis_names(axes: Axes) -> frozenset[str]:
     """The mesh axes a collective names: ``"dp-cp"`` and ``("cp", "dp")`` name dp and cp."""
-    if isinstance(axes, str):
-        return frozenset(axes.split("-"))
-    return frozenset(name for axis in axes for name in axis.split("-"))
+    names = _names_of.get(axes)
+    if names is None:
+        spelled = axes.split("-") if isinstance(axes, str) else "-".join(axes).split("-")
+        names = _names_of[axes] = frozenset(spelled)
+    return names
+
+
+_names_of: dict[Axes, frozenset[str]] = {}
 
 
 def _typed_input(
@@ -149,11 +154,10 @@ def _typed_input(
 def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
     """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
     ``pvary`` inside a typed body, and what casting an operand up inserts)."""
+    if not _recorded(x):
+        return typed(x.view_as(x), vma(x) | axes)
     group = _ordered_group(parallel_mesh, tuple(sorted(axes)))
-    if len(group.ranks) == 1 or not _recorded(x):
-        cast = x.view_as(x)
-    else:
-        cast = _summed_gradient(x, group.group_name)
+    cast = x.view_as(x) if len(group.ranks) == 1 else _summed_gradient(x, group.group_name)
     return typed(cast, vma(x) | axes)
 
 
@@ -168,8 +172,9 @@ def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> Any:
     if body.types is None:
         return group.index
     parallel_mesh = current_mesh() if mesh is None else mesh
-    index = torch.tensor(group.index, device=device_for(parallel_mesh.device_type))
-    return typed(index, _axis_names(axes))
+    with _compat.torch_functions_off():
+        index = torch.tensor(group.index, device=device_for(parallel_mesh.device_type))
+        return typed(index, _axis_names(axes))
 
 
 def device_for(device_type: str) -> torch.device:
@@ -194,8 +199,9 @@ def psum(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> to
     group = _ordered(axes, mesh, "psum")
     if body.types is None:
         return _sum(x, group, "psum")
-    x, before = _typed_input(x, axes, mesh, "psum", reduces=True)
-    return typed(_sum(x, group, "psum"), before - _axis_names(axes))
+    with _compat.torch_functions_off():
+        x, before = _typed_input(x, axes, mesh, "psum", reduces=True)
+        return typed(_sum(x, group, "psum"), before - _axis_names(axes))
 
 
 def pmean(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
@@ -203,8 +209,9 @@ def pmean(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> t
     group = _ordered(axes, mesh, "pmean")
     if body.types is None:
         return _sum(x, group, "pmean") / len(group.ranks)
-    x, before = _typed_input(x, axes, mesh, "pmean", reduces=True)
-    return typed(_sum(x, group, "pmean") / len(group.ranks), before - _axis_names(axes))
+    with _compat.torch_functions_off():
+        x, before = _typed_input(x, axes, mesh, "pmean", reduces=True)
+        return typed(_sum(x, group, "pmean") / len(group.ranks), before - _axis_names(axes))
 
 
 def pmax(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
@@ -221,15 +228,21 @@ def _extreme(
     x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None, op: str, name: str
 ) -> torch.Tensor:
     group = _ordered(axes, mesh, name)
+    if body.types is None:
+        return _reduce(x, group, op, name)
+    with _compat.torch_functions_off():
+        return typed(_reduce(x, group, op, name), vma(x) - _axis_names(axes))
+
+
+def _reduce(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Tensor:
     traced = _traced(x, name)
     if x.requires_grad:
         raise ConfigError(f"{name} is not differentiable; call it on x.detach()")
     if traced:
-        result = _compat.traced_all_reduce(x, op, group.group_name)
-    else:
-        result = x.clone()
-        dist.all_reduce(result, op=_REDUCE_OPS[op], group=group.group)
-    return result if body.types is None else typed(result, vma(x) - _axis_names(axes))
+        return _compat.traced_all_reduce(x, op, group.group_name)
+    result = x.clone()
+    dist.all_reduce(result, op=_REDUCE_OPS[op], group=group.group)
+    return result
 
 
 def pvary(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
@@ -262,7 +275,8 @@ def pvary(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> t
             f"{axes_text(names & vma(x))}; pvary only casts invariant axes to varying "
             "(JAX: Unsupported pcast from=varying, to='varying')"
         )
-    return pvary_over(x, names, current_mesh() if mesh is None else mesh)
+    with _compat.torch_functions_off():
+        return pvary_over(x, names, current_mesh() if mesh is None else mesh)
 
 
 def all_gather(
@@ -281,11 +295,11 @@ def all_gather(
     :func:`all_gather_invariant` gives them the invariant type).
     """
     group = _ordered(axes, mesh, "all_gather")
-    before = NO_AXES
-    if body.types is not None:
+    if body.types is None:
+        return _all_gather(x, group, axis, tiled)
+    with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "all_gather", reduces=False)
-    gathered = _all_gather(x, group, axis, tiled)
-    return gathered if body.types is None else typed(gathered, before | _axis_names(axes))
+        return typed(_all_gather(x, group, axis, tiled), before | _axis_names(axes))
 
 
 def _all_gather(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
@@ -314,15 +328,18 @@ def all_gather_invariant(
     under an out-spec that leaves ``axes`` out.
     """
     group = _ordered(axes, mesh, "all_gather_invariant")
-    before = NO_AXES
-    if body.types is not None:
+    if body.types is None:
+        return _gather_invariant(x, group, axis, tiled)
+    with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "all_gather_invariant", reduces=False)
+        return typed(_gather_invariant(x, group, axis, tiled), before - _axis_names(axes))
+
+
+def _gather_invariant(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
     if not _recorded(x):
-        gathered = _all_gather(x, group, axis, tiled)
-    else:
-        axis = _dim(axis, x.dim() + (not tiled), "all_gather_invariant", "axis")
-        gathered = _gather_keeping_slice(x, group, axis, tiled)
-    return gathered if body.types is None else typed(gathered, before - _axis_names(axes))
+        return _all_gather(x, group, axis, tiled)
+    axis = _dim(axis, x.dim() + (not tiled), "all_gather_invariant", "axis")
+    return _gather_keeping_slice(x, group, axis, tiled)
 
 
 def gather(
@@ -363,23 +380,27 @@ def psum_scatter(
     Type: ``vma(x)`` and ``axes``.
     """
     group = _ordered(axes, mesh, "psum_scatter")
-    before = NO_AXES
-    if body.types is not None:
+    if body.types is None:
+        return _scatter(x, group, scatter_dimension, tiled)
+    with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "psum_scatter", reduces=True)
+        return typed(_scatter(x, group, scatter_dimension, tiled), before | _axis_names(axes))
+
+
+def _scatter(x: torch.Tensor, group: OrderedGroup, scatter_dimension: int, tiled: bool) -> torch.Tensor:
     traced = _traced(x, "psum_scatter")
     n = len(group.ranks)
     if tiled and scatter_dimension == 0 and _in_place(x, traced, group) and x.shape[0] % n == 0:
         scattered = x.new_empty((x.shape[0] // n, *x.shape[1:]))
         dist.reduce_scatter_single(scattered, x, group=group.group)
+        return scattered
+    chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
+    if traced:
+        flat = _compat.traced_reduce_scatter(chunks.reshape(-1), n, group.group_name)
     else:
-        chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
-        if traced:
-            flat = _compat.traced_reduce_scatter(chunks.reshape(-1), n, group.group_name)
-        else:
-            flat = x.new_empty((chunks[0].numel(),))
-            dist.reduce_scatter_single(flat, chunks.reshape(-1), group=group.group)
-        scattered = flat.view(chunks.shape[1:])
-    return scattered if body.types is None else typed(scattered, before | _axis_names(axes))
+        flat = x.new_empty((chunks[0].numel(),))
+        dist.reduce_scatter_single(flat, chunks.reshape(-1), group=group.group)
+    return flat.view(chunks.shape[1:])
 
 
 def all_to_all(
@@ -399,11 +420,12 @@ def all_to_all(
     added or removed. Backward: the swapped ``all_to_all``. Type: ``vma(x)`` and ``axes``.
     """
     group = _ordered(axes, mesh, "all_to_all")
-    before = NO_AXES
-    if body.types is not None:
+    if body.types is None:
+        return _exchange(x, group, split_axis, concat_axis, tiled)
+    with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "all_to_all", reduces=False)
-    exchanged = _exchange(x, group, split_axis, concat_axis, tiled)
-    return exchanged if body.types is None else typed(exchanged, before | _axis_names(axes))
+        exchanged = _exchange(x, group, split_axis, concat_axis, tiled)
+        return typed(exchanged, before | _axis_names(axes))
 
 
 def _exchange(
@@ -447,11 +469,12 @@ def ppermute(
     Type: ``vma(x)`` and ``axes``.
     """
     group = _ordered(axes, mesh, "ppermute")
-    before = NO_AXES
-    if body.types is not None:
+    pairs = _check_perm(perm, len(group.ranks))
+    if body.types is None:
+        return _permute(x, group, pairs)
+    with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "ppermute", reduces=False)
-    moved = _permute(x, group, _check_perm(perm, len(group.ranks)))
-    return moved if body.types is None else typed(moved, before | _axis_names(axes))
+        return typed(_permute(x, group, pairs), before | _axis_names(axes))
 
 
 def _permute(

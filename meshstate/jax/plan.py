@@ -77,6 +77,8 @@ class Plan:
         self.mesh_axes = self.view.mesh_dim_names or ()
         self.sizes = dict(zip(self.mesh_axes, self.view.shape))
         self.placements = {spec_key(spec): to_placements(spec, self.view) for spec in specs}
+        self.named = {spec_key(spec): frozenset(spec.axes) for spec in specs}
+        """The axes each spec names: the type of a value laid out by it."""
         self.split_dims = {
             spec_key(spec): [
                 (dim, parallel_mesh.ordered(_axes_of(entry)))

@@ -46,6 +46,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
@@ -106,21 +107,15 @@ def shard_map(
         )
         plan = plan_on(parallel_mesh, keys)
         even = [True]
-        if check_vma:
-            local_args = _map(in_specs, args, "in_specs", partial(_typed_block, plan, even))
-            types: VaryingTypes | None = VaryingTypes(
-                auto_pvary, lambda x, axes: pvary_over(x, axes, parallel_mesh)
-            )
-        else:
-            local_args = _map(
-                in_specs, args, "in_specs", lambda spec, x, path: plan.to_local(spec, x, even=even)
-            )
-            types = None
+        types = (
+            VaryingTypes(auto_pvary, partial(pvary_over, parallel_mesh=parallel_mesh))
+            if check_vma
+            else None
+        )
+        local_args = _map(in_specs, args, "in_specs", partial(_block, plan, even, check_vma))
         results = _run(f, local_args, parallel_mesh, types)
         outputs: list[tuple[P, torch.Tensor]] = []
-        _map(out_specs, results, "out_specs", lambda spec, y, path: outputs.append((spec, y)))
-        if check_vma:
-            _map(out_specs, results, "out_specs", partial(_check_out_spec, name, plan))
+        _map(out_specs, results, "out_specs", partial(_result, name, plan, outputs, check_vma))
         shapes = iter(plan.global_shapes(outputs, even[0]))
         if not check_vma:
             return _map(out_specs, results, "out_specs",
@@ -128,7 +123,8 @@ def shard_map(
         return _map(
             out_specs, results, "out_specs",
             lambda spec, y, path: plan.to_dtensor(
-                _untyped(y, spec, parallel_mesh), spec, next(shapes), share=False
+                _untyped(y, plan.named[spec_key(spec)], parallel_mesh), spec, next(shapes),
+                share=False,
             ),
         )
 
@@ -154,16 +150,29 @@ def _run(
         body.types, body.legacy = outer
 
 
-def _typed_block(plan: Plan, even: list[bool], spec: P, x: torch.Tensor, path: str) -> torch.Tensor:
-    """This rank's block of ``x``, typed as varying over the axes ``spec`` names; its
-    gradient is the block's own (the types, not the boundary, sum where JAX sums)."""
+def _block(
+    plan: Plan, even: list[bool], check_vma: bool, spec: P, x: torch.Tensor, path: str
+) -> torch.Tensor:
+    """This rank's block of ``x``. Typed (``check_vma``): varying over the axes ``spec``
+    names, its gradient the block's own (the types, not the boundary, sum where JAX sums)."""
+    if not check_vma:
+        return plan.to_local(spec, x, even=even)
     local = plan.to_local(spec, x, even=even, jax_grads=False)
-    return typed(local.view_as(local), frozenset(spec.axes))
+    if local is x or isinstance(x, DTensor):  # not the caller's tensor: type a view of it
+        local = local.view_as(local)
+    return typed(local, plan.named[spec_key(spec)])
 
 
-def _check_out_spec(name: str, plan: Plan, spec: P, y: torch.Tensor, path: str) -> None:
-    """Refuse a result that varies over an axis its out-spec leaves out (JAX's message)."""
-    extra = vma(y) - set(spec.axes)
+def _result(
+    name: str, plan: Plan, outputs: list[tuple[P, torch.Tensor]], check_vma: bool,
+    spec: P, y: torch.Tensor, path: str,
+) -> None:
+    """Collect ``y``; typed, refuse it if it varies over an axis its out-spec leaves out
+    (JAX's message)."""
+    outputs.append((spec, y))
+    if not check_vma:
+        return
+    extra = vma(y) - plan.named[spec_key(spec)]
     if extra:
         shape = tuple(plan.sizes[axis] for axis in plan.mesh_axes)
         raise VaryingAxesError(
@@ -177,10 +186,10 @@ def _check_out_spec(name: str, plan: Plan, spec: P, y: torch.Tensor, path: str) 
         )
 
 
-def _untyped(y: torch.Tensor, spec: P, parallel_mesh: ParallelMesh) -> torch.Tensor:
-    """A result leaving a typed body: pvary'd over the out-spec's axes it does not vary
-    over (their copies' cotangents are summed back), and without its type."""
-    missing = frozenset(spec.axes) - vma(y)
+def _untyped(y: torch.Tensor, named: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
+    """A result leaving a typed body: pvary'd over the out-spec's axes ``named`` it does
+    not vary over (their copies' cotangents are summed back), and without its type."""
+    missing = named - vma(y)
     if missing:
         y = pvary_over(y, missing, parallel_mesh)
     return y.view_as(y)

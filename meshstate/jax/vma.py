@@ -125,42 +125,54 @@ class VaryingTypes(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if kwargs is None:
+        if kwargs:
+            union, mixed = _union((*args, *kwargs.values()))
+        else:
             kwargs = {}
+            union, mixed = _union(args)
         if func is torch.autograd.grad:
             return _typed_gradients(func, args, kwargs)
-        union, mixed = _union((*args, *kwargs.values()) if kwargs else args)
         if mixed:
+            if not self.auto_pvary:
+                _refuse_mix(func, args, kwargs)
             args, kwargs = self._cast_up(func, args, kwargs, union)
         result = func(*args, **kwargs)
         if union:
-            _type_results(result, union)
-            if func is torch.Tensor.__setitem__ or _writes_first(func):
-                typed(args[0], union)
+            if isinstance(result, torch.Tensor):  # an in-place op's result is the tensor it wrote
+                setattr(result, _ATTRIBUTE, union)
+            elif result is None and func is _SETITEM:
+                setattr(args[0], _ATTRIBUTE, union)
+            else:
+                _type_results(result, union)
         return result
 
     def _cast_up(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
         union: frozenset[str],
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``args`` and ``kwargs`` with each tensor that varies over fewer axes pvary'd up
-        (not the tensor an in-place op writes, whose type is raised after it)."""
-        if not self.auto_pvary:
-            _refuse_mix(func, args, kwargs)
-        first = 1 if func is torch.Tensor.__setitem__ or _writes_first(func) else 0
+        """``args`` and ``kwargs`` with each tensor that varies over fewer axes and whose
+        gradient autograd records pvary'd up (the cast changes only the gradient; the
+        result's type is the union either way). Not the tensor an in-place op writes,
+        whose type is raised after it."""
 
         def up(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                return value if vma(value) == union else self.pvary_to(value, union - vma(value))
+                if not (value.requires_grad and torch.is_grad_enabled()):
+                    return value
+                axes = vma(value)
+                return value if axes == union else self.pvary_to(value, union - axes)
             if isinstance(value, (list, tuple)):
                 return type(value)(up(item) for item in value)
             return value
 
+        if not (torch.is_grad_enabled() and _any_recorded(args, kwargs)):
+            return args, kwargs
+        first = 1 if _writes_first(func) else 0
         cast = (*args[:first], *(up(value) for value in args[first:]))
-        return cast, {name: up(value) for name, value in kwargs.items()}
+        return cast, {name: up(value) for name, value in kwargs.items()} if kwargs else kwargs
 
 
-def _union(values: Iterable[Any]) -> tuple[frozenset[str], bool]:
+def _union(values: tuple[Any, ...]) -> tuple[frozenset[str], bool]:
     """The union of the types of the tensors in ``values`` (one level of lists and tuples
     too), and whether they differ."""
     union: frozenset[str] | None = None
@@ -169,7 +181,7 @@ def _union(values: Iterable[Any]) -> tuple[frozenset[str], bool]:
         if isinstance(value, torch.Tensor):
             axes = getattr(value, _ATTRIBUTE, NO_AXES)
         elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-            axes, inner_mixed = _union(value)
+            axes, inner_mixed = _union(tuple(value))
             mixed = mixed or inner_mixed
         else:
             continue
@@ -181,10 +193,24 @@ def _union(values: Iterable[Any]) -> tuple[frozenset[str], bool]:
     return (NO_AXES if union is None else union), mixed
 
 
+def _any_recorded(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether any tensor among ``args`` and ``kwargs`` (or in a list or tuple among them)
+    requires grad."""
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (list, tuple)) and _any_recorded(tuple(value), {}):
+            return True
+    return False
+
+
+_SETITEM = torch.Tensor.__setitem__
+
+
 def _type_results(result: Any, axes: frozenset[str]) -> None:
-    if isinstance(result, torch.Tensor):
-        setattr(result, _ATTRIBUTE, axes)
-    elif isinstance(result, (list, tuple)):
+    """Type each tensor of a list or tuple result (``split``, ``max(dim)``; not ``shape``)."""
+    if isinstance(result, (list, tuple)) and result and isinstance(result[0], torch.Tensor):
         for item in result:
             if isinstance(item, torch.Tensor):
                 setattr(item, _ATTRIBUTE, axes)
@@ -192,10 +218,20 @@ def _type_results(result: Any, axes: frozenset[str]) -> None:
 
 @_compat.constant_when_traced
 def _writes_first(func: Callable[..., Any]) -> bool:
-    """Whether ``func`` is an in-place method (``add_``, ``__iadd__``), which writes its
-    first argument."""
-    name: str = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+    """Whether ``func`` is an in-place method (``add_``, ``__iadd__``, ``__setitem__``),
+    which writes its first argument."""
+    found = _writing.get(func)
+    if found is None:
+        name: str = getattr(func, "__name__", "")
+        found = _writing[func] = (
+            (name.endswith("_") and not name.endswith("__"))
+            or name.startswith("__i")
+            or name == "__setitem__"
+        )
+    return found
+
+
+_writing: dict[Callable[..., Any], bool] = {}
 
 
 def _typed_gradients(
