@@ -26,6 +26,7 @@ from meshstate.core.errors import AxisError, ConfigError, MeshStateError
 from meshstate.core.groups import GroupSpec, create_process_groups
 from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Key, ParallelLayout
 from meshstate.core.mesh import ParallelMesh
+from meshstate.core.simulation import refuse_simulation
 
 
 def adopt(
@@ -52,6 +53,7 @@ def adopt(
         mesh = meshstate.adopt({"tp": tp_group}, tp=2)
         mesh.group("tp") is tp_group   # True
     """
+    refuse_simulation("adopt()")
     sizes, given = split_arguments("adopt()", arguments, GroupArguments)
     options = BuildOptions.check(given)
     if not dist.is_initialized():

@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.core.agreement import leave_barrier, store_barrier
-from meshstate.core.errors import ConfigError, MeshStateError, MeshTimeoutError
+from meshstate.core.errors import ConfigError, MeshStateError, MeshTimeoutError, SimulationError
 from meshstate.core.layout import Key
 from meshstate.core.ranks import identity
+from meshstate.core.simulation import process_rank, simulated_ranks
 
 _build_counter = itertools.count()
 
@@ -337,7 +338,7 @@ def create_group_family(
         raise MeshStateError(
             "torch.distributed is not initialized; call init_process_group first"
         )
-    rank = dist.get_rank()
+    rank = process_rank()
     family = [sorted(ranks) for ranks in rank_lists]
     members = next((tuple(ranks) for ranks in family if rank in ranks), None)
     created = create_process_groups(
@@ -347,6 +348,13 @@ def create_group_family(
         pg_options=pg_options,
     )
     group = created.by_name.get(description)
+    if simulated_ranks() is not None:  # every rank runs each collective over rank 0's group
+        from meshstate.core.per_rank import tiling_mismatch
+
+        mismatch = tiling_mismatch(description, group, family)
+        if mismatch is not None:
+            created.destroy()
+            raise SimulationError(mismatch)
     if owner is not None:
         owner.owned.extend(created.owned)
         owner.creation_calls += created.creation_calls

@@ -18,6 +18,7 @@ from meshstate.core.arguments import resolve_device_type
 from meshstate.core.errors import ConfigError, MeshStateError
 from meshstate.core.groups import GroupSpec, ProcessGroupSet, create_process_groups
 from meshstate.core.hybrid_grid import HybridGrid
+from meshstate.core.simulation import refuse_simulation
 
 
 @dataclass
@@ -56,6 +57,7 @@ def init_hybrid_mesh(
     """
     if not dist.is_initialized():
         raise MeshStateError("torch.distributed is not initialized; call init_process_group first")
+    refuse_simulation("init_hybrid_mesh()")
     if dist.get_world_size() != grid.world_size:
         raise ConfigError(
             f"hybrid grid has {grid.world_size} ranks "

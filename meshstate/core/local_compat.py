@@ -10,10 +10,14 @@ either, whether a simulation is on.
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed._local_tensor as _simulation
 from torch.distributed import ProcessGroup
 # The per-rank integer node torch's simulation maps to each rank's value in every op;
 # meshstate's per-rank integers subclass it so they reach aten ops as torch's do.
@@ -94,3 +98,18 @@ def collective_groups(group: ProcessGroup) -> list[tuple[int, ...]]:
     """
     relative, offsets, _ = _prepare_collective_groups(group)
     return [tuple(offset + rank for rank in relative) for offset in offsets]
+
+
+def raised_inside(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside torch's simulation (its innermost frame is in
+    ``torch/distributed/_local_tensor``), as an op it cannot simulate is."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(os.path.dirname(_simulation.__file__))
+
+
+def forget_random_state() -> None:
+    """Drop the RNG tracker DTensor keeps once a simulated world used it (a per-rank
+    one), as torch's own simulated tests do. Resets ``tensor._random._rng_tracker``."""
+    random = sys.modules.get("torch.distributed.tensor._random")
+    if random is not None:
+        setattr(random, "_rng_tracker", None)

@@ -335,6 +335,30 @@ def simulated_groups(group: ProcessGroup) -> list[tuple[int, ...]]:
         ) from None
 
 
+def tiling_mismatch(
+    name: str, group: ProcessGroup | None, groups: Sequence[Sequence[int] | None]
+) -> str | None:
+    """Why collectives over ``group`` (the process's, rank 0's) would go wrong in a simulated
+    world whose groups of ``name`` are ``groups``, or ``None``.
+
+    torch's simulation runs a collective over ``group`` on every shift of it
+    across the world; that must be exactly ``groups``, covering every rank.
+    Example: ``[[0, 1], [2, 4], [3, 5], [6, 7]]`` is refused (torch would
+    pair 2 with 3).
+    """
+    layout = {frozenset(ranks) for ranks in groups if ranks is not None}
+    if group is None:
+        return f"rank 0 is in no {name!r} group, so only some ranks are; {_LOCAL_WORLD}"
+    simulated = {frozenset(ranks) for ranks in simulated_groups(group)}
+    if simulated == layout:
+        return None
+    first = min(simulated - layout, key=min)
+    return (
+        f"torch's simulation would run collectives over the {name!r} groups on ranks such as "
+        f"{sorted(first)}, which are no group of them; {_LOCAL_WORLD}"
+    )
+
+
 def _short(group: ProcessGroup) -> str:
     from torch.distributed import get_process_group_ranks
 

@@ -35,7 +35,7 @@ from meshstate.core.per_rank import (
     group_rank,
     per_rank_int,
     positions,
-    simulated_groups,
+    tiling_mismatch,
 )
 from meshstate.core.tables import Facts, Table
 
@@ -129,7 +129,7 @@ class SimulatedMesh(ParallelMesh):
                 f"one simulated program cannot follow; {_LOCAL_WORLD}"
             )
         group = self._own_group_of[key]
-        mismatch = _tiling_mismatch(str(key), group, groups)
+        mismatch = tiling_mismatch(str(key), group, groups)
         if mismatch is None:
             self.group_of.update(dict.fromkeys(spellings, group))
         else:
@@ -158,7 +158,7 @@ class SimulatedMesh(ParallelMesh):
         own = super().ordered(axes)
         grid, major_to_minor = self.layout.resolve_base(key)
         groups = grid.groups(major_to_minor).tolist()
-        mismatch = _tiling_mismatch("-".join(major_to_minor), own.group, groups)
+        mismatch = tiling_mismatch("-".join(major_to_minor), own.group, groups)
         if mismatch is not None:
             raise SimulationError(mismatch)
         index, group_of_rank = positions(groups)
@@ -178,21 +178,3 @@ class SimulatedMesh(ParallelMesh):
             f"order={self.config.order!r}, {sizes})"
         )
 
-
-def _tiling_mismatch(
-    key: str, group: dist.ProcessGroup, groups: Sequence[Sequence[int] | None]
-) -> str | None:
-    """Why collectives over ``group`` would go wrong in the simulation, or ``None``.
-
-    torch's simulation runs a collective over ``group`` (rank 0's) on every
-    shift of it across the world; that must be exactly ``groups``.
-    """
-    simulated = {frozenset(ranks) for ranks in simulated_groups(group)}
-    layout = {frozenset(ranks) for ranks in groups if ranks is not None}
-    if simulated == layout:
-        return None
-    first = min(simulated - layout, key=min)
-    return (
-        f"torch's simulation would run collectives over the {key!r} groups on ranks such as "
-        f"{sorted(first)}, which the layout does not group; {_LOCAL_WORLD}"
-    )

@@ -398,7 +398,7 @@ def get_pipeline_model_parallel_rank() -> int:
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller is the first pipeline stage (and virtual stage 0 if asked)."""
     if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == 0:
-        return not _facts.pp_rank
+        return _facts.pp_rank == 0  # not `not`, which would ask a simulated world to branch
     return False
 
 

@@ -14,7 +14,10 @@ decorated: on Linux without a GPU a fork of pytest itself, which has imported
 torch already, so the first world starts in well under a second. Ctrl-C,
 SIGTERM or the death of pytest takes the workers down.
 ``fake_world`` simulates one rank of a large world in the calling process with
-torch's fake backend (collectives do nothing).
+torch's fake backend (collectives do nothing). ``simulated_world`` and
+``@distributed(world_size=8, simulate=True)`` run every rank of a world in the
+calling process instead, collectives included (torch's ``LocalTensorMode``):
+no processes to start, for tests that stick to collectives over regular groups.
 
 Example::
 
@@ -40,8 +43,12 @@ from meshstate.core.errors import MeshStateError
 from meshstate.testing.fake import fake_world
 from meshstate.testing.fork_server import warm_up
 from meshstate.testing.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend
+from meshstate.testing.simulated import SimulatedWorld, simulated_world
 
-__all__ = ["close_pooled_worlds", "distributed", "fake_world", "local_world"]
+__all__ = [
+    "SimulatedWorld", "close_pooled_worlds", "distributed", "fake_world", "local_world",
+    "simulated_world",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -76,6 +83,7 @@ def distributed(
     *,
     backend: str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
+    simulate: bool = False,
 ) -> Callable[[_F], _F]:
     """Decorate a module-level test so its body runs on every rank of a local world.
 
@@ -85,15 +93,24 @@ def distributed(
     ``destroy_model_parallel`` too) are destroyed after it. ``timeout``
     (default 120 s) bounds the body; halfway, a line on stderr names the ranks
     still running. With ``backend="nccl"`` the test is skipped unless there is
-    a GPU per rank.
+    a GPU per rank. ``simulate=True`` runs the body once for every rank in
+    the test's own process (:func:`simulated_world`): no processes, no
+    ``backend``, no ``timeout``; its assertions hold for every rank or fail.
     """
+    if simulate and backend is not None:
+        raise MeshStateError(f"a simulated world has no backend; got backend={backend!r}")
 
     def decorate(body: _F) -> _F:
-        warm_up()  # the fork server, ready (or importing torch) before the first test runs
+        if not simulate:
+            warm_up()  # the fork server, ready (or importing torch) before the first test runs
+
         @functools.wraps(body)
         def run_on_ranks(*args: Any, **kwargs: Any) -> None:
             import pytest
 
+            if simulate:
+                simulated_world(world_size).run(body, *args, **kwargs)
+                return
             if backend == "nccl" and torch.cuda.device_count() < world_size:
                 pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
             try:

@@ -1,0 +1,200 @@
+"""Every rank of a world in this process: torch's ``LocalTensorMode`` on the fake backend.
+
+``simulated_world(8).run(fn)`` keeps :class:`~meshstate.testing.launch.LocalWorld`'s
+contract (one result per rank, in rank order) without a process per rank: the
+process is rank 0 of torch's ``fake`` backend, ``LocalTensorMode`` runs every
+tensor op once per simulated rank and computes every collective's result, and
+meshstate answers each rank's rank-dependent questions per rank
+(:mod:`meshstate.core.per_rank`). So ``fn`` runs once, for all ranks at
+once; inside it ``torch.distributed.get_rank()`` is a per-rank integer, and a
+Python branch the ranks would take apart raises
+:class:`~meshstate.core.errors.SimulationError`, as does what torch's
+simulation cannot do (send and recv, a group only some ranks make with
+``new_group``, a collective over ranks that are no regular grid). Each rank's
+result is ``fn``'s return value with every per-rank tensor, integer, bool and
+group replaced by that rank's.
+
+Example::
+
+    def world_sum() -> float:
+        t = torch.full((1,), dist.get_rank(), dtype=torch.float)
+        dist.all_reduce(t)
+        return t
+
+    simulated_world(4).run(world_sum)   # [tensor([6.]), tensor([6.]), tensor([6.]), tensor([6.])]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from meshstate.core.errors import MeshStateError, SimulationError
+from meshstate.core.mesh import destroy_every_mesh
+from meshstate.testing import torch_internals
+
+_LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
+_NOT_SIMULATED = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+"""Point-to-point calls: torch simulates them only with a thread per rank (LocalRunnerMode)."""
+
+
+class SimulatedWorld:
+    """A world of ``world_size`` ranks simulated in this process; see the module docstring.
+
+    Like a :class:`~meshstate.testing.launch.LocalWorld` it is also a context
+    manager (with nothing to close): every ``run`` initialises the fake
+    default group, and destroys it and every mesh left alive on the way out.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise MeshStateError(f"world size must be a positive integer, got {world_size!r}")
+        self.world_size = world_size
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` once for every simulated rank; the results by rank."""
+        from meshstate.core import local_compat
+        from meshstate.core.per_rank import value_on
+
+        if dist.is_initialized():
+            raise SimulationError(
+                "this process already has a default process group; a simulated world needs "
+                "one of its own (destroy it first, or run this where none is initialised)"
+            )
+        ranks = frozenset(range(self.world_size))
+        dist.init_process_group(
+            "fake", store=torch_internals.fake_store(), rank=0, world_size=self.world_size
+        )
+        try:
+            with local_compat.local_tensor_mode(ranks), _per_rank_torch(self.world_size):
+                result = fn(*args, **kwargs)
+        except (AssertionError, AttributeError, NotImplementedError, RuntimeError) as error:
+            if isinstance(error, MeshStateError) or not local_compat.raised_inside(error):
+                raise
+            raise SimulationError(
+                f"torch's simulation of every rank in one process cannot run this "
+                f"({type(error).__name__}: {error}); {_LOCAL_WORLD}"
+            ) from error
+        finally:
+            destroy_every_mesh()
+            dist.destroy_process_group()
+            local_compat.forget_random_state()
+        return [value_on(result, rank) for rank in range(self.world_size)]
+
+    def __enter__(self) -> SimulatedWorld:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+def simulated_world(world_size: int) -> SimulatedWorld:
+    """A :class:`SimulatedWorld` of ``world_size`` ranks in this process.
+
+    Example: ``simulated_world(8).run(body) == local_world(8).run(body)`` for a
+    body that sticks to collectives over regular groups.
+    """
+    return SimulatedWorld(world_size)
+
+
+@contextlib.contextmanager
+def _per_rank_torch(world_size: int) -> Iterator[None]:
+    """``torch.distributed`` as each simulated rank sees it, while a body runs.
+
+    ``get_rank()`` answers per rank; list-form ``all_gather`` gathers each
+    group's values (torch 2.13's simulation gives every rank the last group's);
+    point-to-point calls, a ``new_group`` of some ranks and subgroups the
+    simulation would read otherwise raise :class:`SimulationError`. torch's
+    own modules keep c10d's functions.
+    """
+    replaced: dict[str, Callable[..., Any]] = {
+        "get_rank": _get_rank, "new_group": _new_group,
+        "new_subgroups_by_enumeration": _new_subgroups_by_enumeration,
+    }
+    replaced.update({name: _refuse_point_to_point(name) for name in _NOT_SIMULATED})
+    with contextlib.ExitStack() as patches:
+        for name, function in replaced.items():
+            patches.enter_context(mock.patch.object(dist, name, function))
+        for module in (dist, c10d):  # c10d's own all_gather_object calls it
+            patches.enter_context(mock.patch.object(module, "all_gather", _all_gather))
+        yield
+
+
+def _get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """``torch.distributed.get_rank`` for every simulated rank at once."""
+    from meshstate.core.per_rank import group_rank, per_rank_int
+
+    if group is None or group is c10d.GroupMember.WORLD:
+        return per_rank_int({rank: rank for rank in range(dist.get_world_size())})
+    return group_rank(group)
+
+
+_create_group = c10d.new_group
+
+
+def _new_group(ranks: Sequence[int] | None = None, *args: Any, **kwargs: Any) -> Any:
+    """``torch.distributed.new_group``, refusing a group of some ranks only."""
+    world_size = dist.get_world_size()
+    if ranks is not None and sorted(ranks) != list(range(world_size)):
+        raise SimulationError(
+            f"new_group(ranks={_shown(ranks)}) in a simulated world of {world_size} ranks: "
+            "every simulated rank takes part in each collective over it, not only its "
+            f"members; make groups with meshstate.init_mesh, or {_LOCAL_WORLD}"
+        )
+    return _create_group(ranks, *args, **kwargs)
+
+
+_enumerate_subgroups = c10d.new_subgroups_by_enumeration
+
+
+def _new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: list[list[int]], *args: Any, **kwargs: Any
+) -> Any:
+    """``torch.distributed.new_subgroups_by_enumeration``, refusing groups whose collectives
+    torch's simulation would run over other ranks."""
+    from meshstate.core.per_rank import tiling_mismatch
+
+    mine, subgroups = _enumerate_subgroups(ranks_per_subgroup_list, *args, **kwargs)  # type: ignore[no-untyped-call]
+    mismatch = tiling_mismatch("subgroups", mine, ranks_per_subgroup_list)
+    if mismatch is not None:
+        raise SimulationError(mismatch)
+    return mine, subgroups
+
+
+def _refuse_point_to_point(name: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise SimulationError(
+            f"torch.distributed.{name} in a simulated world: torch simulates send and recv "
+            f"only with a thread per rank (LocalRunnerMode); {_LOCAL_WORLD}"
+        )
+
+    return refuse
+
+
+_gather_single = c10d.all_gather_single
+
+
+def _all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """``torch.distributed.all_gather``, each group's tensors into its members' lists."""
+    flat = tensor.contiguous().view(-1)
+    gathered = torch.empty(len(tensor_list) * flat.numel(), dtype=flat.dtype, device=flat.device)
+    work = _gather_single(gathered, flat, group=group, async_op=async_op)
+    for output, part in zip(tensor_list, gathered.view(len(tensor_list), *tensor.shape).unbind(0)):
+        output.copy_(part)
+    return work
+
+
+def _shown(ranks: Sequence[int]) -> str:
+    listed = list(ranks)
+    return str(listed) if len(listed) <= 8 else f"[{listed[0]}, {listed[1]}, …, {listed[-1]}]"

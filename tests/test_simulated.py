@@ -1,0 +1,263 @@
+"""Every rank in one process: each rank-dependent answer of a simulated world (torch's
+LocalTensorMode) equals the one that rank gets in a world of processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshstate
+from meshstate.core.errors import SimulationError
+from meshstate.core.groups import create_group_family
+from meshstate.megatron import parallel_state as mpu
+from meshstate.testing import distributed, local_world, simulated_world
+
+LAYOUTS = {
+    "dense": dict(tp=2, cp=2),
+    "expert": dict(tp=2, pp=2, ep=2, etp=1),
+    "hsdp": dict(tp=2, dp_replicate=2),
+}
+ORDERED = [("cp", "dp"), ("pp", "tp"), "tp", ("dp", "tp")]
+
+
+def _by_key(mesh: meshstate.ParallelMesh, ask: Any) -> dict[str, Any]:
+    return {key: ask(key) for key in mesh.kinds}
+
+
+CORE_VALUES = {
+    "global_rank": lambda mesh: mesh.global_rank,
+    "rank": lambda mesh: _by_key(mesh, mesh.rank),
+    "rank_in": lambda mesh: _by_key(mesh, mesh.rank_in.__getitem__),
+    "ranks": lambda mesh: _by_key(mesh, mesh.ranks),
+    "coordinate": lambda mesh: mesh.coordinate,
+    "next_rank": lambda mesh: _by_key(mesh, mesh.next_rank),
+    "prev_rank": lambda mesh: _by_key(mesh, mesh.prev_rank),
+    "first_rank": lambda mesh: _by_key(mesh, mesh.first_rank),
+    "last_rank": lambda mesh: _by_key(mesh, mesh.last_rank),
+    "is_first": lambda mesh: _by_key(mesh, mesh.is_first),
+    "is_last": lambda mesh: _by_key(mesh, mesh.is_last),
+    "facts": lambda mesh: {key: getattr(mesh.facts, f"{key.replace('-', '_')}_rank") for key in mesh.kinds},
+    "ordered index": lambda mesh: {axes: mesh.ordered(axes).index for axes in ORDERED},
+    "ordered ranks": lambda mesh: {axes: mesh.ordered(axes).ranks for axes in ORDERED},
+    "axis_group": lambda mesh: _by_key(mesh, lambda key: mesh.axis_group(key).rank),
+    "get_rank(group)": lambda mesh: _by_key(mesh, lambda key: dist.get_rank(mesh.group(key))),
+    "DeviceMesh local rank": lambda mesh: {
+        key: mesh[key].get_local_rank() for key in ("tp", "dp", "dp-cp", "tp-dp", "pp")
+    },
+    "DeviceMesh coordinate": lambda mesh: tuple(mesh.dense.get_coordinate()),  # torch simulates a list
+    "torch.distributed.get_rank()": lambda mesh: dist.get_rank(),
+}
+
+
+def core_answers(sizes: dict[str, int]) -> dict[str, Any]:
+    """Every rank-dependent value of the core, as the calling rank sees it."""
+    mesh = meshstate.init_mesh(**sizes)
+    return {name: value(mesh) for name, value in CORE_VALUES.items()}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def both_worlds(request: pytest.FixtureRequest) -> tuple[list[Any], list[Any]]:
+    sizes = LAYOUTS[request.param]
+    return simulated_world(8).run(core_answers, sizes), local_world(8).run(core_answers, sizes)
+
+
+@pytest.mark.parametrize("name", list(CORE_VALUES))
+def test_core_value_per_simulated_rank(name: str, both_worlds: tuple[list[Any], list[Any]]) -> None:
+    simulated, processes = both_worlds
+    assert [answers[name] for answers in simulated] == [answers[name] for answers in processes]
+
+
+MEGATRON_LAYOUTS = {
+    "tp pp ep": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                     expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+    "tp cp": dict(tensor_model_parallel_size=2, context_parallel_size=2),
+}
+MEGATRON_VALUES = {
+    name: getattr(mpu, name)
+    for name in (
+        "get_tensor_model_parallel_rank", "get_pipeline_model_parallel_rank",
+        "get_data_parallel_rank", "get_context_parallel_rank",
+        "get_tensor_and_context_parallel_rank", "get_expert_model_parallel_rank",
+        "get_expert_tensor_parallel_rank", "get_expert_tensor_and_model_parallel_rank",
+        "get_expert_data_parallel_rank", "is_pipeline_first_stage", "is_pipeline_last_stage",
+        "get_tensor_model_parallel_src_rank", "get_model_parallel_src_rank",
+        "get_data_parallel_src_rank", "get_expert_model_parallel_src_rank",
+        "get_pipeline_model_parallel_first_rank", "get_pipeline_model_parallel_last_rank",
+        "get_pipeline_model_parallel_next_rank", "get_pipeline_model_parallel_prev_rank",
+        "get_context_parallel_global_ranks",
+    )
+}
+MEGATRON_VALUES.update({
+    "get_data_parallel_rank(with_context_parallel=True)":
+        lambda: mpu.get_data_parallel_rank(with_context_parallel=True),
+    "get_data_parallel_src_rank(with_context_parallel=True)":
+        lambda: mpu.get_data_parallel_src_rank(with_context_parallel=True),
+    "get_data_parallel_rank(True, partial_data_parallel=True)":
+        lambda: mpu.get_data_parallel_rank(True, partial_data_parallel=True),
+})
+
+
+def megatron_answers(arguments: dict[str, int]) -> dict[str, Any]:
+    """Every rank-dependent Megatron getter, as the calling rank sees it."""
+    mpu.initialize_model_parallel(**arguments)
+    return {name: getter() for name, getter in MEGATRON_VALUES.items()}
+
+
+@pytest.fixture(scope="module", params=list(MEGATRON_LAYOUTS))
+def megatron_worlds(request: pytest.FixtureRequest) -> tuple[list[Any], list[Any]]:
+    arguments = MEGATRON_LAYOUTS[request.param]
+    return (simulated_world(8).run(megatron_answers, arguments),
+            local_world(8).run(megatron_answers, arguments))
+
+
+@pytest.mark.parametrize("name", list(MEGATRON_VALUES))
+def test_megatron_getter_per_simulated_rank(
+    name: str, megatron_worlds: tuple[list[Any], list[Any]]
+) -> None:
+    simulated, processes = megatron_worlds
+    assert [answers[name] for answers in simulated] == [answers[name] for answers in processes]
+
+
+TITAN_LAYOUTS = {
+    "hsdp tp": dict(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=1, ep=1),
+    "fsdp cp tp ep": dict(dp_replicate=1, dp_shard=-1, cp=2, tp=2, pp=1, ep=2),
+}
+
+
+def titan_answers(sizes: dict[str, int]) -> dict[str, Any]:
+    """Each torchtitan DeviceMesh's local rank and coordinate, as the calling rank sees them."""
+    from meshstate.titan import ParallelDims
+
+    dims = ParallelDims(**sizes, world_size=8)
+    meshes = dims.get_all_one_dimensional_meshes()
+    answers = {f"{name} local rank": mesh.get_local_rank() for name, mesh in meshes.items()}
+    answers.update({f"{name} coordinate": tuple(mesh.get_coordinate()) for name, mesh in meshes.items()})
+    answers["world coordinate"] = tuple(dims.world_mesh.get_coordinate())
+    return answers
+
+
+@pytest.mark.parametrize("layout", list(TITAN_LAYOUTS))
+def test_titan_meshes_per_simulated_rank(layout: str) -> None:
+    sizes = TITAN_LAYOUTS[layout]
+    assert simulated_world(8).run(titan_answers, sizes) == local_world(8).run(titan_answers, sizes)
+
+
+def collectives_and_getters() -> dict[str, Any]:
+    """A body that runs unchanged in both worlds: Megatron's getters, mesh queries and
+    collectives over an axis, a joint key and an undeclared axis tuple."""
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    mesh = mpu.get_mesh()
+    rank = torch.full((1,), dist.get_rank(), dtype=torch.float)
+    summed = {}
+    for key in ("tp", "dp-cp"):
+        value = rank.clone()
+        dist.all_reduce(value, group=mesh.group(key))
+        summed[key] = value
+    value = rank.clone()
+    dist.all_reduce(value, group=mesh.ordered(("cp", "dp")).group)
+    summed["(cp, dp)"] = value
+    gathered = [torch.empty(1) for _ in range(mpu.get_context_parallel_world_size())]
+    dist.all_gather(gathered, rank, group=mpu.get_context_parallel_group())
+    return {
+        "summed": summed, "gathered": gathered, "tp": mpu.get_tensor_model_parallel_rank(),
+        "dp-cp": mpu.get_data_parallel_rank(with_context_parallel=True),
+        "first stage": mpu.is_pipeline_first_stage(), "dp ranks": mesh.ranks("dp"),
+        "axis index": mesh.ordered(("cp", "dp")).index, "coordinate": mesh.coordinate,
+    }
+
+
+def test_a_body_gives_every_rank_what_processes_give() -> None:
+    simulated = simulated_world(8).run(collectives_and_getters)
+    processes = local_world(8).run(collectives_and_getters)
+    assert [repr(answers) for answers in simulated] == [repr(answers) for answers in processes]
+
+
+@distributed(world_size=8, simulate=True)
+def test_simulated_decorator_gives_every_rank_its_values() -> None:
+    mesh = meshstate.init_mesh(tp=2, pp=2)
+    expected_tp = torch.full((1,), dist.get_rank(), dtype=torch.long) % 2
+    assert torch.equal(torch.full((1,), mesh.rank("tp"), dtype=torch.long), expected_tp)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=mesh.group("dp"))
+    assert total.item() == 2  # every rank holds 2: the answer is the same on all
+
+
+def left_alive() -> None:
+    meshstate.init_mesh(tp=2)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+
+
+def test_meshes_left_alive_are_destroyed_after_a_run() -> None:
+    simulated_world(4).run(left_alive)
+    assert not mpu.is_initialized()
+    assert not dist.is_initialized()
+
+
+def branch_on_rank() -> None:
+    mesh = meshstate.init_mesh(tp=2)
+    if mesh.is_first("tp"):
+        pass
+
+
+def int_of_rank() -> None:
+    list(range(meshstate.init_mesh(tp=2).rank("tp")))
+
+
+def send_to_next() -> None:
+    dist.send(torch.ones(1), dst=1)
+
+
+def group_of_some_ranks() -> None:
+    dist.new_group([0, 1])
+
+
+def mesh_over_some_ranks() -> None:
+    meshstate.init_mesh(tp=2, ranks=range(4))
+
+
+def megatron_group_of_some_ranks() -> None:
+    mpu.create_group([0, 1])
+
+
+def family_read_past_the_world() -> None:
+    create_group_family([[0, 1, 3, 4], [2, 5, 6, 7]], description="odd")
+
+
+def irregular_family() -> None:
+    create_group_family([[0, 1, 3, 5], [2, 4, 6, 7]], description="odd")
+
+
+def subgroups_read_otherwise() -> None:
+    dist.new_subgroups_by_enumeration([[0, 1], [2, 4], [3, 5], [6, 7]])
+
+
+def embedding_group_of_some_stages() -> None:
+    mpu.initialize_model_parallel(pipeline_model_parallel_size=4)
+    mpu.get_embedding_group()
+
+
+def adopt_groups() -> None:
+    meshstate.adopt({})
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (branch_on_rank, "a Python branch on a value that differs between the simulated ranks (True on ranks 0, 2"),
+    (int_of_rank, "int() of a value that differs between the simulated ranks (0 on ranks 0, 2"),
+    (send_to_next, "torch.distributed.send in a simulated world"),
+    (group_of_some_ranks, "new_group(ranks=[0, 1]) in a simulated world of 8 ranks"),
+    (mesh_over_some_ranks, "init_mesh(ranks=...) over 4 of 8 ranks in a simulated world"),
+    (megatron_group_of_some_ranks, "over the 'group' groups on ranks such as [2, 3], which are no"),
+    (family_read_past_the_world, "over the 'odd' groups on ranks such as [6, 7, 9, 10], which"),
+    (irregular_family, "collective over ranks [0, 1, 3, 5]: they are no regular grid"),
+    (subgroups_read_otherwise, "over the 'subgroups' groups on ranks such as [2, 3], which are no"),
+    (embedding_group_of_some_stages, "simulated ranks 2, 3, 4, 5 are in no 'pp/embedding' group"),
+    (adopt_groups, "adopt() cannot run in a simulated world"),
+])
+def test_what_the_simulation_cannot_do_says_so(body: Any, says: str) -> None:
+    with pytest.raises(SimulationError, match="local_world") as raised:
+        simulated_world(8).run(body)
+    assert says in str(raised.value)
+    assert not dist.is_initialized()
