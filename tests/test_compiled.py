@@ -3,10 +3,12 @@
 Tracing is checked with ``torch._dynamo.explain`` on one simulated rank of 8
 (fake backend, ``init_mesh(tp=2, cp=2)``, so dp=2): one graph and no break for
 every collective over one axis, a joint key, a tuple in and against mesh order
-and an undeclared tuple, and for ``shard_map`` and ``reshard``. Values and
-gradients are checked on 4 gloo ranks (``init_mesh(tp=2, cp=2)``): the same
-function compiled with ``torch.compile(fullgraph=True, backend="aot_eager")``
-(inductor's C++ compile would cost minutes on two cores) and run eagerly.
+and an undeclared tuple, in plain code and inside a typed shard_map body, and
+for ``shard_map`` (in both modes, built outside the compiled function or
+inside it) and ``reshard``. Values and gradients are checked on 4 gloo ranks
+(``init_mesh(tp=2, cp=2)``): the same function compiled with
+``torch.compile(fullgraph=True, backend="aot_eager")`` (inductor's C++ compile
+would cost minutes on two cores) and run eagerly.
 """
 
 import pytest
@@ -44,6 +46,8 @@ COLLECTIVES = {
     "ppermute pair": lambda x, axes, n: lax.ppermute(x, axes, [(0, 1), (1, 0)]),
     "ppermute one way": lambda x, axes, n: lax.ppermute(x, axes, [(0, n - 1)]),
     "axis_index": lambda x, axes, n: x * lax.axis_index(axes),
+    "pvary": lambda x, axes, n: lax.pvary(x, axes),
+    "all_gather_invariant": lambda x, axes, n: lax.all_gather_invariant(x, axes, axis=1, tiled=True),
 }
 
 
@@ -85,17 +89,89 @@ def test_each_collective_traces_as_one_graph(simulated_mesh, name, axes):
     assert explained(lambda v: every_collective(v, axes, [name])[name] * 2, x) == (1, 0)
 
 
-def test_shard_map_and_reshard_trace_as_one_graph(simulated_mesh):
+@pytest.mark.parametrize("name", [name for name in COLLECTIVES if name != "ppermute one way"])
+def test_each_collective_inside_a_typed_body_traces_as_one_graph(simulated_mesh, name):
+    """Inside shard_map (check_vma=True), over an axis the block varies over (tp; not for
+    pvary, which refuses it) and one it does not (cp, which the rules pvary first)."""
+    over = ("cp",) if name == "pvary" else ("tp", "cp")
+
+    def body(v):
+        return {axes: every_collective(v, axes, [name])[name] * 2 for axes in over}
+
+    mapped = shard_map(body, in_specs=P(None, "tp"), out_specs=P(None, ("dp", "cp", "tp")))
+    x = torch.randn(4, 2 * 2, requires_grad=True)
+    assert explained(lambda v: mapped(v)["cp"].to_local() + 1, x) == (1, 0)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
+def test_shard_map_and_reshard_trace_as_one_graph(simulated_mesh, check_vma):
     mapped = shard_map(
         lambda a, b: {"y": lax.psum(a @ b, "tp"), "a": a},
         in_specs=(P(None, "tp"), P("tp", None)),
         out_specs={"y": P(), "a": P(None, "tp")},
+        check_vma=check_vma,
     )
     x, w = torch.randn(4, 6, requires_grad=True), torch.randn(6, 3, requires_grad=True)
     assert explained(lambda a, b: mapped(a, b)["y"].to_local() + 1, x, w) == (1, 0)
     rows = reshard(torch.arange(32.0).view(8, 4), P(("dp", "cp")))
     assert explained(lambda t: reshard(t, P(None, ("tp", "cp"))).to_local() * 2, rows) == (1, 0)
     assert explained(lambda t: reshard(t, P(("cp", "dp"), "tp")).to_local() * 2, x) == (1, 0)
+
+
+def row_parallel_built_inside(a, b, check_vma=True):
+    """The shard_map made inside the function (JAX's ``jit(lambda x: shard_map(f, ...)(x))``)."""
+    mapped = shard_map(lambda x, w: lax.psum(x @ w, "tp"), in_specs=(P(None, "tp"), P("tp", None)),
+                       out_specs=P(), check_vma=check_vma)
+    return {"y": mapped(a, b).full_tensor()}
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
+def test_a_shard_map_built_inside_the_compiled_function_traces(simulated_mesh, check_vma):
+    x, w = torch.randn(4, 6, requires_grad=True), torch.randn(6, 3, requires_grad=True)
+    assert explained(lambda a, b: row_parallel_built_inside(a, b, check_vma)["y"].sum(), x, w) == (1, 0)
+
+
+def collectives_in_graphs(function, *args):
+    """How many of torch's functional collectives the forward and backward graphs that
+    AOTAutograd makes for ``function(*args)`` hold."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    counts = []
+
+    def count(graph_module, example_inputs):
+        counts.append(sum(
+            1 for node in graph_module.graph.nodes
+            if node.op == "call_function" and "_c10d_functional" in str(node.target)
+            and "wait_tensor" not in str(node.target)
+        ))
+        return make_boxed_func(graph_module.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(function, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=count, bw_compiler=count))
+    loss_of(compiled(*args)).backward()
+    return counts
+
+
+def test_the_types_add_no_collective_to_the_graph(simulated_mesh):
+    """A shard_map'd MLP (column-parallel up, gelu, row-parallel down) compiled in both
+    modes: the typed graph holds no more collectives, forward and backward, than the
+    legacy one."""
+    def mlp(check_vma):
+        mapped = shard_map(
+            lambda x, up, down: lax.psum(torch.nn.functional.gelu(x @ up) @ down, "tp"),
+            in_specs=(P(("dp", "cp")), P(None, "tp"), P("tp", None)), out_specs=P(("dp", "cp")),
+            check_vma=check_vma)
+        return lambda x, up, down: {"y": mapped(x, up, down).to_local()}
+
+    args = [torch.randn(8, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True),
+            torch.randn(6, 4, requires_grad=True)]
+    typed, legacy = (collectives_in_graphs(mlp(check_vma), *args) for check_vma in (True, False))
+    # [forward, backward]. Backward: three gathers of the blocks' gradients in both; typed,
+    # three pvary sums where x meets up (x over tp, up over dp-cp) and h meets down, and psum's
+    # transpose sends nothing; legacy, psum's transpose and the three boundary sums.
+    assert typed == [1, 6] and legacy == [1, 7], (typed, legacy)
 
 
 def compiled_and_eager(function, *args):
@@ -131,8 +207,9 @@ def test_compiled_collectives_equal_eager_values_and_gradients():
     mesh.destroy()
 
 
+@pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
 @distributed(world_size=4)
-def test_compiled_shard_map_and_reshard_equal_eager():
+def test_compiled_shard_map_and_reshard_equal_eager(check_vma):
     mesh = meshstate.init_mesh(tp=2, cp=2)
     torch.manual_seed(0)
     x_full, w_full = torch.randn(4, 6), torch.randn(6, 3)
@@ -140,6 +217,7 @@ def test_compiled_shard_map_and_reshard_equal_eager():
         lambda a, b: {"y": lax.psum(a @ b, "tp"), "a": a * 2},
         in_specs=(P(None, "tp"), P("tp", None)),
         out_specs={"y": P(), "a": P(None, "tp")},
+        check_vma=check_vma,
     )
 
     def plain(a, b):
@@ -151,8 +229,11 @@ def test_compiled_shard_map_and_reshard_equal_eager():
         moved = reshard(out["a"], P(("cp", "tp"), None))
         return {"y": out["y"].full_tensor(), "moved": moved.to_local(), "back": moved.full_tensor()}
 
+    def built_inside(a, b):
+        return row_parallel_built_inside(a, b, check_vma)
+
     with mesh:
-        for function in (plain, from_dtensors):
+        for function in (plain, from_dtensors, built_inside):
             eager, compiled = compiled_and_eager(function, x_full, w_full)
             assert_same(eager, compiled)
         eager, _ = compiled_and_eager(plain, x_full, w_full)
