@@ -10,6 +10,7 @@ either, whether a simulation is on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -27,6 +28,7 @@ from torch.distributed._local_tensor import (
     LocalTensorMode,
     _int_on_rank,
     enabled_local_tensor_mode,
+    maybe_disable_local_tensor_mode,
 )
 from torch.distributed._local_tensor._c10d import _prepare_collective_groups
 
@@ -43,6 +45,13 @@ def enabled_ranks() -> frozenset[int] | None:
 def local_tensor_mode(ranks: frozenset[int]) -> LocalTensorMode:
     """torch's mode that runs every op and collective once per rank of ``ranks``."""
     return LocalTensorMode(ranks)
+
+
+def simulation_paused() -> contextlib.AbstractContextManager[None]:
+    """A block in which tensor ops run once, as in a plain process, not once per rank
+    (to read each rank's values). Uses ``maybe_disable_local_tensor_mode``."""
+    paused: contextlib.AbstractContextManager[None] = maybe_disable_local_tensor_mode()
+    return paused
 
 
 def per_rank_tensor(make: Callable[[int], torch.Tensor]) -> torch.Tensor:

@@ -306,6 +306,10 @@ class ParallelMesh:
         """The calling rank's rank in ``group`` (``torch.distributed.get_rank(group)``)."""
         return dist.get_rank(group)
 
+    def _rank_in_view(self, view: DeviceMesh, dim: int) -> int:
+        """The calling rank's position on dim ``dim`` of one of its DeviceMeshes."""
+        return view.get_local_rank(dim)
+
     def axis_group(self, key: Key) -> AxisGroup:
         """Everything the calling rank knows about its group of ``key``."""
         ranks = self.ranks(key)

@@ -20,12 +20,16 @@ Example, inside ``simulated_world(8).run`` with ``init_mesh(tp=2, pp=2)``::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar, cast
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from meshstate.core import compat as _compat
 from meshstate.core.errors import SimulationError
 from meshstate.core.groups import ProcessGroupSet
 from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Key, ParallelLayout
@@ -37,6 +41,7 @@ from meshstate.core.per_rank import (
     positions,
     tiling_mismatch,
 )
+from meshstate.core.simulation import outside_simulation
 from meshstate.core.tables import Facts, Table
 
 V = TypeVar("V")
@@ -103,12 +108,13 @@ class SimulatedMesh(ParallelMesh):
         self.rank_in, self.size_of = PerRankTable[int](refused), PerRankTable[int](refused)
         self.group_of = PerRankTable[dist.ProcessGroup](refused_groups)
         self.ranks_of = PerRankTable[Sequence[int]](refused)
-        for key in self.keys():
-            spellings = [spelling for spelling, declared in self._declared.items() if declared == key]
-            why = self._add_key(key, spellings)
-            if why is not None:
-                refused.update(dict.fromkeys(spellings, why))
-                refused_groups.update(dict.fromkeys(spellings, why))
+        with outside_simulation():  # the layout's arithmetic, once
+            for key in self.keys():
+                spellings = [s for s, declared in self._declared.items() if declared == key]
+                why = self._add_key(key, spellings)
+                if why is not None:
+                    refused.update(dict.fromkeys(spellings, why))
+                    refused_groups.update(dict.fromkeys(spellings, why))
         self.facts = Facts(self)
 
     def _add_key(self, key: Key, spellings: list[Key]) -> str | None:
@@ -157,7 +163,8 @@ class SimulatedMesh(ParallelMesh):
             return found
         own = super().ordered(axes)
         grid, major_to_minor = self.layout.resolve_base(key)
-        groups = grid.groups(major_to_minor).tolist()
+        with outside_simulation():
+            groups = grid.groups(major_to_minor).tolist()
         mismatch = tiling_mismatch("-".join(major_to_minor), own.group, groups)
         if mismatch is not None:
             raise SimulationError(mismatch)
@@ -170,6 +177,16 @@ class SimulatedMesh(ParallelMesh):
 
     def _rank_in_group(self, group: dist.ProcessGroup) -> int:
         return group_rank(group)
+
+    def _rank_in_view(self, view: DeviceMesh, dim: int) -> int:
+        """Each simulated rank's position on dim ``dim`` of ``view``, read from every copy
+        of it in its root at once (torch's own simulated answer looks every rank up
+        in the whole world)."""
+        with outside_simulation():
+            copies = _compat.mesh_copies(view)
+            position = torch.arange(copies.numel()).view(copies.shape)
+            position = position // math.prod(copies.shape[dim + 2:]) % copies.shape[dim + 1]
+            return per_rank_int(dict(zip(copies.flatten().tolist(), position.flatten().tolist())))
 
     def __repr__(self) -> str:
         sizes = " ".join(f"{name}={size}" for name, size in self.config.sizes().items())

@@ -8,6 +8,7 @@ dict lookup.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from torch.distributed import distributed_c10d as c10d
@@ -28,6 +29,19 @@ def simulated_ranks() -> frozenset[int] | None:
     from meshstate.core.local_compat import enabled_ranks
 
     return enabled_ranks()
+
+
+def outside_simulation() -> contextlib.AbstractContextManager[None]:
+    """A block whose tensor ops run once, as in a plain process, even in a simulated world.
+
+    For what every simulated rank shares, such as a DeviceMesh's rank grid:
+    simulated, each op would run once per rank.
+    """
+    if _TORCH_SIMULATION not in sys.modules:
+        return contextlib.nullcontext()
+    from meshstate.core.local_compat import simulation_paused
+
+    return simulation_paused()
 
 
 def process_rank() -> int:

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshstate.core import compat as _compat
 from meshstate.core.errors import AxisError, MeshStateError
 from meshstate.core.layout import DENSE_AXES, EXPERT_AXES, HSDP_AXES, Grid
+from meshstate.core.simulation import outside_simulation
 
 if TYPE_CHECKING:
     from meshstate.core.mesh import ParallelMesh
@@ -23,15 +24,14 @@ if TYPE_CHECKING:
 def build_root_mesh(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
     """Build ``grid``'s root DeviceMesh from the groups of its axes (O(world): once, cached)."""
     mesh._check_alive()
-    return DeviceMesh.from_group(
-        [
-            mesh.group_of[axis] if axis in mesh.group_of else mesh.ordered(axis).group
-            for axis in grid.mesh_axes
-        ],
-        mesh.device_type,
-        mesh=grid.rank_grid(),
-        mesh_dim_names=grid.mesh_axes,
-    )
+    groups = [
+        mesh.group_of[axis] if axis in mesh.group_of else mesh.ordered(axis).group
+        for axis in grid.mesh_axes
+    ]
+    with outside_simulation():  # one rank grid, shared by every simulated rank
+        return DeviceMesh.from_group(
+            groups, mesh.device_type, mesh=grid.rank_grid(), mesh_dim_names=grid.mesh_axes
+        )
 
 
 def root_mesh_of(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
@@ -49,8 +49,9 @@ def flattened_mesh(mesh: ParallelMesh, key: str, view: Grid | None = None) -> De
     cached = view is None or grid is mesh.layout.resolve(key)[1]
     if cached and (canonical,) in mesh._device_meshes:
         return mesh._device_meshes[(canonical,)]
-    group = mesh.ordered(axes).group
-    flattened = _compat.flatten_with_group(root_mesh_of(mesh, grid), axes, canonical, group)
+    group, root = mesh.ordered(axes).group, root_mesh_of(mesh, grid)
+    with outside_simulation():
+        flattened = _compat.flatten_with_group(root, axes, canonical, group)
     check_consistent(mesh, flattened, (canonical,))
     if cached:
         mesh._device_meshes[(canonical,)] = flattened
@@ -87,15 +88,16 @@ def sliced_mesh(mesh: ParallelMesh, names: tuple[str, ...]) -> DeviceMesh:
         if len(joint) > 1:
             flattened_mesh(mesh, canonical, grid)
     keys = tuple(canonical if len(joint) > 1 else joint[0] for canonical, _, joint in resolved)
-    view = _compat.slice_with_flattened(root, keys)
-    _compat.share_rank_map(view, root)
+    with outside_simulation():
+        view = _compat.slice_with_flattened(root, keys)
+        _compat.share_rank_map(view, root)
     return check_consistent(mesh, view, keys)
 
 
 def check_consistent(mesh: ParallelMesh, view: DeviceMesh, keys: tuple[str, ...]) -> DeviceMesh:
     """Refuse a DeviceMesh whose ranks disagree with the process groups behind it."""
     for dim, key in enumerate(keys):
-        mesh_rank, group_rank = view.get_local_rank(dim), mesh._rank_in_group(view.get_group(dim))
+        mesh_rank, group_rank = mesh._rank_in_view(view, dim), mesh._rank_in_group(view.get_group(dim))
         layout_rank = mesh.ordered(key).index
         if mesh_rank != group_rank or mesh_rank != layout_rank:
             raise MeshStateError(

@@ -59,8 +59,15 @@ class SimulatedWorld:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` once for every simulated rank; the results by rank."""
-        from meshstate.core import local_compat
         from meshstate.core.per_rank import value_on
+
+        result = self.call(fn, *args, **kwargs)
+        return [value_on(result, rank) for rank in range(self.world_size)]
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn(*args, **kwargs)`` once for every simulated rank; its result as it is,
+        per-rank values and all (for a caller that reads every rank's itself)."""
+        from meshstate.core import local_compat
 
         if dist.is_initialized():
             raise SimulationError(
@@ -85,7 +92,7 @@ class SimulatedWorld:
             destroy_every_mesh()
             dist.destroy_process_group()
             local_compat.forget_random_state()
-        return [value_on(result, rank) for rank in range(self.world_size)]
+        return result
 
     def __enter__(self) -> SimulatedWorld:
         return self

@@ -9,3 +9,6 @@ PROCESS_SIZES = dict(tp=2, cp=2, pp=2, ep=2, etp=1)
 """The layout timed on real local processes unless told otherwise."""
 MAX_SIMULATED_WORLD = 2**22
 """The largest world one rank is simulated in (meshstate's init does not grow with it)."""
+MAX_SIMULATED_CHECK = 2**17
+"""The largest world ``check --simulate`` builds: it holds every rank's tables and a
+tensor per rank and collective (16,384 ranks take about a minute on two cores)."""

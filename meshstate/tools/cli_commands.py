@@ -27,6 +27,7 @@ from meshstate.core.build import init_mesh
 from meshstate.testing.launch import default_backend, run_local
 from meshstate.tools import bench
 from meshstate.tools.cli import EXIT_MISMATCH, Progress
+from meshstate.tools.bench_settings import MAX_SIMULATED_CHECK
 from meshstate.tools.cli_parser import (
     DEFAULT_CHECK_WORLD,
     MAX_LISTED_WORLD,
@@ -40,7 +41,14 @@ from meshstate.tools.topology import (
     locality_report,
     nodes_spanned,
 )
-from meshstate.tools.verify import KindCheck, format_summary, summarize, verify_mesh
+from meshstate.tools.verify import (
+    KindCheck,
+    KindSummary,
+    format_summary,
+    summarize,
+    verify_every_rank,
+    verify_mesh,
+)
 
 _SLOW_LISTING = 2**16
 """From this world size on, listing every group takes seconds: say so."""
@@ -375,15 +383,49 @@ def _check_local(
     return config, backend, checks_by_rank
 
 
+def check_every_rank(config: MeshConfig, progress: Progress) -> list[KindSummary]:
+    """Build ``config``'s mesh for every rank of a simulated world and verify every group
+    kind on all of them; run it in ``simulated_world(config.world_size).call``."""
+    from meshstate.core.simulated_mesh import SimulatedMesh
+
+    progress(f"building the mesh of every rank ({config.world_size} ranks)")
+    mesh = init_mesh(**config.arguments())
+    try:
+        assert isinstance(mesh, SimulatedMesh)  # init_mesh's answer under the simulation
+        return verify_every_rank(mesh, progress)
+    finally:
+        mesh.destroy()
+
+
+def _check_simulated(args: argparse.Namespace, progress: Progress) -> tuple[MeshConfig, list[KindSummary]]:
+    """``check --simulate``: the config and the table's rows, every rank in this process."""
+    world_size = args.world_size or DEFAULT_CHECK_WORLD
+    config = _config(args, world_size)
+    if world_size > MAX_SIMULATED_CHECK:
+        raise ConfigError(
+            f"--simulate builds at most {MAX_SIMULATED_CHECK} ranks in one process, got "
+            f"{world_size}; `meshstate plan --world-size {world_size}` shows the groups"
+        )
+    progress(f"simulating {world_size} ranks in this process (torch's LocalTensorMode)")
+    with progress.if_slow("importing torch's simulation"):
+        from meshstate.testing.simulated import simulated_world
+    summaries: list[KindSummary] = simulated_world(world_size).call(check_every_rank, config, progress)
+    return config, summaries
+
+
 def run_check(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     """``meshstate check``: build the mesh on real ranks and verify every group kind."""
     timeout = timedelta(seconds=args.timeout)
-    if _under_torchrun():
-        config, backend, checks_by_rank, is_reporter = _check_launched(args, progress, timeout)
+    is_reporter = True
+    if args.simulate:
+        config, summaries = _check_simulated(args, progress)
+        backend = "simulated"
     else:
-        config, backend, checks_by_rank = _check_local(args, progress, timeout)
-        is_reporter = True
-    summaries = summarize(checks_by_rank)
+        if _under_torchrun():
+            config, backend, checks_by_rank, is_reporter = _check_launched(args, progress, timeout)
+        else:
+            config, backend, checks_by_rank = _check_local(args, progress, timeout)
+        summaries = summarize(checks_by_rank)
     status = EXIT_MISMATCH if any(not row.ok for row in summaries) else 0
     if not is_reporter:
         return status, ""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from meshstate.core.config import DEFAULT_ORDER
-from meshstate.tools.bench_settings import MAX_SIMULATED_WORLD, PROCESS_SIZES
+from meshstate.tools.bench_settings import MAX_SIMULATED_CHECK, MAX_SIMULATED_WORLD, PROCESS_SIZES
 
 EXIT_BAD_INPUT = 2
 
@@ -182,20 +182,28 @@ def _add_plan(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
 def _add_check(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
     check = commands.add_parser(
         "check", help="build the mesh and verify it with collectives",
-        description="Build the mesh on local processes (or the ranks torchrun launched) and "
-        "verify every group with real collectives. Sizes not given default to init_mesh's: "
-        "1, and etp the same as tp; dp is inferred.",
+        description="Build the mesh on local processes (or the ranks torchrun launched, or "
+        "every rank in this process with --simulate) and verify every group with real "
+        "collectives. Sizes not given default to init_mesh's: 1, and etp the same as tp; dp "
+        "is inferred.",
         formatter_class=_HelpFormatter,
     )
     check.add_argument(
         "--world-size", type=_rank_count,
-        help=f"local ranks to start (default: {DEFAULT_CHECK_WORLD}; under torchrun, "
-        "the ranks it launched)",
+        help=f"local ranks to start, or to simulate with --simulate (default: "
+        f"{DEFAULT_CHECK_WORLD}; under torchrun, the ranks it launched)",
     )
     _add_mesh_flags(check)
-    check.add_argument(
+    where = check.add_mutually_exclusive_group()
+    where.add_argument(
         "--backend", choices=("gloo", "nccl"),
         help="process group backend (default: nccl with a GPU per rank, else gloo)",
+    )
+    where.add_argument(
+        "--simulate", action="store_true",
+        help="build the mesh for every rank in this one process (torch's LocalTensorMode) and "
+        "verify every group with collectives computed for all ranks: no processes, so "
+        f"worlds far larger than the machine (up to {MAX_SIMULATED_CHECK} ranks)",
     )
     check.add_argument(
         "--timeout", type=_timeout_seconds, default=120,
