@@ -116,13 +116,16 @@ def test_harness_rows_time_one_test_and_each_count_asked_for(monkeypatch):
 def test_runtime_table_has_every_call_traced_as_one_graph(monkeypatch):
     monkeypatch.setattr(bench_runtime, "_us_per_call", lambda call, calls=0: (call(), 2.0)[1])
     monkeypatch.setattr(bench_runtime, "_compiled_us", lambda function, *args: 3.0)
+    monkeypatch.setattr(bench_runtime, "_us_per_call_side_by_side",
+                        lambda first, second: (first(), second(), 2.0, 2.0)[2:])
     seen = []
     rows = bench_runtime.measure_runtime(progress=seen.append)
     assert [row.call.split("(")[0].strip() for row in rows] == [
         "psum", "all_gather", "psum_scatter", "all_to_all", "ppermute", "shard_map row-parallel",
+        "shard_map row-parallel", "shard_map mlp check_vma=True", "shard_map mlp check_vma=False",
         "shard_map row-parallel", "reshard P"]
     assert all((row.graphs, row.graph_breaks) == (1, 0) for row in rows)
-    assert len(seen) == 7 and seen[0] == "runtime: psum(x, 'tp')"
+    assert len(seen) == 9 and seen[0] == "runtime: psum(x, 'tp')"
     table = bench_runtime.format_runtime(rows)
     assert "  psum(x, 'tp')                            2.0 all_reduce(x.clone())" in table
     assert " 1.00     2.0      3.0      1      0" in table

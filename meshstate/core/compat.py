@@ -24,6 +24,7 @@ import torch.distributed._functional_collectives  # noqa: F401
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from meshstate.core.ranks import Ranks
 
@@ -360,6 +361,37 @@ def sharded_dim(placement: torch.distributed.tensor.Placement) -> int | None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
+
+
+def local_tensor(x: DTensor) -> torch.Tensor:
+    """``x.to_local()``, without the autograd node where nothing needs one: the DTensor's
+    own local tensor (private ``DTensor._local_tensor``) when autograd does not record
+    ``x`` and nothing traces. ``to_local`` costs an autograd apply even then."""
+    if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return x.to_local()
+    local: torch.Tensor = x._local_tensor
+    return local
+
+
+def even_spec(
+    device_mesh: DeviceMesh, placements: tuple[Placement, ...], local: torch.Tensor
+) -> Any:
+    """The DTensor spec (private ``DTensorSpec``, ``TensorMeta``) of blocks like ``local``
+    laid out by ``placements``, every rank's block of that shape (what ``from_local``
+    computes each call, with ``torch.distributed.tensor._utils.compute_global_tensor_info``)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    shape, stride = compute_global_tensor_info(local, device_mesh, list(placements))
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensorSpec(device_mesh, placements, tensor_meta=meta)
+
+
+def dtensor_of(local: torch.Tensor, spec: Any) -> DTensor:
+    """A DTensor of ``local`` with the spec ``even_spec`` made, as ``from_local`` would make
+    it for a tensor autograd does not record, without its autograd apply (the private
+    ``DTensor(local, spec, requires_grad=False)``)."""
+    return DTensor(local.view_as(local), spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
 def root_of(device_mesh: DeviceMesh) -> DeviceMesh:

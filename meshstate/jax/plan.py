@@ -79,6 +79,8 @@ class Plan:
         self.placements = {spec_key(spec): to_placements(spec, self.view) for spec in specs}
         self.named = {spec_key(spec): frozenset(spec.axes) for spec in specs}
         """The axes each spec names: the type of a value laid out by it."""
+        self._specs: dict[tuple[object, ...], object] = {}
+        """DTensor specs of even results, by spec and block shape (eager, no autograd)."""
         self.split_dims = {
             spec_key(spec): [
                 (dim, parallel_mesh.ordered(_axes_of(entry)))
@@ -113,13 +115,9 @@ class Plan:
         leaves out (JAX's legacy rule); without, it is each replica's own.
         """
         key = spec_key(spec)
-        if isinstance(x, DTensor) and x.device_mesh is not self.view:
-            x = self._on_view(x)
         if isinstance(x, DTensor):
             even[0] &= self._divides(key, x.shape)
-            if x.placements != self.placements[key]:
-                x = x.redistribute(self.view, self.placements[key])
-            local = x.to_local()
+            local = self._local_of(x, key)
             left_out = self.left_out[key]
             if left_out is None or not jax_grads or not local.requires_grad:
                 return local
@@ -146,26 +144,41 @@ class Plan:
             return local
         return sum_grad(local, left_out.group_name)
 
-    def _on_view(self, x: DTensor) -> DTensor:
-        """``x`` on the view: a DTensor laid out on a slice of the view (``mesh["tp"]``)
-        keeps its local block, replicated over the view's other axes; any other is
-        gathered whole first."""
-        names = x.device_mesh.mesh_dim_names or ()
-        if _compat.root_of(x.device_mesh) != self.view or not set(names) <= set(self.mesh_axes):
-            return x.full_tensor()  # type: ignore[return-value]
-        by_axis = dict(zip(names, x.placements))
-        placements = [by_axis.get(axis, Replicate()) for axis in self.mesh_axes]
-        return DTensor.from_local(
-            x.to_local(), self.view, placements, run_check=False, shape=x.shape, stride=x.stride()
-        )
+    def _local_of(self, x: DTensor, key: SpecKey) -> torch.Tensor:
+        """The block of a DTensor laid out as ``key`` on the view. One on the view or on a
+        slice of it (``mesh["tp"]``: replicated over the view's other axes) that is already
+        laid out so keeps its local block; any other is redistributed, or gathered whole
+        first where it lives on another mesh."""
+        wanted = self.placements[key]
+        if x.device_mesh is self.view:
+            if x.placements == wanted:
+                return _compat.local_tensor(x)
+            placements = x.placements
+        else:
+            names = x.device_mesh.mesh_dim_names or ()
+            if _compat.root_of(x.device_mesh) != self.view or not set(names) <= set(self.mesh_axes):
+                whole = x.full_tensor()
+                return DTensor.from_local(
+                    whole, self.view, [Replicate()] * self.view.ndim, run_check=False
+                ).redistribute(self.view, wanted).to_local()
+            by_axis = dict(zip(names, x.placements))
+            placements = tuple(by_axis.get(axis, Replicate()) for axis in self.mesh_axes)
+            if placements == wanted:
+                return _compat.local_tensor(x)
+            x = DTensor.from_local(x.to_local(), self.view, placements, run_check=False,
+                                   shape=x.shape, stride=x.stride())
+        if placements != wanted:
+            x = x.redistribute(self.view, wanted)
+        return x.to_local()
 
     def _divides(self, key: SpecKey, shape: Sequence[int]) -> bool:
         return all(shape[dim] % len(group.ranks) == 0 for dim, group in self.split_dims[key])
 
     def to_dtensor(
-        self, y: torch.Tensor, spec: P, shape: Sequence[int], *, share: bool = True
+        self, y: torch.Tensor, spec: P, shape: Sequence[int] | None, *, share: bool = True
     ) -> DTensor:
-        """``y``, this rank's block, as a DTensor of global ``shape`` laid out by ``spec``.
+        """``y``, this rank's block, as a DTensor of global ``shape`` laid out by ``spec``
+        (``None``: every rank's block has ``y``'s shape, so DTensor works it out).
 
         With ``share``, a result replicated over the axes ``spec`` leaves out
         hands each replica its share of the cotangent (JAX's legacy rule).
@@ -175,6 +188,16 @@ class Plan:
             raise ConfigError("shard_map: f returned a DTensor; return local blocks (plain tensors)")
         if share and self.replicas[key] > 1 and y.requires_grad:
             y = share_grad(y, self.replicas[key])
+        if shape is None:
+            if (y.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+                return DTensor.from_local(y, self.view, self.placements[key], run_check=False)
+            block_key = (key, y.shape, y.stride(), y.dtype, y.device)
+            dtensor_spec = self._specs.get(block_key)
+            if dtensor_spec is None:
+                dtensor_spec = self._specs[block_key] = _compat.even_spec(
+                    self.view, self.placements[key], y
+                )
+            return _compat.dtensor_of(y, dtensor_spec)
         return DTensor.from_local(
             y,
             self.view,
@@ -184,19 +207,25 @@ class Plan:
             stride=contiguous_strides(shape),
         )
 
-    def global_shapes(self, outputs: list[tuple[P, torch.Tensor]], even: bool) -> list[torch.Size]:
+    def global_shapes(
+        self, outputs: list[tuple[P, torch.Tensor]], even: bool
+    ) -> list[torch.Size | None]:
         """Each result's global shape: a split dim times its axes' sizes where every
-        argument divided (JAX's rule), else summed over the ranks (one all-reduce)."""
-        if even:
-            shapes = []
-            for spec, y in outputs:
-                shape = list(y.shape)
-                for dim, group in self.split_dims[spec_key(spec)]:
-                    if dim < y.dim():
-                        shape[dim] *= len(group.ranks)
-                shapes.append(torch.Size(shape))
-            return shapes
-        return _summed_shapes(outputs, self)
+        argument divided (JAX's rule; ``None``, which DTensor works out alike, where the
+        spec has no more dims than the result), else summed over the ranks (one all-reduce)."""
+        if not even:
+            return list(_summed_shapes(outputs, self))
+        shapes: list[torch.Size | None] = []
+        for spec, y in outputs:
+            if len(spec.dims) <= y.dim():
+                shapes.append(None)
+                continue
+            shape = list(y.shape)
+            for dim, group in self.split_dims[spec_key(spec)]:
+                if dim < y.dim():
+                    shape[dim] *= len(group.ranks)
+            shapes.append(torch.Size(shape))
+        return shapes
 
 
 def spec_leaves(tree: SpecTree) -> list[P]:

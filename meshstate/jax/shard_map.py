@@ -189,9 +189,12 @@ def _result(
 def _untyped(y: torch.Tensor, named: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
     """A result leaving a typed body: pvary'd over the out-spec's axes ``named`` it does
     not vary over (their copies' cotangents are summed back), and without its type."""
-    missing = named - vma(y)
+    axes = vma(y)
+    missing = named - axes
     if missing:
         y = pvary_over(y, missing, parallel_mesh)
+    elif not axes:
+        return y  # never typed: nothing to take off
     return y.view_as(y)
 
 

@@ -72,6 +72,24 @@ def _us_per_call(call: Callable[[], object], calls: int = 2000, repeats: int = 7
     return statistics.median(means)
 
 
+def _us_per_call_side_by_side(
+    first: Callable[[], object], second: Callable[[], object], calls: int = 500, repeats: int = 15
+) -> tuple[float, float]:
+    """The fastest mean microseconds of two calls over ``repeats`` rounds of ``calls``,
+    their rounds taken in turn, so a load that comes and goes on the machine weighs on
+    both alike (the fastest round is the one it weighed on least)."""
+    for _ in range(50):
+        first(), second()
+    means: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for call, kept in zip((first, second), means):
+            started = time.perf_counter()
+            for _ in range(calls):
+                call()
+            kept.append((time.perf_counter() - started) / calls * 1e6)
+    return min(means[0]), min(means[1])
+
+
 def _explain(function: Callable[..., object], *args: torch.Tensor) -> tuple[int, int]:
     """(graphs, graph breaks) that ``torch._dynamo.explain`` counts for ``function(*args)``."""
     import torch._dynamo
@@ -87,20 +105,24 @@ def _compiled_us(function: Callable[..., object], *args: torch.Tensor) -> float:
 
 
 def measure_runtime(progress: Callable[[str], object] = lambda message: None) -> list[RuntimeRow]:
-    """Every row of the runtime table, measured in this process."""
+    """Every row of the runtime table, measured in this process on one intra-op thread (the
+    figures are what a call costs around its kernels; a second thread only adds waits)."""
+    threads = torch.get_num_threads()
     with fake_world(0, RUNTIME_WORLD), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's fake backend and funcol deprecations
+        torch.set_num_threads(1)
         mesh = init_mesh(tp=RUNTIME_TP, cp=RUNTIME_CP)
         try:
             with mesh:
                 return _rows(mesh, progress)
         finally:
             mesh.destroy()
+            torch.set_num_threads(threads)
 
 
 def _rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
     return [*_collective_rows(mesh, progress), *_shard_map_rows(mesh, progress),
-            _reshard_row(mesh, progress)]
+            *_typed_rows(mesh, progress), _slice_row(mesh, progress), _reshard_row(mesh, progress)]
 
 
 def _collective_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
@@ -188,6 +210,72 @@ def _shard_map_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> li
         _compiled_us(mapped, x_full, w_full), graphs, breaks,
     ))
     return rows
+
+
+MLP_BATCH, MLP_MODEL, MLP_HIDDEN = 64, 256, 1024
+"""The shard_map'd MLP of the typed rows: x (64, 256) through a hidden layer of 1024, so
+each rank's block computes (16, 256) @ (256, 512) and back."""
+
+
+def _typed_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
+    """A shard_map'd 2-layer MLP (column-parallel up, gelu, row-parallel down, psum over tp)
+    with check_vma=True beside the same with check_vma=False, then the latter beside the
+    hand-written local matmuls and all-reduce; eager and compiled."""
+    progress("runtime: shard_map mlp, check_vma=True and False")
+    tp = mesh.group("tp")
+
+    def mlp(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        return lax.psum(torch.nn.functional.gelu(x @ up) @ down, "tp")
+
+    specs = (P(("dp", "cp")), P(None, "tp"), P("tp", None))
+    typed = shard_map(mlp, in_specs=specs, out_specs=P(("dp", "cp")))
+    legacy = shard_map(mlp, in_specs=specs, out_specs=P(("dp", "cp")), check_vma=False)
+    args = (torch.ones(MLP_BATCH, MLP_MODEL), torch.ones(MLP_MODEL, MLP_HIDDEN),
+            torch.ones(MLP_HIDDEN, MLP_MODEL))
+    blocks = (args[0][: MLP_BATCH // 4], args[1][:, : MLP_HIDDEN // 2].contiguous(),
+              args[2][: MLP_HIDDEN // 2])
+
+    def by_hand() -> torch.Tensor:
+        y = torch.nn.functional.gelu(blocks[0] @ blocks[1]) @ blocks[2]
+        dist.all_reduce(y, group=tp)
+        return y
+
+    typed_us, legacy_us = _us_per_call_side_by_side(lambda: typed(*args), lambda: legacy(*args))
+    rows = []
+    for name, mapped, eager_us, torch_name, torch_us in (
+        ("shard_map mlp check_vma=True", typed, typed_us, "same, check_vma=False", legacy_us),
+        ("shard_map mlp check_vma=False", legacy, legacy_us, "local matmuls + all_reduce",
+         _us_per_call(by_hand)),
+    ):
+        graphs, breaks = _explain(mapped, *args)
+        rows.append(RuntimeRow(name, eager_us, torch_name, torch_us, None,
+                               _compiled_us(mapped, *args), graphs, breaks))
+    return rows
+
+
+def _slice_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> RuntimeRow:
+    """shard_map on DTensors laid out on the 1-D slice ``mesh["tp"]`` beside torch's
+    ``local_map`` of the same body on that slice."""
+    progress("runtime: shard_map on DTensors of mesh['tp']")
+    tp_mesh, tp = mesh["tp"], mesh.group("tp")
+    x = distribute_tensor(torch.ones(16, 32), tp_mesh, [Shard(1)])
+    w = distribute_tensor(torch.ones(32, 8), tp_mesh, [Shard(0)])
+
+    def row_parallel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return lax.psum(a @ b, "tp")
+
+    mapped = shard_map(row_parallel, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P())
+
+    def local_body(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _compat.traced_all_reduce(a @ b, "sum", tp.group_name)
+
+    torch_mapped = local_map(local_body, out_placements=((Replicate(),),),
+                             in_placements=(x.placements, w.placements), device_mesh=tp_mesh)
+    graphs, breaks = _explain(mapped, x, w)
+    torch_us = _us_per_call(lambda: torch_mapped(x, w))
+    return RuntimeRow("shard_map row-parallel (mesh['tp'])", _us_per_call(lambda: mapped(x, w)),
+                      "local_map on mesh['tp']", torch_us, torch_us, _compiled_us(mapped, x, w),
+                      graphs, breaks)
 
 
 def _reshard_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> RuntimeRow:
