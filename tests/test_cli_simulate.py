@@ -5,8 +5,11 @@ import sys
 
 import pytest
 
+import meshstate
+from meshstate.core.simulated_mesh import SimulatedMesh
+from meshstate.testing import simulated_world
 from meshstate.tools.cli import main
-from meshstate.tools.verify import rank_and_one
+from meshstate.tools.verify import KindSummary, rank_and_one, verify_every_rank
 
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
@@ -56,3 +59,17 @@ def test_a_layout_error_exits_2_before_anything_is_built(args: list[str], messag
 
 def test_rank_sums_stay_exact_past_float32() -> None:
     assert rank_and_one(2**24 + 1).tolist() == [2**24 + 1, 1]
+
+
+def verify_with_tp_given_cp_groups() -> list[KindSummary]:
+    mesh = meshstate.init_mesh(tp=2, cp=2)
+    assert isinstance(mesh, SimulatedMesh)
+    mesh.group_of["tp"] = mesh.group_of["cp"]
+    return verify_every_rank(mesh)
+
+
+def test_a_wrong_group_fails_on_every_rank() -> None:
+    rows = {row.key: row for row in simulated_world(8).call(verify_with_tp_given_cp_groups)}
+    assert rows["tp"].failed_ranks == tuple(range(8))
+    assert rows["tp"].first_problem == "process group has ranks [0, 2], expected [0, 1]"
+    assert all(row.ok for key, row in rows.items() if key != "tp")

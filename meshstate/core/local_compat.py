@@ -14,7 +14,6 @@ import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,15 +53,14 @@ def simulation_paused() -> contextlib.AbstractContextManager[None]:
     return paused
 
 
-def per_rank_tensor(make: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """A tensor whose value on each simulated rank is ``make(rank)``.
-
-    Uses ``LocalTensorMode.rank_map``.
+def per_rank_rows(rows: torch.Tensor) -> torch.Tensor:
+    """A tensor whose value on simulated rank ``r`` is ``rows[r]`` (a view of it): made for
+    every rank at once, where ``LocalTensorMode.rank_map`` would run an op per rank.
+    Builds a ``LocalTensor`` from its per-rank dict.
     """
-    mode = enabled_local_tensor_mode()
-    if mode is None:
-        raise RuntimeError("per_rank_tensor needs torch's LocalTensorMode")
-    return mode.rank_map(make)
+    with maybe_disable_local_tensor_mode():
+        local: torch.Tensor = LocalTensor(dict(enumerate(rows.unbind(0))))  # type: ignore[no-untyped-call]
+    return local
 
 
 def tensor_by_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor] | None:

@@ -139,7 +139,7 @@ class PerRankIntNode(local_compat.LocalIntNode):
         return self.int_()
 
     def _str(self) -> str:
-        return f"per rank {{{', '.join(f'{r}: {v}' for r, v in sorted(self.values.items()))}}}"
+        return f"per rank ({describe(self.values)})"
 
 
 class PerRankBoolNode:
@@ -212,7 +212,7 @@ class PerRankBoolNode:
         return self
 
     def _graph_repr(self) -> str:
-        return f"per rank {{{', '.join(f'{r}: {v}' for r, v in sorted(self.values.items()))}}}"
+        return f"per rank ({describe(self.values)})"
 
     __str__ = __repr__ = _graph_repr
 
@@ -234,6 +234,12 @@ def per_rank_int(values: Mapping[int, int]) -> int:
     if all(value == first for value in values.values()):
         return first
     return cast(int, torch.SymInt(PerRankIntNode(dict(values))))  # type: ignore[no-untyped-call]
+
+
+def on_any_rank(value: bool) -> bool:
+    """Whether a per-rank bool (or a plain one) is true on some simulated rank."""
+    node = value.node if isinstance(value, torch.SymBool) else value
+    return any(node.values.values()) if isinstance(node, PerRankBoolNode) else bool(value)
 
 
 def per_rank_bool(values: Mapping[int, bool]) -> bool:
@@ -264,6 +270,11 @@ class PerRankRanks(Sequence[int]):
     def on(self, rank: int) -> tuple[int, ...]:
         """The group simulated rank ``rank`` is in."""
         return tuple(self.group_of_rank[rank])
+
+    def groups(self) -> list[list[int]]:
+        """Every group once, ordered by first member: ``[[0, 1], [2, 3]]`` above."""
+        distinct = {group[0]: list(group) for group in self.group_of_rank.values()}
+        return [distinct[first] for first in sorted(distinct)]
 
     def __len__(self) -> int:
         return self.size

@@ -44,6 +44,19 @@ def outside_simulation() -> contextlib.AbstractContextManager[None]:
     return simulation_paused()
 
 
+def differs_anywhere(first: int, second: int) -> bool:
+    """Whether ``first != second`` on any simulated rank (on this one outside a simulation).
+
+    Example: with ranks 0-3 simulated, ``differs_anywhere(tp_rank, 0)`` is True.
+    """
+    differs = first != second
+    if isinstance(differs, bool):
+        return differs
+    from meshstate.core.per_rank import on_any_rank
+
+    return on_any_rank(differs)
+
+
 def process_rank() -> int:
     """This process's rank in the default group.
 

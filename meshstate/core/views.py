@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshstate.core import compat as _compat
 from meshstate.core.errors import AxisError, MeshStateError
 from meshstate.core.layout import DENSE_AXES, EXPERT_AXES, HSDP_AXES, Grid
-from meshstate.core.simulation import outside_simulation
+from meshstate.core.simulation import differs_anywhere, outside_simulation
 
 if TYPE_CHECKING:
     from meshstate.core.mesh import ParallelMesh
@@ -99,7 +99,7 @@ def check_consistent(mesh: ParallelMesh, view: DeviceMesh, keys: tuple[str, ...]
     for dim, key in enumerate(keys):
         mesh_rank, group_rank = mesh._rank_in_view(view, dim), mesh._rank_in_group(view.get_group(dim))
         layout_rank = mesh.ordered(key).index
-        if mesh_rank != group_rank or mesh_rank != layout_rank:
+        if differs_anywhere(mesh_rank, group_rank) or differs_anywhere(mesh_rank, layout_rank):
             raise MeshStateError(
                 f"DeviceMesh dim {key!r} puts rank {mesh.global_rank} at {mesh_rank}, but its "
                 f"process group at {group_rank} and the layout at {layout_rank}; a "

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core.errors import MeshStateError
 from meshstate.core.mesh import ParallelMesh
@@ -97,8 +98,8 @@ def verify_every_rank(
     """:func:`verify_mesh` for every rank of a simulated world at once: the table's rows.
 
     Each collective runs once, over every group of its kind (torch's
-    simulation); each rank's result is then checked against that rank's group
-    in the layout. ``progress`` is told each kind as it starts.
+    simulation); every rank's result is then compared with its group in the
+    layout, as tensors over all ranks. ``progress`` is told each kind as it starts.
 
     Example: in ``simulated_world(8).call``, after ``init_mesh(tp=2)``,
     ``verify_every_rank(mesh)[0]`` is ``KindSummary("tp", 2, 4, (), "")``.
@@ -106,73 +107,130 @@ def verify_every_rank(
     rows = []
     for number, key in enumerate(mesh.kinds, 1):
         progress(f"verifying {key!r} ({number} of {len(mesh.kinds)} kinds) on every rank")
-        problems = _check_kind_everywhere(mesh, key)
+        failed, first_problem = _check_kind_everywhere(mesh, key)
         size = mesh.size(key)
-        failed = tuple(sorted(problems))
-        first = problems[failed[0]] if failed else ""
-        rows.append(KindSummary(key, size, len(mesh.simulated) // size, failed, first))
+        rows.append(KindSummary(key, size, len(mesh.simulated) // size, failed, first_problem))
     return rows
 
 
-def _check_kind_everywhere(mesh: SimulatedMesh, key: str) -> dict[int, str]:
-    """The first problem of each simulated rank whose group of ``key`` fails a check."""
+def _check_kind_everywhere(mesh: SimulatedMesh, key: str) -> tuple[tuple[int, ...], str]:
+    """The ranks whose group of ``key`` fails a check, and the first one's first problem."""
     from meshstate.core import compat, local_compat
     from meshstate.core.per_rank import PerRankRanks, group_rank, simulated_groups
 
     ranks = mesh.ranks(key)
     assert isinstance(ranks, PerRankRanks)
-    expected = {rank: ranks.on(rank) for rank in mesh.simulated}
+    world, size = len(mesh.simulated), len(ranks)
     try:
         group = mesh.group(key)
         runs_over = simulated_groups(group)
         in_group, layout_index = group_rank(group), mesh.rank(key)
-        total = local_compat.per_rank_tensor(rank_and_one)
-        dist.all_reduce(total, group=group)
-        mine = local_compat.per_rank_tensor(lambda rank: torch.tensor([rank]))
-        gathered = local_compat.per_rank_tensor(lambda rank: torch.zeros(len(ranks), dtype=torch.int64))
-        dist.all_gather_single(gathered, mine, group=group)
-        device_mesh = mesh[key]
         with local_compat.simulation_paused():
-            every_copy = compat.mesh_copies(device_mesh).reshape(-1, len(ranks))
+            every_rank = torch.arange(world).unsqueeze(1)
+            totals = torch.cat([every_rank, torch.ones_like(every_rank)], 1)
+            gathers = torch.zeros(world, size, dtype=torch.int32)
+            total, mine, gathered = map(
+                local_compat.per_rank_rows, (totals, every_rank.int(), gathers)
+            )
+        dist.all_reduce(total, group=group)  # in place: each rank's row of totals
+        dist.all_gather_single(gathered, mine, group=group)  # and of gathers
     except MeshStateError as refused:
-        return dict.fromkeys(mesh.simulated, str(refused))
-    problems: dict[int, str] = {}
+        return tuple(sorted(mesh.simulated)), str(refused)
+    device_mesh: DeviceMesh | None
+    device_mesh_refused = ""
+    try:
+        device_mesh = mesh[key]
+    except MeshStateError as refused:
+        device_mesh, device_mesh_refused = None, str(refused)
     with local_compat.simulation_paused():
-        checks = _by_rank(runs_over), _values(in_group), _values(layout_index), _by_rank(every_copy.tolist())
-        runs_over_of, in_group_of, index_of, copy_of = checks
-        totals, gathers = local_compat.tensor_by_rank(total), local_compat.tensor_by_rank(gathered)
-        assert totals is not None and gathers is not None
-        for rank in sorted(mesh.simulated):
-            group_ranks = expected[rank]
-            found = [
-                (runs_over_of[rank] != group_ranks,
-                 f"process group has ranks {list(runs_over_of[rank])}, expected {list(group_ranks)}"),
-                (in_group_of[rank] != index_of[rank],
-                 f"rank in group is {in_group_of[rank]}, expected {index_of[rank]}"),
-                (totals[rank].tolist() != [sum(group_ranks), len(group_ranks)],
-                 f"all_reduce of [rank, 1] gave {totals[rank].tolist()}, expected "
-                 f"{[sum(group_ranks), len(group_ranks)]}"),
-                (tuple(gathers[rank].tolist()) != group_ranks,
-                 f"all_gather of ranks gave {gathers[rank].tolist()}, expected {list(group_ranks)}"),
-                (copy_of[rank] != group_ranks,
-                 f"DeviceMesh {key!r} holds {list(copy_of[rank])}"),
-            ]
-            problem = next((message for failed, message in found if failed), None)
-            if problem is not None:
-                problems[rank] = problem
-    return problems
+        expected, simulated = _Groups(torch.tensor(ranks.groups())), _Groups(torch.tensor(runs_over))
+        copies = expected if device_mesh is None else _Groups(compat.mesh_copies(device_mesh).reshape(-1, size))
+        in_group_of, index_of = _per_rank(in_group, world), _per_rank(layout_index, world)
+        failed = (
+            expected.differs(simulated) | (in_group_of != index_of)
+            | (totals != torch.stack([expected.sums(), torch.full((world,), size)], 1)).any(1)
+            | expected.differs_from_rows(gathers) | expected.differs(copies)
+        )
+        if device_mesh is None:
+            failed[:] = True
+        failed_ranks = tuple(failed.nonzero().flatten().tolist())
+        if not failed_ranks:
+            return (), ""
+        rank = failed_ranks[0]
+        problem = _first_problem(
+            key, ranks.on(rank), simulated.of(rank), int(in_group_of[rank]), int(index_of[rank]),
+            totals[rank].tolist(), tuple(gathers[rank].tolist()), copies.of(rank),
+        )
+    return failed_ranks, problem or device_mesh_refused
 
 
-def _by_rank(groups: Sequence[Sequence[int]]) -> dict[int, tuple[int, ...]]:
-    """Each rank's group among disjoint ``groups``."""
-    return {rank: tuple(group) for group in groups for rank in group}
+class _Groups:
+    """A partition of the world into groups of one size, one row each, read per rank."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows.long()
+        world = self.rows.numel()
+        groups, size = self.rows.shape
+        self.group_of = torch.empty(world, dtype=torch.long)
+        self.group_of[self.rows.flatten()] = torch.arange(groups).repeat_interleave(size)
+        self.position = torch.empty(world, dtype=torch.long)
+        self.position[self.rows.flatten()] = torch.arange(size).repeat(groups)
+
+    def of(self, rank: int) -> tuple[int, ...]:
+        """The group of ``rank``."""
+        return tuple(self.rows[self.group_of[rank]].tolist())
+
+    def sums(self) -> torch.Tensor:
+        """Each rank's group's sum of ranks."""
+        return self.rows.sum(1)[self.group_of]
+
+    def differs(self, other: _Groups) -> torch.Tensor:
+        """Per rank: whether its group, or its place in it, differs in ``other``."""
+        if other.rows.shape != self.rows.shape:
+            return torch.ones_like(self.group_of, dtype=torch.bool)
+        first, others_first = self.rows[:, 0][self.group_of], other.rows[:, 0][other.group_of]
+        return (first != others_first) | (self.position != other.position)
+
+    def differs_from_rows(self, rows: torch.Tensor, chunk: int = 2**22) -> torch.Tensor:
+        """Per rank ``r``: whether ``rows[r]`` differs from ``r``'s group (in slices of
+        ``chunk`` elements, since a row per rank of large groups is large)."""
+        step = max(1, chunk // rows.shape[1])
+        return torch.cat([
+            (rows[start:start + step] != self.rows[self.group_of[start:start + step]]).any(1)
+            for start in range(0, rows.shape[0], step)
+        ])
 
 
-def _values(value: int) -> dict[int, int]:
-    """Each simulated rank's value of a per-rank int (or of a plain one)."""
+def _first_problem(
+    key: str,
+    expected: tuple[int, ...],
+    runs_over: tuple[int, ...],
+    in_group: int,
+    index: int,
+    total: list[int],
+    gathered: tuple[int, ...],
+    device_mesh_ranks: tuple[int, ...],
+) -> str | None:
+    """The first of :func:`verify_mesh`'s checks one rank's answers fail, or ``None``."""
+    expected_total = [sum(expected), len(expected)]
+    if runs_over != expected:
+        return f"process group has ranks {list(runs_over)}, expected {list(expected)}"
+    if in_group != index:
+        return f"rank in group is {in_group}, expected {index}"
+    if total != expected_total:
+        return f"all_reduce of [rank, 1] gave {total}, expected {expected_total}"
+    if gathered != expected:
+        return f"all_gather of ranks gave {list(gathered)}, expected {list(expected)}"
+    if device_mesh_ranks != expected:
+        return f"DeviceMesh {key!r} holds {list(device_mesh_ranks)}"
+    return None
+
+
+def _per_rank(value: int, world: int) -> torch.Tensor:
+    """Each simulated rank's value of a per-rank int (or of a plain one), by rank."""
     from meshstate.core.per_rank import value_on
 
-    return {rank: value_on(value, rank) for rank in range(dist.get_world_size())}
+    return torch.tensor([value_on(value, rank) for rank in range(world)])
 
 
 @dataclass(frozen=True)
