@@ -15,7 +15,7 @@ SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
 def report():
     return bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(4,),
                      process_sizes=dict(tp=2, pp=2, ep=2, etp=1), with_titan=False,
-                     with_runtime=False)
+                     with_runtime=False, simulated_checks=(8,))
 
 
 def test_every_approach_measured(report):
@@ -50,7 +50,7 @@ def test_table_and_json(report):
     decoded = json.loads(bench.report_json(report))
     assert set(decoded) == {
         "machine", "config", "rows", "process_config", "process_rows", "axis_set_rows",
-        "harness_rows", "runtime_rows", "notes"}
+        "harness_rows", "runtime_rows", "simulated_check_rows", "notes"}
     assert [(r["world_size"], r["axes"], r["declared"]) for r in decoded["axis_set_rows"]] == [
         (4, list(bench_processes.UNDECLARED_AXES), bench_processes.DECLARED_KEY)]
     assert "psum of 1024 floats over an axis tuple not declared at init" in table
@@ -61,19 +61,27 @@ def test_table_and_json(report):
     assert 0 < decoded["rows"][0]["torch_seconds"] < decoded["rows"][0]["init_seconds"]
     assert "init growth and memory" in table and "own " in table and "hot getters at world 64" in table
     assert decoded["config"]["world_sizes"] == [64]
+    [simulated] = decoded["simulated_check_rows"]
+    assert simulated["world_size"] == 8 and simulated["verified"]
+    assert simulated["peak_rss_mib"] >= simulated["before_rss_mib"] > 0
+    assert "check --simulate (every rank in one process), tp=2 cp=2 pp=2" in table
 
 
 def test_cli_bench_json_and_bad_input(capsys):
     assert main(["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
                  "--etp", "1", "--repeat", "1", "--processes", "0", "--without-megatron",
                  "--without-torchtitan", "--without-runtime", "--harness-tests", "0",
-                 "--json"]) == 0
+                 "--simulated-checks", "0", "--json"]) == 0
     decoded = json.loads(capsys.readouterr().out)
     assert [row["approach"] for row in decoded["rows"]] == [
         bench_init.INIT_MESH, bench_init.PARALLEL_STATE, bench_init.DEVICE_MESH]
     assert main(["bench", "--world-sizes", "12", "--tp", "8"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "meshstate bench: error: world size 12 is not divisible by tp*cp*pp = 8*2*8 = 128"]
+    assert main(["bench", "--world-sizes", "1024", "--simulated-checks", "12"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "meshstate bench: error: simulated check (tp=2 cp=2 pp=2): world size 12 is not divisible "
+        "by tp*cp*pp = 2*2*2 = 8"]
 
 
 def test_megatron_counts_as_absent_when_no_megatron_package_is_installed(monkeypatch):

@@ -255,7 +255,7 @@ def test_head_reads_part_of_the_json_quietly():
 
 BENCH_SMALL = ["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
                "--repeat", "1", "--processes", "0", "--without-megatron", "--without-torchtitan",
-               "--harness-tests", "0", "--without-runtime",
+               "--harness-tests", "0", "--without-runtime", "--simulated-checks", "0",
                "--json"]
 
 
@@ -273,7 +273,8 @@ def test_bench_progress_only_when_asked_or_on_a_terminal(capsys):
 def test_bench_measures_worlds_of_one_and_two_ranks(capsys):
     status, out, err = run_main(capsys, "bench", "--world-sizes", "1,2", "--tp", "1", "--cp", "1",
                                 "--pp", "1", "--ep", "1", "--etp", "1", "--repeat", "1",
-                                "--processes", "0", "--harness-tests", "0", "--without-megatron",
+                                "--processes", "0", "--harness-tests", "0", "--simulated-checks", "0",
+                                "--without-megatron",
                                 "--without-torchtitan", "--without-runtime", "--json")
     assert (status, err) == (0, "")
     assert {row["world_size"] for row in json.loads(out)["rows"]} == {1, 2}
@@ -300,7 +301,7 @@ def help_entries(capsys, command):
 def test_help_shows_every_default(capsys, command):
     entries = help_entries(capsys, command)
     flags = {"-h", "--json", "--verbose", "--force", "--without-megatron", "--without-torchtitan",
-             "--without-runtime"}
+             "--without-runtime", "--simulate"}
     required = {"--world-size"} if command == "plan" else set()
     assert "--verbose" in entries
     for option, entry in entries.items():
@@ -338,6 +339,7 @@ def test_bench_help_names_its_own_layout(capsys):
 WITHOUT_TORCH = [
     ["--help"], ["plan", "--help"], ["check", "--help"], ["bench", "--help"], ["plan"],
     ["plan", "--world-size", "8", "--dp", "4"], ["launch"],
+    ["check", "--simulate", "--backend", "gloo"], ["bench", "--simulated-checks", "x"],
 ]
 IMPORTS_AFTER = """
 import sys

@@ -1,6 +1,6 @@
 """``meshstate bench``: meshstate beside megatron-core, plain DeviceMesh and torchtitan, in one run.
 
-Four measurements, each in its own module, in this order:
+Five measurements, each in its own module, in this order:
 
 - :mod:`~meshstate.tools.bench_init`: every approach builds the same layout on
   one simulated rank per world size (fake backend): init time, groups, memory,
@@ -9,7 +9,9 @@ Four measurements, each in its own module, in this order:
   and a psum over an undeclared axis tuple;
 - :mod:`~meshstate.tools.bench_runtime`: what each JAX-layer call costs, eager
   and compiled, beside torch's own;
-- :mod:`~meshstate.tools.bench_harness`: how long a test suite takes to start N ranks.
+- :mod:`~meshstate.tools.bench_harness`: how long a test suite takes to start N ranks;
+- :mod:`~meshstate.tools.bench_simulated`: ``check --simulate`` of whole worlds in one
+  process, its time and peak memory.
 
 Example: ``print(format_report(run([1024], dict(tp=8), process_world_sizes=())))``.
 """
@@ -46,7 +48,17 @@ from meshstate.tools.bench_processes import (
     measure_processes,
 )
 from meshstate.tools.bench_runtime import RuntimeRow, format_runtime, measure_runtime
-from meshstate.tools.bench_settings import MAX_SIMULATED_WORLD, PROCESS_SIZES
+from meshstate.tools.bench_settings import (
+    MAX_SIMULATED_CHECK,
+    MAX_SIMULATED_WORLD,
+    PROCESS_SIZES,
+    SIMULATED_CHECK_SIZES,
+)
+from meshstate.tools.bench_simulated import (
+    SimulatedCheckRow,
+    format_simulated_checks,
+    measure_simulated_checks,
+)
 @dataclass
 class Report:
     """Everything ``meshstate bench`` prints."""
@@ -59,6 +71,7 @@ class Report:
     axis_set_rows: list[AxisSetRow] = field(default_factory=list)
     harness_rows: list[HarnessRow] = field(default_factory=list)
     runtime_rows: list[RuntimeRow] = field(default_factory=list)
+    simulated_check_rows: list[SimulatedCheckRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -75,6 +88,7 @@ def run(
     with_runtime: bool = True,
     harness_tests: Sequence[int] = (),
     harness_world_size: int = 8,
+    simulated_checks: Sequence[int] = (),
     progress: Callable[[str], object] = lambda message: None,
 ) -> Report:
     """Measure every approach; see the module docstring.
@@ -84,6 +98,7 @@ def run(
     """
     process_sizes = process_sizes or dict(PROCESS_SIZES)
     _check_worlds(world_sizes, sizes, rank, process_world_sizes, process_sizes)
+    _check_simulated_checks(simulated_checks)
     check_positive_int("repeats", repeats)
     report = Report(machine=machine(), config={"world_sizes": list(world_sizes), **sizes})
     approaches = _peers(with_megatron, with_titan, report.notes)
@@ -98,7 +113,25 @@ def run(
     if with_runtime:
         report.runtime_rows = measure_runtime(progress)
     report.harness_rows = measure_harness(harness_tests, harness_world_size, report.notes, progress)
+    report.simulated_check_rows = measure_simulated_checks(
+        simulated_checks, SIMULATED_CHECK_SIZES, progress
+    )
     return report
+
+
+def _check_simulated_checks(world_sizes: Sequence[int]) -> None:
+    """Raise ConfigError for a simulated check that cannot run, before measuring anything."""
+    for world_size in world_sizes:
+        try:
+            MeshConfig(world_size, **SIMULATED_CHECK_SIZES)
+        except ConfigError as error:
+            layout = " ".join(f"{name}={size}" for name, size in SIMULATED_CHECK_SIZES.items())
+            raise ConfigError(f"simulated check ({layout}): {error}") from None
+        if world_size > MAX_SIMULATED_CHECK:
+            raise ConfigError(
+                f"simulated check of {world_size} ranks: check --simulate builds at most "
+                f"{MAX_SIMULATED_CHECK}"
+            )
 
 
 def _peers(with_megatron: bool, with_titan: bool, notes: list[str]) -> list[str]:
@@ -170,6 +203,8 @@ def format_report(report: Report) -> str:
         _process_table(report), _axis_set_table(report),
         format_runtime(report.runtime_rows) if report.runtime_rows else "",
         _harness_table(report),
+        format_simulated_checks(report.simulated_check_rows, SIMULATED_CHECK_SIZES)
+        if report.simulated_check_rows else "",
     ]
     notes = [f"note: {note}" for note in report.notes]
     return "\n\n".join(section for section in sections if section) + (

@@ -448,6 +448,7 @@ def run_bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
         args.world_sizes, sizes, rank=args.rank, repeats=args.repeat,
         process_world_sizes=args.processes, with_megatron=not args.without_megatron,
         with_titan=not args.without_torchtitan, with_runtime=not args.without_runtime,
-        harness_tests=args.harness_tests, progress=progress,
+        harness_tests=args.harness_tests, simulated_checks=args.simulated_checks,
+        progress=progress,
     )
     return 0, bench.report_json(report) if args.json else bench.format_report(report)

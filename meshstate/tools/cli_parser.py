@@ -18,7 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from meshstate.core.config import DEFAULT_ORDER
-from meshstate.tools.bench_settings import MAX_SIMULATED_CHECK, MAX_SIMULATED_WORLD, PROCESS_SIZES
+from meshstate.tools.bench_settings import (
+    MAX_SIMULATED_CHECK,
+    MAX_SIMULATED_WORLD,
+    PROCESS_SIZES,
+    SIMULATED_CHECK_SIZES,
+    SIMULATED_CHECK_WORLDS,
+)
 
 EXIT_BAD_INPUT = 2
 
@@ -218,9 +224,9 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "bench", help="init time, groups, getter cost and memory beside megatron-core",
         description="Simulate one rank of each world on torch's fake backend and time every "
         "approach, then time init on real local processes and what each JAX-layer call costs, "
-        "eager and compiled, beside torch's own. The simulated layout defaults to "
-        "a large model's, tp=8 cp=2 ep=8 etp=1 pp=8, unlike plan and check, whose sizes "
-        "default to 1.",
+        "eager and compiled, beside torch's own, and what check --simulate costs at whole "
+        "worlds. The simulated layout defaults to a large model's, tp=8 cp=2 ep=8 etp=1 "
+        "pp=8, unlike plan and check, whose sizes default to 1.",
         formatter_class=_HelpFormatter,
     )
     bench.add_argument(
@@ -252,6 +258,12 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         help="time a fresh pytest running this many 8-rank tests with meshstate's harness and "
         "with torch's MultiProcessTestCase (comma-separated counts; one test is timed too); "
         "0 for none",
+    )
+    bench.add_argument(
+        "--simulated-checks", type=_process_world_sizes, default=SIMULATED_CHECK_WORLDS,
+        help="worlds to time check --simulate at (every rank in one process, "
+        + " ".join(f"{name}={size}" for name, size in SIMULATED_CHECK_SIZES.items())
+        + "), each in a fresh process, with its peak memory; 0 for none",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     _add_force_flag(bench)
