@@ -261,3 +261,12 @@ def test_what_the_simulation_cannot_do_says_so(body: Any, says: str) -> None:
         simulated_world(8).run(body)
     assert says in str(raised.value)
     assert not dist.is_initialized()
+
+
+@distributed(world_size=8, simulate=True)
+def test_a_group_compares_with_what_each_rank_expects() -> None:
+    mesh = meshstate.init_mesh(tp=2, pp=2)
+    rank = dist.get_rank()
+    assert mesh.ranks("tp") == [rank - rank % 2, rank - rank % 2 + 1]
+    assert mesh.ranks("pp") == mesh.ordered("pp").ranks
+    assert mesh.rank("tp") == rank % 2

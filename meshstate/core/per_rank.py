@@ -305,6 +305,18 @@ class PerRankRanks(Sequence[int]):
             {r: list(group).index(_on(rank, r)) for r, group in self.group_of_rank.items()}
         )
 
+    def __eq__(self, other: object) -> bool:
+        """Per rank: whether its group equals ``other`` as that rank sees it (a tuple, a
+        list of per-rank ints, another ``PerRankRanks``)."""
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return per_rank_bool({
+            rank: tuple(group) == tuple(value_on(other, rank))
+            for rank, group in self.group_of_rank.items()
+        })
+
+    __hash__ = None  # type: ignore[assignment]  # equal per rank, so no one hash
+
     def __repr__(self) -> str:
         shown = describe({rank: self.on(rank) for rank in sorted(self.group_of_rank)[:8]})
         return f"PerRankRanks({shown}{'; …' if len(self.group_of_rank) > 8 else ''})"
