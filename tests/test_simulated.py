@@ -243,6 +243,10 @@ def adopt_groups() -> None:
     meshstate.adopt({})
 
 
+def float_list_of_every_rank() -> None:
+    torch.full((1,), dist.get_rank(), dtype=torch.float).tolist()
+
+
 @pytest.mark.parametrize(("body", "says"), [
     (branch_on_rank, "a Python branch on a value that differs between the simulated ranks (True on ranks 0, 2"),
     (int_of_rank, "int() of a value that differs between the simulated ranks (0 on ranks 0, 2"),
@@ -255,6 +259,7 @@ def adopt_groups() -> None:
     (subgroups_read_otherwise, "over the 'subgroups' groups on ranks such as [2, 3], which are no"),
     (embedding_group_of_some_stages, "simulated ranks 2, 3, 4, 5 are in no 'pp/embedding' group"),
     (adopt_groups, "adopt() cannot run in a simulated world"),
+    (float_list_of_every_rank, "cannot run this (RuntimeError: Cannot convert local tensor to list)"),
 ])
 def test_what_the_simulation_cannot_do_says_so(body: Any, says: str) -> None:
     with pytest.raises(SimulationError, match="local_world") as raised:

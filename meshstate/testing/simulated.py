@@ -79,7 +79,7 @@ class SimulatedWorld:
             "fake", store=torch_internals.fake_store(), rank=0, world_size=self.world_size
         )
         try:
-            with local_compat.local_tensor_mode(ranks), _per_rank_torch(self.world_size):
+            with local_compat.local_tensor_mode(ranks), _per_rank_torch():
                 result = fn(*args, **kwargs)
         except (AssertionError, AttributeError, NotImplementedError, RuntimeError) as error:
             if isinstance(error, MeshStateError) or not local_compat.raised_inside(error):
@@ -111,7 +111,7 @@ def simulated_world(world_size: int) -> SimulatedWorld:
 
 
 @contextlib.contextmanager
-def _per_rank_torch(world_size: int) -> Iterator[None]:
+def _per_rank_torch() -> Iterator[None]:
     """``torch.distributed`` as each simulated rank sees it, while a body runs.
 
     ``get_rank()`` answers per rank; list-form ``all_gather`` gathers each
