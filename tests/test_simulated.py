@@ -243,13 +243,17 @@ def adopt_groups() -> None:
     meshstate.adopt({})
 
 
+def assert_equal_on_some_ranks() -> None:
+    assert torch.equal(torch.full((1,), dist.get_rank()), torch.zeros(1, dtype=torch.long))
+
+
 def float_list_of_every_rank() -> None:
     torch.full((1,), dist.get_rank(), dtype=torch.float).tolist()
 
 
 @pytest.mark.parametrize(("body", "says"), [
     (branch_on_rank, "a Python branch on a value that differs between the simulated ranks (True on ranks 0, 2"),
-    (int_of_rank, "int() of a value that differs between the simulated ranks (0 on ranks 0, 2"),
+    (int_of_rank, "int() or bool() of a value that differs between the simulated ranks (0 on ranks 0, 2"),
     (send_to_next, "torch.distributed.send in a simulated world"),
     (group_of_some_ranks, "new_group(ranks=[0, 1]) in a simulated world of 8 ranks"),
     (mesh_over_some_ranks, "init_mesh(ranks=...) over 4 of 8 ranks in a simulated world"),
@@ -259,6 +263,7 @@ def float_list_of_every_rank() -> None:
     (subgroups_read_otherwise, "over the 'subgroups' groups on ranks such as [2, 3], which are no"),
     (embedding_group_of_some_stages, "simulated ranks 2, 3, 4, 5 are in no 'pp/embedding' group"),
     (adopt_groups, "adopt() cannot run in a simulated world"),
+    (assert_equal_on_some_ranks, "a Python branch on a value that differs between the simulated ranks (True on rank 0; False on ranks 1, 2, 3, 4, …)"),
     (float_list_of_every_rank, "cannot run this (RuntimeError: Cannot convert local tensor to list)"),
 ])
 def test_what_the_simulation_cannot_do_says_so(body: Any, says: str) -> None:
@@ -275,3 +280,13 @@ def test_a_group_compares_with_what_each_rank_expects() -> None:
     assert mesh.ranks("tp") == [rank - rank % 2, rank - rank % 2 + 1]
     assert mesh.ranks("pp") == mesh.ordered("pp").ranks
     assert mesh.rank("tp") == rank % 2
+
+
+def items_and_equality() -> dict[str, Any]:
+    value = torch.full((1,), dist.get_rank())
+    return {"item": value.item(), "item is 0": value.item() == 0,
+            "equal to 0": torch.equal(value, torch.zeros(1, dtype=torch.long))}
+
+
+def test_values_torch_makes_from_ops_answer_per_rank() -> None:
+    assert simulated_world(4).run(items_and_equality) == local_world(4).run(items_and_equality)

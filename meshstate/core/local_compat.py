@@ -14,7 +14,9 @@ import contextlib
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed._local_tensor as _simulation
@@ -112,6 +114,14 @@ def raised_inside(error: BaseException) -> bool:
     ``torch/distributed/_local_tensor``), as an op it cannot simulate is."""
     frames = traceback.extract_tb(error.__traceback__)
     return bool(frames) and frames[-1].filename.startswith(os.path.dirname(_simulation.__file__))
+
+
+def ints_made_as(combine: Callable[[dict[int, int]], Any]) -> contextlib.AbstractContextManager[Any]:
+    """A block in which every per-rank integer torch's simulation makes from an op's
+    results (``.item()``, a size) is ``combine(values by rank)`` instead of its own.
+    Replaces ``_local_tensor._combine_int_rank_results``, whose ``LocalIntNode`` answers
+    ``==`` for all ranks at once."""
+    return mock.patch.object(_simulation, "_combine_int_rank_results", combine)
 
 
 def forget_random_state() -> None:

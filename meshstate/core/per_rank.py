@@ -131,7 +131,8 @@ class PerRankIntNode(local_compat.LocalIntNode):
 
     def int_(self) -> int:
         raise SimulationError(
-            f"int() of a value that differs between the simulated ranks ({describe(self.values)}); "
+            f"int() or bool() of a value that differs between the simulated ranks "
+            f"({describe(self.values)}); "
             f"use it in tensor ops (it reaches each rank's op as that rank's value), or {_LOCAL_WORLD}"
         )
 

@@ -116,10 +116,15 @@ def _per_rank_torch() -> Iterator[None]:
 
     ``get_rank()`` answers per rank; list-form ``all_gather`` gathers each
     group's values (torch 2.13's simulation gives every rank the last group's);
+    ``torch.equal`` and every integer an op gives (``.item()``) answer per rank,
+    comparisons included (torch's answer ``==`` for all ranks at once);
     point-to-point calls, a ``new_group`` of some ranks and subgroups the
     simulation would read otherwise raise :class:`SimulationError`. torch's
     own modules keep c10d's functions.
     """
+    from meshstate.core import local_compat
+    from meshstate.core.per_rank import per_rank_int
+
     replaced: dict[str, Callable[..., Any]] = {
         "get_rank": _get_rank, "new_group": _new_group,
         "new_subgroups_by_enumeration": _new_subgroups_by_enumeration,
@@ -130,6 +135,9 @@ def _per_rank_torch() -> Iterator[None]:
             patches.enter_context(mock.patch.object(dist, name, function))
         for module in (dist, c10d):  # c10d's own all_gather_object calls it
             patches.enter_context(mock.patch.object(module, "all_gather", _all_gather))
+        patches.enter_context(mock.patch.object(torch, "equal", _equal))
+        patches.enter_context(mock.patch.object(torch.Tensor, "equal", _equal))
+        patches.enter_context(local_compat.ints_made_as(per_rank_int))
         yield
 
 
@@ -200,6 +208,25 @@ def _all_gather(
     for output, part in zip(tensor_list, gathered.view(len(tensor_list), *tensor.shape).unbind(0)):
         output.copy_(part)
     return work
+
+
+_equal_on_one_rank = torch.equal
+
+
+def _equal(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """``torch.equal`` on every simulated rank: a per-rank bool (torch's simulation answers
+    ``True`` for all ranks when only some are equal)."""
+    from meshstate.core import local_compat
+    from meshstate.core.per_rank import per_rank_bool
+
+    with local_compat.simulation_paused():
+        firsts, seconds = local_compat.tensor_by_rank(first), local_compat.tensor_by_rank(second)
+        return per_rank_bool({
+            rank: _equal_on_one_rank(
+                first if firsts is None else firsts[rank], second if seconds is None else seconds[rank]
+            )
+            for rank in range(dist.get_world_size())
+        })
 
 
 def _shown(ranks: Sequence[int]) -> str:
