@@ -2,8 +2,8 @@
 
 torch's ``LocalTensorMode`` runs every rank of a world in one process (rank 0
 of torch's ``fake`` backend); :mod:`meshstate.testing.simulated` turns it on.
-A real run never imports torch's simulation, so the question costs it one
-dict lookup.
+A mesh build asks once: a dict lookup where torch's simulation was never
+imported, else a look at torch's mode stack; no getter ever asks.
 """
 
 from __future__ import annotations
