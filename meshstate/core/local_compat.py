@@ -124,6 +124,13 @@ def ints_made_as(combine: Callable[[dict[int, int]], Any]) -> contextlib.Abstrac
     return mock.patch.object(_simulation, "_combine_int_rank_results", combine)
 
 
+def run_for_each_rank(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` once per simulated rank, each with that rank's values of the
+    per-rank integers in ``args``; results combined into per-rank values. Uses
+    ``_local_tensor.maybe_run_for_local_tensor``."""
+    return _simulation.maybe_run_for_local_tensor(function)(*args)
+
+
 def forget_random_state() -> None:
     """Drop the RNG tracker DTensor keeps once a simulated world used it (a per-rank
     one), as torch's own simulated tests do. Resets ``tensor._random._rng_tracker``."""

@@ -9,7 +9,10 @@ imported, else a look at torch's mode stack; no getter ever asks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from torch.distributed import distributed_c10d as c10d
 
@@ -55,6 +58,29 @@ def differs_anywhere(first: int, second: int) -> bool:
     from meshstate.core.per_rank import on_any_rank
 
     return on_any_rank(differs)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def each_rank(function: _F) -> _F:
+    """``function``, a pure function of rank-dependent integers (no collectives, no side
+    effects), run once per simulated rank where a simulation is on, its results per-rank
+    integers; elsewhere called as it is, for one dict lookup.
+
+    Example: ``each_rank(lambda index: [0, index])(mesh.rank("tp"))`` is ``[0, 0]`` on
+    tp rank 0 and ``[0, 1]`` on tp rank 1, also when both are simulated in one process.
+    """
+
+    @functools.wraps(function)
+    def run(*args: Any) -> Any:
+        if simulated_ranks() is None:
+            return function(*args)
+        from meshstate.core.local_compat import run_for_each_rank
+
+        return run_for_each_rank(function, *args)
+
+    return cast(_F, run)
 
 
 def process_rank() -> int:

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from meshstate.core import compat as _compat
 from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.core.simulation import each_rank
 from meshstate.jax.vma import (
     VaryingAxesError,
     axes_text,
@@ -173,7 +174,8 @@ def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> Any:
         return group.index
     parallel_mesh = current_mesh() if mesh is None else mesh
     with _compat.torch_functions_off():
-        index = torch.tensor(group.index, device=device_for(parallel_mesh.device_type))
+        device = device_for(parallel_mesh.device_type)
+        index = torch.full((), group.index, dtype=torch.int64, device=device)
         return typed(index, _axis_names(axes))
 
 
@@ -509,21 +511,38 @@ def _traced_ppermute(
     then be the same on every rank: the perm is completed to a whole one (each
     index that sends nothing sends to one that receives nothing) and a rank
     outside ``pairs`` as a destination masks what it gets to zeros (no gradient
-    goes back through the mask).
+    goes back through the mask). The split sizes are each rank's own, also for
+    every rank of a simulated world.
     """
-    n = len(group.ranks)
+    n, numel = len(group.ranks), x.numel()
+    pieces = _exchange_pieces(group.index, pairs, group.group_ranks)
+    sends = [piece * numel for piece in pieces[:n]]
+    receives = [piece * numel for piece in pieces[n : 2 * n]]
+    received = pieces[2 * n]
+    arrived = _compat.traced_all_to_all(x.contiguous().view(-1), receives, sends, group.group_name)
+    mask = torch.full((), received, dtype=torch.bool, device=x.device)
+    return arrived.view(x.shape).where(mask, 0)
+
+
+@_compat.constant_when_traced
+@each_rank
+def _exchange_pieces(
+    index: int, pairs: tuple[tuple[int, int], ...], group_ranks: tuple[int, ...]
+) -> list[int]:
+    """Whether the rank at axis ``index`` sends its piece to each group rank in the
+    completed perm (1 or 0), then whether it receives one from each, then whether
+    ``pairs`` sends it anything: one flat list, as a simulated world makes per-rank
+    values of."""
+    n = len(group_ranks)
     destination_of = dict(pairs)
     idle_sources = [i for i in range(n) if i not in destination_of]
     idle_destinations = [i for i in range(n) if i not in set(destination_of.values())]
     destination_of.update(zip(idle_sources, idle_destinations))
-    source = next(s for s, d in destination_of.items() if d == group.index)
-    numel = x.numel()
+    source = next(s for s, d in destination_of.items() if d == index)
     sends, receives = [0] * n, [0] * n
-    sends[group.group_ranks[destination_of[group.index]]] = numel
-    receives[group.group_ranks[source]] = numel
-    arrived = _compat.traced_all_to_all(x.contiguous().view(-1), receives, sends, group.group_name)
-    received = torch.tensor((source, group.index) in pairs)
-    return arrived.view(x.shape).where(received, 0)
+    sends[group_ranks[destination_of[index]]] = 1
+    receives[group_ranks[source]] = 1
+    return [*sends, *receives, int((source, index) in pairs)]
 
 
 def _sum(x: torch.Tensor, group: OrderedGroup, name: str) -> torch.Tensor:

@@ -28,6 +28,7 @@ from meshstate.core import compat as _compat
 from meshstate.core.errors import AxisError, ConfigError
 from meshstate.core.layout import DENSE_AXES, EXPERT_AXES
 from meshstate.core.mesh import OrderedGroup, ParallelMesh
+from meshstate.core.simulation import each_rank
 from meshstate.jax.collectives import device_for, gather
 from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
 
@@ -265,16 +266,16 @@ def _summed_shapes(outputs: list[tuple[P, torch.Tensor]], plan: Plan) -> list[to
     """Each result's global shape: its sharded dims summed over their axes (one all-reduce).
 
     Where an argument was cut unevenly a rank cannot know the others' blocks."""
-    mesh_axes, coordinate = plan.mesh_axes, plan.coordinate
-    counted = []
-    for spec, y in outputs:
-        for dim, entry in enumerate(spec.dims[: y.dim()]):
-            if entry is not None:
-                others = set(mesh_axes) - set(_axes_of(entry))
-                first_copy = all(coordinate[axis] == 0 for axis in others)
-                counted.append(y.shape[dim] if first_copy else 0)
-    if counted:
-        sizes = torch.tensor(counted, dtype=torch.int64, device=device_of(plan.view))
+    split = [
+        (tuple(set(plan.mesh_axes) - set(_axes_of(entry))), y.shape[dim])
+        for spec, y in outputs
+        for dim, entry in enumerate(spec.dims[: y.dim()])
+        if entry is not None
+    ]
+    if split:
+        counted = _first_copies_count(plan.coordinate, split)
+        device = device_of(plan.view)
+        sizes = torch.stack([torch.full((), n, dtype=torch.int64, device=device) for n in counted])
         dist.all_reduce(sizes, group=plan.whole.group)
         summed = iter(sizes.tolist())
     shapes = []
@@ -285,6 +286,17 @@ def _summed_shapes(outputs: list[tuple[P, torch.Tensor]], plan: Plan) -> list[to
                 shape[dim] = next(summed)
         shapes.append(torch.Size(shape))
     return shapes
+
+
+@each_rank
+def _first_copies_count(
+    coordinate: dict[str, int], split: list[tuple[tuple[str, ...], int]]
+) -> list[int]:
+    """Each split dim's size where the caller is the first copy of its block (coordinate 0
+    on every other axis), else 0: summed over the view, the dim's global size."""
+    return [
+        size if all(coordinate[axis] == 0 for axis in others) else 0 for others, size in split
+    ]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
