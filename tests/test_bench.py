@@ -93,7 +93,7 @@ def test_megatron_counts_as_absent_when_no_megatron_package_is_installed(monkeyp
 
 def test_torchtitan_rows_count_groups_per_rank(monkeypatch):
     pytest.importorskip("torchtitan.distributed.parallel_dims")
-    monkeypatch.setattr(bench_init, "_ns_per_call", lambda statement, function: 1.0)
+    monkeypatch.setattr(bench_init, "_ns_per_call", lambda statement, function, repeats: 1.0)
     report = bench.run([64], SIZES, rank=5, repeats=1, process_world_sizes=(), with_megatron=False,
                        with_runtime=False)
     rows = {row.approach: row for row in report.rows}

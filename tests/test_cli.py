@@ -109,11 +109,22 @@ def test_plan_table(capsys):
          "dp_replicate = 3"),
     ],
 )
-def test_bad_input_exits_2_with_one_line(args, message):
-    result = run_cli(*args)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert result.stderr.splitlines() == [message]
+def test_bad_input_exits_2_with_one_line(capsys, args, message):
+    try:
+        status = main(args)
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    assert (status, out, err.splitlines()) == (2, "", [message])
+
+
+def test_bad_input_in_a_process_of_its_own_exits_2_with_one_line():
+    """The same through the `meshstate` entry point: one line, exit 2, no traceback."""
+    result = run_cli("plan", "--world-size", "12", "--tp", "2", "--pp", "8")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines() == [
+        "meshstate plan: error: world size 12 is not divisible by tp*cp*pp = 2*1*8 = 16"
+    ]
 
 
 def test_check_spawns_8_ranks_and_verifies_every_kind():

@@ -45,17 +45,6 @@ def test_moe_expert_trains_like_one_process(sizes):
     assert result.max_grad_diff <= example.TOLERANCE
 
 
-def test_fsdp2_tp_runs_under_torchrun():
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-         str(EXAMPLES / "fsdp2_tp.py")],
-        capture_output=True, text=True, timeout=240,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "fsdp2_tp: tp=2 cp=2 dp=2, 6 steps on " in result.stdout
-    assert result.stdout.count("(tolerance 0.0001): OK") == 1
-
-
 @distributed(world_size=8)
 def test_titan_hsdp_tp_trains_like_one_process():
     example = load_example("titan_hsdp_tp")

@@ -258,11 +258,12 @@ def _median_seconds(action: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _ns_per_call(statement: str, function: Callable[..., object]) -> float:
-    """Nanoseconds per call, the timing loop's own cost taken off."""
-    calls = 50000
-    best = min(timeit.repeat(statement, globals={"f": function}, number=calls, repeat=5))
-    loop = min(timeit.repeat("pass", number=calls, repeat=5))
+def _ns_per_call(statement: str, function: Callable[..., object], repeats: int) -> float:
+    """Nanoseconds per call, the timing loop's own cost taken off: the best of ``repeats``
+    (at most 5) rounds of 50,000 calls."""
+    calls, rounds = 50000, max(1, min(repeats, 5))
+    best = min(timeit.repeat(statement, globals={"f": function}, number=calls, repeat=rounds))
+    loop = min(timeit.repeat("pass", number=calls, repeat=rounds))
     return (best - loop) / calls * 1e9
 
 
@@ -280,7 +281,9 @@ def measure(config: MeshConfig, approach: str, rank: int, repeats: int) -> Row:
         tracemalloc.stop()
         groups = torch_internals.live_groups()
         rank_sets = {tuple(dist.get_process_group_ranks(group)) for group in groups}
-        getter_ns = {name: _ns_per_call(*getter) for name, getter in built.getters.items()}
+        getter_ns = {
+            name: _ns_per_call(*getter, repeats) for name, getter in built.getters.items()
+        }
         built.teardown()
     times, torch_times, rss_growth = [], [], []
     for _ in range(repeats):
