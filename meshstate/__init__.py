@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from meshstate.jax.vma import VaryingAxesError, vma
     from meshstate.core.adopt import adopt
     from meshstate.core.config import DEFAULT_ORDER, MeshConfig
-    from meshstate.core.errors import AxisError, ConfigError, MeshStateError, NotInitializedError, ParallelStateError, WrongMeshError
+    from meshstate.core.errors import AxisError, ConfigError, MeshStateError, NotInitializedError, ParallelStateError, SimulationError, WrongMeshError
     from meshstate.core.groups import GroupOptions
     from meshstate.megatron.hyper_comm_grid import HyperCommGrid
     from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Grid, Instances, Level, ParallelLayout, Pick
@@ -40,7 +40,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('VaryingAxesError', 'vma'), "meshstate.jax.vma"),
     **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
     **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.core.config"),
-    **dict.fromkeys(('AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'ParallelStateError', 'WrongMeshError'), "meshstate.core.errors"),
+    **dict.fromkeys(('AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'ParallelStateError', 'SimulationError', 'WrongMeshError'), "meshstate.core.errors"),
     **dict.fromkeys(('GroupOptions',), "meshstate.core.groups"),
     **dict.fromkeys(('HyperCommGrid',), "meshstate.megatron.hyper_comm_grid"),
     **dict.fromkeys(('GROUP_KINDS', 'Chunks', 'DerivedGroup', 'Grid', 'Instances', 'Level', 'ParallelLayout', 'Pick'), "meshstate.core.layout"),
@@ -71,4 +71,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']
+__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']

@@ -45,3 +45,44 @@ def megatron_groups(config):
 @pytest.fixture
 def oracle():
     return megatron_groups
+
+
+def in_both_worlds(world_size):
+    """Run a test body on ``world_size`` local processes and simulated in this process
+    (torch's LocalTensorMode): one test, parametrized ``world`` = processes | simulated."""
+    import functools
+    import inspect
+    import sys
+
+    from meshstate.testing import distributed
+
+    def decorate(body):
+        # The workers find the body by its module and name; the test takes the name.
+        name = body.__name__
+        body.__name__ = body.__qualname__ = f"_{name}_body"
+        setattr(sys.modules[body.__module__], body.__name__, body)
+        runs = {"processes": distributed(world_size)(body),
+                "simulated": distributed(world_size, simulate=True)(body)}
+
+        def test(world, **kwargs):
+            runs[world](**kwargs)
+
+        test.__name__ = test.__qualname__ = name
+        test.__module__, test.__doc__ = body.__module__, body.__doc__
+        parameters = list(inspect.signature(body).parameters.values())
+        world = inspect.Parameter("world", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        test.__signature__ = inspect.Signature([world, *parameters])
+        return pytest.mark.parametrize("world", list(runs))(test)
+
+    return decorate
+
+
+def close(got, want, tolerance=1e-9):
+    """Whether tensors ``got`` and ``want`` agree within ``tolerance`` (relative and absolute),
+    on every simulated rank too (a per-rank answer there)."""
+    import torch
+
+    got, want = torch.as_tensor(got), torch.as_tensor(want, dtype=got.dtype)
+    return got.shape == want.shape and bool(
+        ((got - want).abs() <= tolerance * (1 + want.abs())).all()
+    )

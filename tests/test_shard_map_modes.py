@@ -3,9 +3,10 @@
 JAX: for every program that both ``check_vma=True`` (its default) and
 ``check_vma=False`` accept, ``jax.grad`` of the whole shard_map is the same;
 what differs is which programs are accepted and the gradients taken inside.
-Each case below is run in both modes on 8 gloo ranks (``init_mesh(tp=2,
-cp=2)``, so dp=2, and the expert view etp=2, edp=4): the outputs and every
-input's gradient must equal a single-process computation of the same function.
+Each case below is run in both modes on 8 ranks (``init_mesh(tp=2, cp=2)``, so
+dp=2, and the expert view etp=2, edp=4), as gloo processes and simulated in one
+process: the outputs and every input's gradient must equal a single-process
+computation of the same function.
 The last cases are refused by the default mode (the result varies over an axis
 its out-spec leaves out) and accepted by the legacy one, as in JAX.
 """
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 import meshstate
 from meshstate import P, VaryingAxesError, reshard, shard_map
 from meshstate.jax import collectives as lax
-from meshstate.testing import distributed
+from conftest import close, in_both_worlds
 
 
 @dataclass
@@ -52,7 +53,8 @@ CONSTANT = torch.arange(4.0, dtype=torch.float64)
 def on_tp_slice(x):
     """``x`` as a DTensor on the 1-D mesh ``mesh["tp"]``, rows split (differentiable in ``x``)."""
     tp_mesh = meshstate.current_mesh()["tp"]
-    block = x.chunk(tp_mesh.size())[tp_mesh.get_local_rank()]
+    rows = x.shape[0] // tp_mesh.size()
+    block = x.narrow(0, tp_mesh.get_local_rank() * rows, rows)
     return DTensor.from_local(block, tp_mesh, [Shard(0)], run_check=False)
 
 
@@ -139,8 +141,14 @@ CASES = {
 
 
 def inputs_of(case):
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in case.shapes]
+    """The same inputs on every rank (no random generator: a simulated world would draw
+    each rank's from the one generator in turn)."""
+    inputs = []
+    for number, shape in enumerate(case.shapes):
+        count = torch.Size(shape).numel()
+        values = (torch.arange(count, dtype=torch.float64) * 0.37 + number).sin()
+        inputs.append(values.view(shape))
+    return inputs
 
 
 def flat(outputs):
@@ -182,7 +190,7 @@ def expected(case):
     return [y.detach() for y in outputs], [leaf.grad for leaf in leaves]
 
 
-@distributed(world_size=8)
+@in_both_worlds(8)
 def test_whole_function_gradients_are_one_process_in_both_modes():
     mesh = meshstate.init_mesh(tp=2, cp=2)
     with mesh:
@@ -198,24 +206,24 @@ def test_whole_function_gradients_are_one_process_in_both_modes():
                 outputs, grads = run(case, check_vma)
                 where = f"{name}, check_vma={check_vma}"
                 for got, want in zip(outputs, want_outputs):
-                    torch.testing.assert_close(got, want, msg=f"{where}: output")
+                    assert close(got, want), f"{where}: output"
                 scale = 1.0 if check_vma else case.legacy_scale
                 for got, want in zip(grads, want_grads):
-                    torch.testing.assert_close(got, want * scale, msg=f"{where}: gradient")
+                    assert close(got, want * scale), f"{where}: gradient"
     mesh.destroy()
 
 
-@distributed(world_size=8)
+@in_both_worlds(8)
 def test_a_result_typed_varying_keeps_each_ranks_block():
     """x @ w over blocks of tp, returned split over every axis it varies over: each rank's
     partial product, the same in both modes."""
     mesh = meshstate.init_mesh(tp=2, cp=2)
     case = CASES["unsummed row-parallel"]
     x, w = inputs_of(case)
-    tp = dist.get_rank() % 2
+    tp = mesh.rank("tp")
     with mesh:
         for check_vma in (True, False):
             y = shard_map(case.body, in_specs=case.in_specs, out_specs=case.out_specs,
                           check_vma=check_vma)(x, w)
-            torch.testing.assert_close(y.to_local(), x[:, 3 * tp : 3 * tp + 3] @ w[3 * tp : 3 * tp + 3])
+            assert close(y.to_local(), x.narrow(1, 3 * tp, 3) @ w.narrow(0, 3 * tp, 3))
     mesh.destroy()

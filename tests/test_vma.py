@@ -10,9 +10,9 @@ collective over an axis its input does not vary over pvarys it first.
 
 Types are checked on one simulated rank of 8 (fake backend: collectives move no
 data, types do not depend on it). Gradients taken inside the body, in both modes,
-are checked on 4 gloo ranks (``init_mesh(tp=2, cp=2)``) against the values JAX
-0.10.2 gives for the same programs (x = [1..8] split over tp, each rank's loss
-weighted by its tp index + 1).
+are checked on 4 ranks (``init_mesh(tp=2, cp=2)``), as gloo processes and simulated
+in one process, against the values JAX 0.10.2 gives for the same programs (x =
+[1..8] split over tp, each rank's loss weighted by its tp index + 1).
 """
 
 import pytest
@@ -23,14 +23,15 @@ import torch.distributed as dist
 import meshstate
 from meshstate import P, VaryingAxesError, shard_map, vma
 from meshstate.jax import collectives as lax
-from meshstate.testing import distributed, fake_world
+from meshstate.testing import fake_world
+from conftest import close, in_both_worlds
 
 TP = frozenset({"tp"})
 CP_TP = frozenset({"cp", "tp"})
 NONE = frozenset()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def simulated_mesh():
     with fake_world(1, 8):
         mesh = meshstate.init_mesh(tp=2, cp=2)  # dp=2
@@ -207,14 +208,14 @@ def run_inside(op, check_vma, in_spec=P("tp")):
     x = torch.arange(1.0, 9.0, dtype=torch.float64)
 
     def body(v):
-        weight = lax.axis_index("tp") + 1.0
+        weight = torch.ones((), dtype=torch.float64) * (lax.axis_index("tp") + 1)
         v = v.detach().requires_grad_()
         (grad,) = torch.autograd.grad(op(v, weight).sum(), [v])
         return grad
 
     out = shard_map(body, in_specs=in_spec, out_specs=P(("dp", "cp", "tp")),
                     check_vma=check_vma)(x)
-    return out.to_local().tolist()
+    return out.to_local()
 
 
 RING = [(0, 1)]
@@ -250,35 +251,37 @@ INVARIANT = {
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
-@distributed(world_size=4)
+@in_both_worlds(4)
 def test_gradients_inside_the_body_are_jaxs(check_vma):
     mesh = meshstate.init_mesh(tp=2, cp=2)
-    tp = dist.get_rank() % 2
+    tp = mesh.rank("tp")
     with mesh:
         for name, (op, typed, legacy) in INSIDE.items():
-            expected = typed if check_vma else legacy
-            assert run_inside(op, check_vma) == expected[4 * tp : 4 * tp + 4], name
+            expected = torch.tensor(typed if check_vma else legacy, dtype=torch.float64)
+            assert close(run_inside(op, check_vma), expected.narrow(0, 4 * tp, 4)), name
         for name, (op, typed, legacy) in INVARIANT.items():
-            expected = typed if check_vma else legacy
-            assert run_inside(op, check_vma, in_spec=P()) == expected[8 * tp : 8 * tp + 8], name
+            expected = torch.tensor(typed if check_vma else legacy, dtype=torch.float64)
+            got = run_inside(op, check_vma, in_spec=P())
+            assert close(got, expected.narrow(0, 8 * tp, 8)), name
     mesh.destroy()
 
 
-@distributed(world_size=4)
+@in_both_worlds(4)
 def test_outside_a_body_gradients_are_jaxs_default_transposes():
     """Plain code: each input is taken to vary over the axes named; pvary's backward sums."""
     mesh = meshstate.init_mesh(tp=2, cp=2)
-    rank = dist.get_rank()
-    weight = rank % 2 + 1.0
+    rank, tp = dist.get_rank(), mesh.rank("tp")
+    weight = torch.ones((), dtype=torch.float64) * (tp + 1)
     with mesh:
-        x = torch.full((2,), float(rank), requires_grad=True)
+        x = torch.full((2,), rank, dtype=torch.float64, requires_grad=True)
         (lax.pvary(x, "tp") * weight).sum().backward()
-        assert x.grad.tolist() == [3.0, 3.0]  # summed over tp: 1 + 2
+        assert close(x.grad, [3.0, 3.0])  # summed over tp: 1 + 2
         x.grad = None
         (lax.pmean(x * weight, "tp")).sum().backward()
-        assert x.grad.tolist() == [weight / 2] * 2
+        assert close(x.grad, torch.ones(2, dtype=torch.float64) * weight / 2)
         x.grad = None
-        (lax.all_gather_invariant(x, "tp", tiled=True) * torch.tensor([1.0, 2, 3, 4])).sum().backward()
-        own = rank % 2
-        assert x.grad.tolist() == [2 * own + 1.0, 2 * own + 2.0]  # my slice, not summed
+        gathered = lax.all_gather_invariant(x, "tp", tiled=True)
+        (gathered * torch.tensor([1.0, 2, 3, 4], dtype=torch.float64)).sum().backward()
+        mine = torch.tensor([1.0, 2, 3, 4], dtype=torch.float64).narrow(0, 2 * tp, 2)
+        assert close(x.grad, mine)  # my slice, not summed
     mesh.destroy()

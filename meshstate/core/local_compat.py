@@ -65,6 +65,21 @@ def per_rank_rows(rows: torch.Tensor) -> torch.Tensor:
     return local
 
 
+def replicated(tensor: torch.Tensor, ranks: frozenset[int]) -> torch.Tensor:
+    """``tensor`` held by every simulated rank of ``ranks`` (a copy each): what
+    ``torch.tensor`` makes for every rank in a simulated body. Builds a ``LocalTensor``."""
+    if isinstance(tensor, LocalTensor):
+        return tensor
+    with maybe_disable_local_tensor_mode():
+        local: torch.Tensor = LocalTensor({rank: tensor.clone() for rank in ranks})  # type: ignore[no-untyped-call]
+    return local
+
+
+def is_simulated(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds a value per simulated rank (a ``LocalTensor``)."""
+    return isinstance(tensor, LocalTensor)
+
+
 def tensor_by_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor] | None:
     """Each simulated rank's value of ``tensor``, or ``None`` for a plain tensor.
 

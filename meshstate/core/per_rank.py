@@ -139,6 +139,13 @@ class PerRankIntNode(local_compat.LocalIntNode):
     def guard_int(self, file: str, line: int) -> int:
         return self.int_()
 
+    def sym_float(self) -> Any:
+        raise SimulationError(
+            f"a float of a value that differs between the simulated ranks "
+            f"({describe(self.values)}): torch's simulation has no per-rank floats; make it a "
+            f"tensor first (torch.full((), value)), or {_LOCAL_WORLD}"
+        )
+
     def _str(self) -> str:
         return f"per rank ({describe(self.values)})"
 

@@ -42,6 +42,12 @@ from meshstate.testing import torch_internals
 _LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
 _NOT_SIMULATED = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 """Point-to-point calls: torch simulates them only with a thread per rank (LocalRunnerMode)."""
+_IN_PLACE_COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather_single",
+    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single",
+)
+"""c10d collectives that write a tensor they are given: torch's simulation computes them for
+tensors that hold every rank's value, and leaves a plain tensor as it was."""
 
 
 class SimulatedWorld:
@@ -137,6 +143,11 @@ def _per_rank_torch() -> Iterator[None]:
             patches.enter_context(mock.patch.object(module, "all_gather", _all_gather))
         patches.enter_context(mock.patch.object(torch, "equal", _equal))
         patches.enter_context(mock.patch.object(torch.Tensor, "equal", _equal))
+        for name in ("tensor", "as_tensor"):
+            patches.enter_context(mock.patch.object(torch, name, _for_every_rank(getattr(torch, name))))
+        for name in _IN_PLACE_COLLECTIVES:
+            if hasattr(dist, name):
+                patches.enter_context(mock.patch.object(dist, name, _simulated_only(name)))
         patches.enter_context(local_compat.ints_made_as(per_rank_int))
         yield
 
@@ -180,6 +191,40 @@ def _new_subgroups_by_enumeration(
     if mismatch is not None:
         raise SimulationError(mismatch)
     return mine, subgroups
+
+
+def _for_every_rank(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``torch.tensor`` (or ``as_tensor``) making a tensor every simulated rank holds: torch's
+    simulation leaves what these make a plain tensor, which its collectives skip."""
+    from meshstate.core import local_compat
+
+    def made_for_every_rank(*args: Any, **kwargs: Any) -> torch.Tensor:
+        ranks = frozenset(range(dist.get_world_size()))
+        return local_compat.replicated(make(*args, **kwargs), ranks)
+
+    return made_for_every_rank
+
+
+def _simulated_only(name: str) -> Callable[..., Any]:
+    """``torch.distributed.<name>``, refusing a plain tensor, which torch's simulation would
+    leave as it was (a wrong value on every rank)."""
+    from meshstate.core import local_compat
+
+    collective = getattr(dist, name)
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+        plain = [value for value in tensors if not local_compat.is_simulated(value)]
+        if plain:
+            raise SimulationError(
+                f"torch.distributed.{name} of a tensor made outside the simulated world "
+                f"(shape {tuple(plain[0].shape)}): torch's simulation computes collectives only "
+                "for tensors that hold a value per rank; make it inside the body (an op, "
+                f"torch.tensor, torch.full) or {_LOCAL_WORLD}"
+            )
+        return collective(*args, **kwargs)
+
+    return checked
 
 
 def _refuse_point_to_point(name: str) -> Callable[..., Any]:
