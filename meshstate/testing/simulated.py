@@ -199,8 +199,9 @@ def _for_every_rank(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     from meshstate.core import local_compat
 
     def made_for_every_rank(*args: Any, **kwargs: Any) -> torch.Tensor:
-        ranks = frozenset(range(dist.get_world_size()))
-        return local_compat.replicated(make(*args, **kwargs), ranks)
+        made = make(*args, **kwargs)
+        ranks = local_compat.enabled_ranks()  # None where the simulation is paused
+        return made if ranks is None else local_compat.replicated(made, ranks)
 
     return made_for_every_rank
 
