@@ -110,16 +110,18 @@ def test_sleeps():
 """
 
 
-def _running(pid_dir):
-    """The workers and fork server recorded in ``pid_dir`` that still run (not zombies)."""
-    marker = f"MESHSTATE_PID_DIR={pid_dir}\0".encode()
+def _running(variable, value):
+    """The processes whose environment sets ``variable`` to ``value`` and that still run
+    (a zombie's environment reads as empty)."""
+    marker = f"{variable}={value}\0".encode()
     running = []
-    for path in pid_dir.iterdir():
-        try:
-            if marker in Path(f"/proc/{path.name}/environ").read_bytes():  # empty for a zombie
-                running.append(int(path.name))
-        except (FileNotFoundError, ProcessLookupError):
-            pass
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes():
+                    running.append(int(entry.name))
+            except OSError:  # gone, or not ours to read
+                pass
     return running
 
 
@@ -151,14 +153,48 @@ def test_a_signalled_test_run_leaves_no_worker(tmp_path, how):
                            "SIGKILL": -signal.SIGKILL}[how]
         assert pytest_run.returncode == expected_status, output
         deadline = time.monotonic() + 10
-        while _running(pid_dir) and time.monotonic() < deadline:
+        while _running("MESHSTATE_PID_DIR", pid_dir) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _running(pid_dir)
+        assert not _running("MESHSTATE_PID_DIR", pid_dir)
     finally:
         if pytest_run.poll() is None:
             os.killpg(pytest_run.pid, signal.SIGKILL)
-        for pid in _running(pid_dir):
+        for pid in _running("MESHSTATE_PID_DIR", pid_dir):
             os.kill(pid, signal.SIGKILL)
+
+
+UNGUARDED_SCRIPT = """
+import torch.distributed as dist
+
+import meshstate.testing
+
+
+def rank():
+    return dist.get_rank()
+
+
+print(meshstate.testing.local_world(2).run(rank))
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_what_to_add(tmp_path):
+    """Workers import the script to find its functions; unguarded, it starts a world in each."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = dict(os.environ, MESHSTATE_UNGUARDED_RUN=str(tmp_path))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        f"meshstate.core.errors.MeshStateError: meshstate.testing: the script {script} starts a "
+        f'local world when imported; put the call under if __name__ == "__main__":'
+    )
+    assert done.stderr.count("Traceback") == 1, done.stderr  # the script's own, none from a worker
+    assert "RuntimeError" not in done.stderr and done.stdout == ""
+    deadline = time.monotonic() + 10
+    while _running("MESHSTATE_UNGUARDED_RUN", tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running("MESHSTATE_UNGUARDED_RUN", tmp_path)
 
 
 EOF_REQUEST = '''

@@ -60,8 +60,20 @@ from meshstate.testing.fork_server import warm_up as warm_up
 from meshstate.testing.relay import _OutputRelay, _read_available
 from meshstate.testing.report import RankFailure as RankFailure
 from meshstate.testing.report import RankTimeout as RankTimeout
-from meshstate.testing.report import _describe_ranks, _main_thread_stack, _report, _unsendable
-from meshstate.testing.worker import _dumps, _FunctionRef, _worker_main
+from meshstate.testing.report import (
+    _describe_ranks,
+    _main_thread_stack,
+    _report,
+    _unguarded_main,
+    _unsendable,
+)
+from meshstate.testing.worker import (
+    IMPORTED_MAIN_EXIT,
+    _dumps,
+    _FunctionRef,
+    _worker_main,
+    exit_if_importing_main,
+)
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 """How long a run may take unless told otherwise; halfway, a line on stderr says who is still running."""
@@ -101,6 +113,7 @@ class LocalWorld:
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise MeshStateError(f"world size must be a positive integer, got {world_size!r}")
+        exit_if_importing_main()
         self.world_size = world_size
         self.backend = backend or default_backend(world_size)
         self.timeout = timeout
@@ -214,6 +227,8 @@ class LocalWorld:
             raise
         if missing:
             self._kill()
+        if IMPORTED_MAIN_EXIT in exits.values():
+            raise _unguarded_main()
         failures = {rank: value for rank, (kind, value) in outcomes.items() if kind == "error"}
         if failures or missing:
             raise _report(name, self.world_size, timeout, failures, exits, stacks)

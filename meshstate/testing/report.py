@@ -8,6 +8,7 @@ its Python stack, an argument that cannot be sent to the workers is named.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
@@ -56,6 +57,15 @@ def _unsendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         except Exception:
             return f"{name} (a {type(value).__module__}.{type(value).__qualname__})"
     return "its arguments"
+
+
+def _unguarded_main() -> MeshStateError:
+    """The error of a script that starts a world when imported (its workers import it)."""
+    script = getattr(sys.modules["__main__"], "__file__", None) or "the main module"
+    return MeshStateError(
+        f"meshstate.testing: the script {script} starts a local world when imported; "
+        f'put the call under if __name__ == "__main__":'
+    )
 
 
 def _report(

@@ -33,7 +33,10 @@ import torch.distributed as dist
 from meshstate.core.errors import MeshStateError
 from meshstate.core.mesh import destroy_every_mesh
 from meshstate.testing import torch_internals
-from meshstate.testing.fork_server import STOP_SIGNALS
+from meshstate.testing.fork_server import _WORKER_MARK, STOP_SIGNALS
+
+IMPORTED_MAIN_EXIT = 86
+"""A worker's exit code when the caller's script, imported in it, starts a local world."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,19 @@ class _FunctionRef:
         for part in self.qualname.split("."):
             target = getattr(target, part)
         return inspect.unwrap(target)  # type: ignore[no-any-return]
+
+
+def exit_if_importing_main() -> None:
+    """End this process quietly if it is a worker still importing the caller's script.
+
+    A worker imports the script that started it (as multiprocessing does, so the
+    script's functions can be found); a script that starts a world outside
+    ``if __name__ == "__main__":`` would start one in every worker. The caller
+    reads the exit code :data:`IMPORTED_MAIN_EXIT` and says what to add.
+    """
+    # multiprocessing's own flag for "this child is being set up" (private; no public name).
+    if _WORKER_MARK in os.environ and getattr(multiprocessing.current_process(), "_inheriting", False):
+        os._exit(IMPORTED_MAIN_EXIT)
 
 
 def _dumps(value: object) -> bytes:
