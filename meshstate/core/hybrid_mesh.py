@@ -18,16 +18,21 @@ from meshstate.core.arguments import resolve_device_type
 from meshstate.core.errors import ConfigError, MeshStateError
 from meshstate.core.groups import GroupSpec, ProcessGroupSet, create_process_groups
 from meshstate.core.hybrid_grid import HybridGrid
+from meshstate.core.mesh import track_mesh
 from meshstate.core.simulation import refuse_simulation
 
 
-@dataclass
+@dataclass(eq=False)
 class HybridMesh:
-    """The calling rank's ``DeviceMesh`` of a :class:`HybridGrid` and the groups behind it."""
+    """The calling rank's ``DeviceMesh`` of a :class:`HybridGrid` and the groups behind it;
+    :func:`~meshstate.core.mesh.destroy_every_mesh` destroys it like every mesh."""
 
     grid: HybridGrid
     device_mesh: DeviceMesh
     process_groups: ProcessGroupSet
+
+    def __post_init__(self) -> None:
+        track_mesh(self)
 
     def destroy(self) -> None:
         """Destroy the process groups this build created; safe to call twice."""

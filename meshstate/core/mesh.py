@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -485,13 +485,24 @@ class _CurrentMeshes(threading.local):
 
 
 _current = _CurrentMeshes()
+
+
+class _Destroyable(Protocol):
+    def destroy(self) -> None: ...
+
+
 # The meshes of this process not destroyed yet, for destroy_every_mesh().
-_live_meshes: weakref.WeakSet[ParallelMesh] = weakref.WeakSet()
+_live_meshes: weakref.WeakSet[_Destroyable] = weakref.WeakSet()
+
+
+def track_mesh(mesh: _Destroyable) -> None:
+    """Let :func:`destroy_every_mesh` destroy ``mesh`` (a hybrid mesh, say) if it is alive then."""
+    _live_meshes.add(mesh)
 
 
 def destroy_every_mesh() -> None:
-    """Destroy every mesh of this process not destroyed yet, and forget the calling
-    thread's current meshes.
+    """Destroy every mesh of this process not destroyed yet (hybrid meshes too), and forget
+    the calling thread's current meshes.
 
     For harnesses that run many tests in one process (``meshstate.testing``
     does between tests): whatever a test left alive, Megatron's façade

@@ -19,14 +19,16 @@ Example, on rank 5 of 8 after ``initialize_model_parallel(tensor_model_parallel_
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import cast
 
 import torch.distributed as dist
 
-from meshstate.core.errors import AxisError, ParallelStateError
+from meshstate.core.errors import AxisError, NotInitializedError, ParallelStateError
 from meshstate.core.layout import Chunks, DerivedGroup, Key
 from meshstate.core.mesh import ParallelMesh
+from meshstate.core.tables import Facts
 from meshstate.megatron import derived as families
 from meshstate.megatron.tables import (
     DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, Answers, GetterFacts, TableFacts, checked_getter,
@@ -69,8 +71,10 @@ __all__ = [
 ProcessGroup = dist.ProcessGroup
 
 
-# The mesh served, its tables by attribute, and what the hot getters read: rebound by serve().
-_mesh: ParallelMesh | None = None
+# The mesh served (weakly: the façade keeps no destroyed mesh alive), its tables by
+# attribute, and what the hot getters read: rebound by serve().
+_mesh: Callable[[], ParallelMesh | None] = lambda: None
+_served_facts: Facts | None = None  # the served mesh's facts, which outlive it and say where it died
 _tables: Answers = cast(Answers, TableFacts(None, OVERRIDES))
 _facts: GetterFacts = _tables
 # megatron-core's virtual pipeline stage and stage count, beside its groups.
@@ -80,18 +84,19 @@ _vpp_size: int | None = None
 
 def serve(mesh: ParallelMesh | None) -> None:
     """Answer every getter from ``mesh`` (stand-ins when ``None``), under the overrides."""
-    global _mesh, _tables, _facts
-    _mesh = mesh
+    global _mesh, _served_facts, _tables, _facts
+    _mesh = (lambda: None) if mesh is None else weakref.ref(mesh)
+    _served_facts = None if mesh is None else mesh.facts
     _tables = cast(Answers, TableFacts(mesh, OVERRIDES))
     _facts = cast(GetterFacts, mesh.facts) if mesh is not None and not OVERRIDES.any() else _tables
 
 
-OVERRIDES.changed = lambda: serve(_mesh)
+OVERRIDES.changed = lambda: serve(_mesh())
 
 
 def served_mesh() -> ParallelMesh | None:
-    """The mesh served, destroyed or not; ``None`` before init."""
-    return _mesh
+    """The mesh served, destroyed or not; ``None`` before init (or once a destroyed one is gone)."""
+    return _mesh()
 
 
 def set_virtual_pipeline_stages(rank: int | None, size: int | None) -> None:
@@ -102,7 +107,9 @@ def set_virtual_pipeline_stages(rank: int | None, size: int | None) -> None:
 
 def get_mesh() -> ParallelMesh:
     """The :class:`~meshstate.ParallelMesh` behind every getter."""
-    mesh = _mesh
+    mesh = _mesh()
+    if mesh is None and _served_facts is not None:  # destroyed, and collected since
+        raise NotInitializedError(f"model parallel state is gone: {_served_facts.destroyed}")
     if mesh is None or mesh.destroyed_at is not None:
         raise not_initialized("model parallel state", mesh)
     return mesh
@@ -110,7 +117,8 @@ def get_mesh() -> ParallelMesh:
 
 def is_initialized() -> bool:
     """Whether ``initialize_model_parallel`` has run and its mesh is not destroyed."""
-    return _mesh is not None and _mesh.destroyed_at is None
+    mesh = _mesh()
+    return mesh is not None and mesh.destroyed_at is None
 
 
 def is_unitialized() -> bool:
@@ -126,7 +134,7 @@ def model_parallel_is_initialized() -> bool:
 
 def process_group_list() -> list[ProcessGroup | None] | None:
     """megatron-core's ``_global_process_group_list``: ``None`` (the default group), then ours."""
-    mesh = _mesh
+    mesh = _mesh()
     if mesh is None or not is_initialized():
         return None
     return [None, *dict.fromkeys([*mesh.group_of.values(), *mesh.process_groups.owned])]
@@ -219,7 +227,7 @@ def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[in
     """Global ranks of the caller's context-parallel group."""
     ranks = _tables.maybe.cp_ranks
     if ranks is None and check_initialized:
-        raise not_initialized(WHAT["cp"], _mesh)
+        raise not_initialized(WHAT["cp"], _mesh())
     return None if ranks is None else list(ranks)
 
 
@@ -231,7 +239,7 @@ def get_hierarchical_context_parallel_groups(
     groups = _tables.group_of
     levels = [groups[level] for level in families.hierarchical_cp_levels(groups)]
     if not levels and check_initialized:
-        raise not_initialized("hierarchical context parallel groups", _mesh)
+        raise not_initialized("hierarchical context parallel groups", _mesh())
     return levels or None
 
 
@@ -239,10 +247,10 @@ def get_hybrid_data_context_parallel_groups(
     check_initialized: bool = True, group_size: int | None = None
 ) -> ProcessGroup | None:
     """The caller's hybrid data+context group of ``group_size`` ranks (dp-cp's own at its size)."""
-    if _mesh is not None and group_size == get_data_parallel_world_size(True):
+    if _mesh() is not None and group_size == get_data_parallel_world_size(True):
         return _tables.dp_cp_group if check_initialized else _tables.maybe.dp_cp_group
     groups = hybrid_dp_cp_groups()
-    if group_size not in groups and (check_initialized or _mesh is not None):
+    if group_size not in groups and (check_initialized or _mesh() is not None):
         raise AxisError(
             f"no hybrid data+context group of {group_size} ranks; sizes are {sorted(groups)} "
             "(initialize with hybrid_context_parallel=True)"

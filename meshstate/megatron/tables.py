@@ -15,6 +15,7 @@ over the rank and size tables. Example::
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeVar, cast, overload
@@ -308,7 +309,9 @@ class TableFacts:
     def __init__(
         self, mesh: ParallelMesh | None, overrides: Overrides, *, optional: bool = False
     ) -> None:
-        self.mesh = mesh
+        self.mesh: Callable[[], ParallelMesh | None] = (
+            (lambda: None) if mesh is None else weakref.ref(mesh)
+        )
         self.optional = optional
         layers = overrides.layers(initialized=mesh is not None)
         self.rank_in: Mapping[Key, int]
@@ -337,7 +340,7 @@ class TableFacts:
         if field == "group":  # a group the caller is not in: megatron-core's "not initialized"
             group = self.group_of.get(key)
             if group is None:
-                raise not_initialized(WHAT[key], self.mesh)
+                raise not_initialized(WHAT[key], self.mesh())
             return group
         return tables[field][key]
 

@@ -22,9 +22,9 @@ world_size)`` and its model code asks ``resolve_mesh``, ``resolve_shared_mesh``,
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -98,9 +98,6 @@ class ParallelDims:
     world_size: int
     spmd_backend: SpmdBackend = "spmd_types"
     _mesh: ParallelMesh | None = field(default=None, init=False, repr=False)
-    _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _meshes: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict, init=False, repr=False)
-    _roots: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _key_of: dict[str, Key] = field(default_factory=dict, init=False, repr=False)
     _size_of: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
@@ -155,7 +152,11 @@ class ParallelDims:
         self._size_of = self._sizes()
 
     def build_mesh(self) -> DeviceMesh:
-        """Create the groups (every rank calls it) and return the 1-D world mesh ``("world",)``."""
+        """Create the groups (every rank calls it) and return the 1-D world mesh ``("world",)``.
+
+        Every DeviceMesh these dims hand out is kept in the mesh's store: after
+        ``dims.mesh.destroy()`` each request raises, naming the line that destroyed it.
+        """
         if self._mesh is None:
             if (self.dp_shard * self.cp * self.tp) % self.ep:
                 raise ParallelDimsError(
@@ -167,18 +168,27 @@ class ParallelDims:
                 dp_replicate=self.dp_replicate, joint_groups=HSDP_KINDS,
                 derived=[key for key in self._key_of.values() if isinstance(key, DerivedGroup)],
             )
-            self._world_mesh = DeviceMesh.from_group(
-                _compat.default_group(), self._mesh.device_type, mesh_dim_names=("world",)
+        store = self._store()
+        world: DeviceMesh | None = store.get(("titan", "world"))
+        if world is None:
+            world = store[("titan", "world")] = DeviceMesh.from_group(
+                _compat.default_group(), self.mesh.device_type, mesh_dim_names=("world",)
             )
-        assert self._world_mesh is not None
-        return self._world_mesh
+        return world
 
     @property
     def mesh(self) -> ParallelMesh:
         """The meshstate mesh behind every DeviceMesh (built on first use)."""
-        self.build_mesh()
+        if self._mesh is None:
+            self.build_mesh()
         assert self._mesh is not None
         return self._mesh
+
+    def _store(self) -> dict[Hashable, Any]:
+        """The mesh's store, where these dims keep their DeviceMeshes; refuses a destroyed mesh."""
+        mesh = self.mesh
+        mesh._check_alive()
+        return mesh.store
 
     @property
     def world_mesh(self) -> DeviceMesh:
@@ -424,7 +434,8 @@ class ParallelDims:
 
     def _device_mesh(self, names: tuple[str, ...]) -> DeviceMesh:
         """The DeviceMesh of ``names``, a view of the world mesh; the same request, the same object."""
-        cached = self._meshes.get(names)
+        store = self._store()
+        cached: DeviceMesh | None = store.get(("titan", "view", names))
         if cached is not None:
             return cached
         if names == ("loss",):
@@ -443,21 +454,21 @@ class ParallelDims:
                 raise DimNameError(
                     f"mesh dims {list(names)} must follow the order of {list(chosen.visible)}: {error}"
                 ) from error
-        self._meshes[names] = view
+        store[("titan", "view", names)] = view
         return view
 
     def _unflattened(
         self, axes: tuple[str, ...], shape: tuple[int, ...], keys: tuple[Key, ...]
     ) -> DeviceMesh:
         """The world mesh unflattened into ``axes`` (one ``-1`` size inferred), each using its key's group."""
-        cached = self._roots.get(axes)
+        store = self._store()
+        cached: DeviceMesh | None = store.get(("titan", "root", axes))
         if cached is None:
             mesh = self.mesh
             sizes = tuple(self.world_size // -math.prod(shape) if size == -1 else size for size in shape)
-            cached = _compat.unflatten_with_groups(
+            cached = store[("titan", "root", axes)] = _compat.unflatten_with_groups(
                 self.world_mesh, sizes, axes, [mesh.group(key) for key in keys]
             )
-            self._roots[axes] = cached
         return cached
 
 

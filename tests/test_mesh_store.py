@@ -1,0 +1,78 @@
+"""The mesh owns everything derived from it: destroy() empties one store, gc collects the mesh.
+
+Each case uses a mesh through one layer (reshard, shard_map, torchtitan's ParallelDims,
+Megatron's getters), destroys it and drops every reference the test holds: the mesh
+must then be collected (a weakref to it dies), and every handle meshstate gave out
+that still exists refuses with the line that destroyed the mesh.
+"""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import meshstate
+from meshstate import NotInitializedError, P, reshard, shard_map
+from meshstate.jax import collectives as lax
+from meshstate.megatron import parallel_state as mpu
+from meshstate.testing import fake_world
+from meshstate.titan import ParallelDims
+
+
+def collected(ref):
+    gc.collect()
+    return ref() is None
+
+
+def test_a_mesh_reshard_and_shard_map_used_is_collected_after_destroy():
+    with fake_world(1, 8):
+        mesh = meshstate.init_mesh(tp=2, cp=2)
+        with mesh:
+            moved = reshard(torch.arange(8.0), P("tp"))
+            reshard(moved, P("cp"))
+            shard_map(lambda x: lax.psum(x, "tp"), in_specs=P("tp"), out_specs=P())(torch.ones(4))
+        ref = weakref.ref(mesh)
+        mesh.destroy()
+        del mesh, moved
+        assert collected(ref)
+
+
+def test_parallel_dims_refuse_after_destroy_and_let_the_mesh_go():
+    with fake_world(0, 8):
+        dims = ParallelDims(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, world_size=8)
+        dims.get_mesh("tp"), dims.get_mesh("batch"), dims.get_optional_mesh("dp_shard")
+        ref = weakref.ref(dims.mesh)
+        dims.mesh.destroy()
+        for ask in (lambda: dims.get_mesh("tp"), lambda: dims.get_mesh("batch"),
+                    lambda: dims.get_optional_mesh("dp_shard"), lambda: dims.world_mesh):
+            with pytest.raises(NotInitializedError, match=r"destroyed at .*test_mesh_store.py:\d+"):
+                ask()
+        del dims
+        assert collected(ref)
+
+
+def test_megatron_getters_refuse_after_destroy_and_let_the_mesh_go():
+    with fake_world(3, 8):
+        mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+        assert mpu.get_tensor_model_parallel_rank() == 1
+        ref = weakref.ref(mpu.get_mesh())
+        mpu.get_mesh().destroy()
+        with pytest.raises(NotInitializedError, match=r"destroyed at .*test_mesh_store.py:\d+"):
+            mpu.get_tensor_model_parallel_rank()
+        assert collected(ref)
+        mpu.destroy_model_parallel()
+
+
+def test_a_hybrid_mesh_is_tracked_like_every_mesh():
+    from meshstate.core.mesh import destroy_every_mesh
+    from meshstate.core.hybrid_grid import HybridGrid
+    from meshstate.core.hybrid_mesh import init_hybrid_mesh
+
+    with fake_world(0, 8):
+        before = len(meshstate.testing.torch_internals.live_groups())
+        hybrid = init_hybrid_mesh(HybridGrid(intra={"dp": 2, "tp": 2}, inter={"dp": 2}))
+        assert len(meshstate.testing.torch_internals.live_groups()) == before + 2
+        destroy_every_mesh()  # as the harness does between tests
+        assert len(meshstate.testing.torch_internals.live_groups()) == before
+        hybrid.destroy()  # safe twice
