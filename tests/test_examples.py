@@ -55,6 +55,15 @@ def test_titan_hsdp_tp_trains_like_one_process():
 
 
 @distributed(world_size=8)
+def test_pipeline_tp_fsdp_trains_like_one_process():
+    example = load_example("pipeline_tp_fsdp")
+    result = example.train(tp=2, pp=2, steps=2)  # dp=2; 1F1B over 4 microbatches
+    assert len(result.losses) == 2 and result.losses[-1] < result.losses[0]
+    assert result.max_loss_diff <= example.TOLERANCE
+    assert result.max_grad_diff <= example.TOLERANCE
+
+
+@distributed(world_size=8)
 def test_shard_map_mlp_matches_one_process():
     example = load_example("shard_map_mlp")
     assert example.max_difference(tp=2, cp=2) <= example.TOLERANCE
