@@ -16,7 +16,7 @@ import meshstate
 from meshstate import NotInitializedError, P, reshard, shard_map
 from meshstate.jax import collectives as lax
 from meshstate.megatron import parallel_state as mpu
-from meshstate.testing import fake_world
+from meshstate.testing import distributed, fake_world
 from meshstate.titan import ParallelDims
 
 
@@ -76,3 +76,20 @@ def test_a_hybrid_mesh_is_tracked_like_every_mesh():
         destroy_every_mesh()  # as the harness does between tests
         assert len(meshstate.testing.torch_internals.live_groups()) == before
         hybrid.destroy()  # safe twice
+
+
+@distributed(world_size=8)
+def test_shard_map_over_dp_shard_on_an_hsdp_mesh_equals_psum():
+    """One rule decides the view of an axis set: dp_shard is an HSDP axis for slicing,
+    collectives, shard_map and reshard alike."""
+    mesh = meshstate.init_mesh(tp=2, dp_replicate=2)  # dp=4: dp_replicate=2 x dp_shard=2
+    rank = torch.full((1,), float(torch.distributed.get_rank()))
+    with mesh:
+        summed = lax.psum(rank, "dp_shard")
+        mapped = shard_map(lambda block: lax.psum(block, "dp_shard"), in_specs=P("dp_shard"),
+                           out_specs=P())(torch.arange(4.0))
+        assert mapped.to_local().tolist() == [2.0, 4.0]  # [0, 1] + [2, 3]
+        moved = reshard(torch.arange(4.0), P("dp_shard"))
+        assert moved.to_local().tolist() == [2.0 * mesh.rank("dp_shard"), 2.0 * mesh.rank("dp_shard") + 1]
+        assert mesh["dp_shard"].size() == 2 and summed.item() == sum(mesh.ranks("dp_shard"))
+    mesh.destroy()

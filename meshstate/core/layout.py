@@ -184,11 +184,12 @@ class ParallelLayout:
         if not isinstance(key, str):
             raise AxisError(f"a group key is a string such as 'tp' or 'dp-cp', got {key!r}")
         names = key.split("-")
-        hsdp = self.config.dp_replicate > 1
-        valid = ", ".join(DENSE_AXES + EXPERT_AXES[:-1] + (_DP_PARTS if hsdp else ()))
         unknown = [n for n in names if n not in DENSE_AXES + EXPERT_AXES + _DP_PARTS]
         if unknown:
-            raise AxisError(f"unknown axis {unknown[0]!r} in key {key!r}; valid axes are {valid}")
+            raise AxisError(
+                f"unknown axis {unknown[0]!r} in key {key!r}; valid axes are "
+                f"{', '.join(self._valid_axes())}"
+            )
         if len(set(names)) != len(names):
             raise AxisError(f"key {key!r} names an axis twice")
         if "dp" in names and any(n in _DP_PARTS for n in names):
@@ -198,21 +199,39 @@ class ParallelLayout:
         canonical = "-".join(n for n in _KEY_SPELLING_ORDER if n in names)
         if view is self.hsdp and "dp" in names:
             names = [n for n in names if n != "dp"] + list(_DP_PARTS)
-        if view is not None:
-            grid = view
-        elif all(n in DENSE_AXES for n in names):
-            grid = self.dense
-        elif all(n in EXPERT_AXES for n in names):
-            grid = self.expert
-        elif all(n in HSDP_AXES for n in names):
-            grid = self.hsdp
-        else:
-            views = f"the dense axes {', '.join(DENSE_AXES)}"
-            if hsdp or any(n in _DP_PARTS for n in names):
-                views += f", the HSDP axes {', '.join(HSDP_AXES)}"
-            views += f" or the expert axes {', '.join(EXPERT_AXES)}"
-            raise AxisError(f"key {key!r} mixes dense and expert axes; a joint group uses {views}")
+        grid = view if view is not None else self.view_of(names, f"key {key!r}")
         return canonical, grid, grid.mesh_order(names)
+
+    def view_of(self, axes: Iterable[str], what: str = "axes") -> Grid:
+        """The view whose axes hold every one of ``axes``: dense, else expert, else HSDP.
+
+        The one rule for which view an axis set belongs to, for keys, axis tuples,
+        DeviceMesh slices, collectives, ``shard_map`` and ``reshard`` alike.
+        ``what`` names the asker in the errors.
+
+        Example: ``view_of(["dp", "cp"])`` is ``layout.dense``, ``view_of(["ep"])``
+        ``layout.expert``, ``view_of(["dp_shard"])`` ``layout.hsdp``.
+        """
+        names = set(axes)
+        unknown = sorted(names - set(DENSE_AXES + EXPERT_AXES + _DP_PARTS))
+        if unknown:
+            raise AxisError(
+                f"{what} names axis {unknown[0]!r}, which the mesh lacks; valid are "
+                f"{', '.join(self._valid_axes())}"
+            )
+        for grid, view_axes in ((self.dense, DENSE_AXES), (self.expert, EXPERT_AXES),
+                                (self.hsdp, HSDP_AXES)):
+            if names <= set(view_axes):
+                return grid
+        views = f"the dense axes {', '.join(DENSE_AXES)}"
+        if self.config.dp_replicate > 1 or names & set(_DP_PARTS):
+            views += f", the HSDP axes {', '.join(HSDP_AXES)}"
+        views += f" or the expert axes {', '.join(EXPERT_AXES)}"
+        raise AxisError(f"{what} mixes dense and expert axes; a joint group uses {views}")
+
+    def _valid_axes(self) -> tuple[str, ...]:
+        parts = _DP_PARTS if self.config.dp_replicate > 1 else ()
+        return DENSE_AXES + EXPERT_AXES[:-1] + parts
 
     def resolve_together(self, keys: Sequence[str]) -> list[tuple[str, Grid, tuple[str, ...]]]:
         """:meth:`resolve` for several keys in one view: the HSDP one if a key needs it.
@@ -248,10 +267,8 @@ class ParallelLayout:
         if isinstance(base, str):
             _, grid, axes = self.resolve(base)
             return grid, axes
-        grid = self.resolve("-".join(base))[1]
-        if not set(base) <= set(grid.axes):  # dp's parts, which name dp as a key
-            grid = self.hsdp
-        return grid, tuple(base)
+        self.resolve("-".join(base))  # refuses unknown axes and repeats, as for a key
+        return self.view_of(base, f"axes {base!r}"), tuple(base)
 
     def members(self, rank: int, key: Key) -> Sequence[int] | None:
         """The group of ``key`` that contains ``rank`` (``None`` if a derived group has none).

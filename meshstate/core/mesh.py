@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshstate.core import compat as _compat
 from meshstate.core.errors import AxisError, MeshStateError, NotInitializedError, WrongMeshError
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
-from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Key, ParallelLayout, spellings, splits_dp
+from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Grid, Key, ParallelLayout, spellings, splits_dp
 from meshstate.core.simulation import process_rank
 from meshstate.core.tables import Facts, Table
 from meshstate.core.views import build_root_mesh, flattened_mesh, sliced_mesh
@@ -224,6 +224,12 @@ class ParallelMesh:
         if "dense" in self.__dict__:
             _compat.share_rank_map(hsdp, self.dense)
         return hsdp
+
+    def root_of(self, grid: Grid) -> DeviceMesh:
+        """The root DeviceMesh of one of the layout's views: ``dense``, ``expert`` or ``hsdp``."""
+        if grid is self.layout.hsdp:
+            return self.hsdp
+        return self.dense if grid is self.layout.dense else self.expert
 
     def keys(self) -> tuple[Key, ...]:
         """Every group key: the kinds, the declared joint groups, then the derived groups."""

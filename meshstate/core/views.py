@@ -34,13 +34,6 @@ def build_root_mesh(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
         )
 
 
-def root_mesh_of(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
-    """The root DeviceMesh ``grid`` belongs to: ``dense``, ``expert`` or ``hsdp``."""
-    if grid is mesh.layout.hsdp:
-        return mesh.hsdp
-    return mesh.dense if grid is mesh.layout.dense else mesh.expert
-
-
 def flattened_mesh(mesh: ParallelMesh, key: str, view: Grid | None = None) -> DeviceMesh:
     """The flattened 1-D mesh of ``key``, flattened from ``view``'s root (default: its own)."""
     canonical, grid, axes = mesh.layout.resolve(key, view)
@@ -49,7 +42,7 @@ def flattened_mesh(mesh: ParallelMesh, key: str, view: Grid | None = None) -> De
     cached = view is None or grid is mesh.layout.resolve(key)[1]
     if cached and (canonical,) in mesh._device_meshes:
         return mesh._device_meshes[(canonical,)]
-    group, root = mesh.ordered(axes).group, root_mesh_of(mesh, grid)
+    group, root = mesh.ordered(axes).group, mesh.root_of(grid)
     with outside_simulation():
         flattened = _compat.flatten_with_group(root, axes, canonical, group)
     check_consistent(mesh, flattened, (canonical,))
@@ -72,7 +65,7 @@ def sliced_mesh(mesh: ParallelMesh, names: tuple[str, ...]) -> DeviceMesh:
     grids = {id(grid) for _, grid, _ in resolved}
     if len(grids) > 1:
         raise AxisError(f"axes {names} mix dense and expert axes; valid are {valid}")
-    root = root_mesh_of(mesh, resolved[0][1])
+    root = mesh.root_of(resolved[0][1])
     root_axes = root.mesh_dim_names or ()
     axes = [axis for _, _, joint in resolved for axis in joint]
     in_mesh_order = tuple(axis for axis in root_axes if axis in axes)

@@ -25,8 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import AxisError, ConfigError
-from meshstate.core.layout import DENSE_AXES, EXPERT_AXES
+from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import OrderedGroup, ParallelMesh
 from meshstate.core.simulation import each_rank
 from meshstate.jax.collectives import device_for, gather
@@ -244,22 +243,11 @@ def spec_leaves(tree: SpecTree) -> list[P]:
 
 
 def _view(parallel_mesh: ParallelMesh, specs: Sequence[P]) -> DeviceMesh:
-    """The dense or the expert DeviceMesh, whichever holds every axis the specs name."""
-    axes = {axis for spec in specs for axis in spec.axes}
-    unknown = sorted(axes - set(DENSE_AXES) - set(EXPERT_AXES))
-    if unknown:
-        raise AxisError(
-            f"shard_map: the specs name axis {unknown[0]!r}, which the mesh lacks; valid are "
-            f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
-        )
-    if axes <= set(DENSE_AXES):
-        return parallel_mesh.dense
-    if axes <= set(EXPERT_AXES):
-        return parallel_mesh.expert
-    raise AxisError(
-        f"shard_map: the specs name axes {sorted(axes)}, mixing dense axes {DENSE_AXES} "
-        f"and expert axes {EXPERT_AXES}; one shard_map runs on one of them"
-    )
+    """The root DeviceMesh (dense, expert or HSDP) of the view holding every axis the specs
+    name: the layout's one rule (:meth:`~meshstate.core.layout.ParallelLayout.view_of`)."""
+    axes = [axis for spec in specs for axis in spec.axes]
+    grid = parallel_mesh.layout.view_of(axes, f"shard_map: the specs {list(specs)}")
+    return parallel_mesh.root_of(grid)
 
 
 def _summed_shapes(outputs: list[tuple[P, torch.Tensor]], plan: Plan) -> list[torch.Size]:
