@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 
-from meshstate.tools import bench_init, bench_processes, cli, cli_commands, cli_parser
+from meshstate.tools import bench_init, bench_processes, cli_commands, cli_parser, cli_shared
 from meshstate.tools.cli import main
 from meshstate.tools.cli_commands import LocalCapacity
 
@@ -218,7 +218,7 @@ def test_closed_pipe_in_process_is_quiet(capsys):
     finally:
         sys.stdout.close()
         sys.stdout = saved
-    assert status == cli.EXIT_BROKEN_PIPE
+    assert status == cli_shared.EXIT_BROKEN_PIPE
     assert capsys.readouterr().err == ""
 
 
@@ -237,7 +237,7 @@ def run_into_closed_pipe(*argv):
 @pytest.mark.parametrize("form", [["--json"], []], ids=["json", "table"])
 def test_closed_pipe_is_quiet(form):
     result = run_into_closed_pipe("plan", "--world-size", "64", "--tp", "2", *form)
-    assert result.returncode == cli.EXIT_BROKEN_PIPE
+    assert result.returncode == cli_shared.EXIT_BROKEN_PIPE
     assert result.stderr == ""
 
 
@@ -381,7 +381,7 @@ def test_a_command_without_numpy_prints_no_warning(tmp_path):
 
 
 def test_a_slow_step_says_what_it_is_doing(capsys):
-    progress = cli.Progress("plan", enabled=True)
+    progress = cli_shared.Progress("plan", enabled=True)
     with progress.if_slow("importing torch", after=0.01):
         time.sleep(0.5)
     with progress.if_slow("listing", after=5):

@@ -36,14 +36,11 @@ def check_in_this_process(world_size: int, sizes: dict[str, Any]) -> SimulatedCh
     """Run ``check --simulate``'s work here, timed; this process's peak memory with it."""
     from meshstate.core.config import MeshConfig
     from meshstate.testing.simulated import simulated_world
-    from meshstate.tools.cli import Progress
-    from meshstate.tools.cli_commands import check_every_rank
+    from meshstate.tools.verify import check_every_rank
 
     before = _peak_rss_mib()
     started = time.perf_counter()
-    rows = simulated_world(world_size).call(
-        check_every_rank, MeshConfig(world_size, **sizes), Progress("bench", enabled=False)
-    )
+    rows = simulated_world(world_size).call(check_every_rank, MeshConfig(world_size, **sizes))
     seconds = time.perf_counter() - started
     return SimulatedCheckRow(
         world_size, seconds, _peak_rss_mib(), before, all(row.ok for row in rows)

@@ -11,9 +11,10 @@ megatron-core and plain DeviceMesh.
 
 ``--help`` and argument errors come from :mod:`meshstate.tools.cli_parser`
 without importing torch; a command that runs loads
-:mod:`meshstate.tools.cli_commands`. A mistake in the input exits with status 2
-and one line on stderr; Ctrl-C exits 130, SIGTERM 143, a closed stdout pipe
-141, each without a traceback. Progress goes to stderr when it is a terminal,
+:mod:`meshstate.tools.cli_commands`; both take the exit codes and
+:class:`Progress` from :mod:`meshstate.tools.cli_shared`. A mistake in the input
+exits with status 2 and one line on stderr; Ctrl-C exits 130, SIGTERM 143, a
+closed stdout pipe 141, each without a traceback. Progress goes to stderr when it is a terminal,
 or always with ``--verbose``; a step that takes more than 2 s says what it is.
 """
 
@@ -27,49 +28,18 @@ import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import FrameType, ModuleType
 
 from meshstate.core.errors import MeshStateError
-from meshstate.tools.cli_parser import EXIT_BAD_INPUT, parse_args
-
-EXIT_MISMATCH = 1
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a program Ctrl-C ended
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader left
-EXIT_TERMINATED = 143  # 128 + SIGTERM
-
-SLOW_SECONDS = 2.0
-"""A step that takes longer than this says on stderr what it is doing."""
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Progress lines on stderr, ``meshstate check: starting 8 local ranks (gloo)``.
-
-    Silent unless ``enabled``; picklable, so a worker rank can report its phases.
-    """
-
-    command: str
-    enabled: bool
-
-    def __call__(self, message: str) -> None:
-        if self.enabled:
-            print(f"meshstate {self.command}: {message}", file=sys.stderr, flush=True)
-
-    @contextmanager
-    def if_slow(self, message: str, after: float = SLOW_SECONDS) -> Iterator[None]:
-        """Report ``message`` if the block is still running ``after`` seconds in.
-
-        Example: ``with progress.if_slow("importing torch"): import torch`` prints
-        ``meshstate plan: importing torch`` only on a machine where that takes over 2 s.
-        """
-        timer = threading.Timer(after, self, (message,))
-        timer.daemon = True
-        timer.start()
-        try:
-            yield
-        finally:
-            timer.cancel()
+from meshstate.tools.cli_parser import parse_args
+from meshstate.tools.cli_shared import (
+    EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    EXIT_MISMATCH,
+    EXIT_TERMINATED,
+    Progress,
+)
 
 
 def _load_commands(progress: Progress) -> ModuleType:

@@ -26,7 +26,6 @@ from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Grid, ParallelLayout
 from meshstate.core.build import init_mesh
 from meshstate.testing.launch import default_backend, run_local
 from meshstate.tools import bench
-from meshstate.tools.cli import EXIT_MISMATCH, Progress
 from meshstate.tools.bench_settings import MAX_SIMULATED_CHECK
 from meshstate.tools.cli_parser import (
     DEFAULT_CHECK_WORLD,
@@ -34,6 +33,7 @@ from meshstate.tools.cli_parser import (
     RANK_MEMORY_BYTES,
     RANKS_PER_CPU,
 )
+from meshstate.tools.cli_shared import EXIT_MISMATCH, Progress
 from meshstate.tools.svg import layout_svg
 from meshstate.tools.topology import (
     LocalityReport,
@@ -42,11 +42,11 @@ from meshstate.tools.topology import (
     nodes_spanned,
 )
 from meshstate.tools.verify import (
-    KindCheck,
     KindSummary,
+    check_every_rank,
+    check_layout,
     format_summary,
     summarize,
-    verify_every_rank,
     verify_mesh,
 )
 
@@ -317,23 +317,6 @@ def run_plan(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     return 0, _plan_text(layout, args.rank, locality)
 
 
-def check_layout(config: MeshConfig, progress: Progress | None = None) -> list[KindCheck]:
-    """Build ``config``'s mesh on this rank, verify every group kind, destroy it.
-
-    Rank 0 reports each phase to ``progress``.
-    """
-    say = progress if progress is not None and dist.get_rank() == 0 else None
-    if say:
-        say(f"{dist.get_world_size()} ranks ready; building the mesh")
-    mesh = init_mesh(**config.arguments())
-    try:
-        if say:
-            say("verifying every group kind with collectives")
-        return verify_mesh(mesh)
-    finally:
-        mesh.destroy()
-
-
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
@@ -381,20 +364,6 @@ def _check_local(
         check_layout, world_size, config, progress, backend=backend, timeout=timeout
     )
     return config, backend, checks_by_rank
-
-
-def check_every_rank(config: MeshConfig, progress: Progress) -> list[KindSummary]:
-    """Build ``config``'s mesh for every rank of a simulated world and verify every group
-    kind on all of them; run it in ``simulated_world(config.world_size).call``."""
-    from meshstate.core.simulated_mesh import SimulatedMesh
-
-    progress(f"building the mesh of every rank ({config.world_size} ranks)")
-    mesh = init_mesh(**config.arguments())
-    try:
-        assert isinstance(mesh, SimulatedMesh)  # init_mesh's answer under the simulation
-        return verify_every_rank(mesh, progress)
-    finally:
-        mesh.destroy()
 
 
 def _check_simulated(args: argparse.Namespace, progress: Progress) -> tuple[MeshConfig, list[KindSummary]]:

@@ -25,8 +25,7 @@ from meshstate.tools.bench_settings import (
     SIMULATED_CHECK_SIZES,
     SIMULATED_CHECK_WORLDS,
 )
-
-EXIT_BAD_INPUT = 2
+from meshstate.tools.cli_shared import EXIT_BAD_INPUT
 
 MAX_WORLD_SIZE = 2**31 - 1
 """The largest world c10d can address: ranks are 32-bit signed integers."""

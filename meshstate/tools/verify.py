@@ -6,9 +6,10 @@ exactly the ranks the layout says, in that order: an all-reduce of
 all-gather of the global ranks must return them in group order, and the
 DeviceMesh of the kind must hold the same ranks (the mesh itself refuses one
 whose local rank disagrees with its group's). This is what
-``meshstate check`` runs on every rank; :func:`verify_every_rank` makes the
-same checks for every rank of a world simulated in one process
-(``meshstate check --simulate``).
+``meshstate check`` runs on every rank (:func:`check_layout`: build, verify,
+destroy); :func:`verify_every_rank` makes the same checks for every rank of a
+world simulated in one process (:func:`check_every_rank`, ``meshstate check
+--simulate``, and the bench's timing of it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshstate.core.build import init_mesh
+from meshstate.core.config import MeshConfig
 from meshstate.core.errors import MeshStateError
 from meshstate.core.mesh import ParallelMesh
 
@@ -46,6 +49,41 @@ def rank_and_one(rank: int, device: torch.device | None = None) -> torch.Tensor:
     """``[rank, 1]``, which an all-reduce turns into a group's rank sum and size (integers:
     a float32 sum of 2,048 ranks past 8,192 is off by some)."""
     return torch.tensor([rank, 1], dtype=torch.int64, device=device)
+
+
+def check_layout(
+    config: MeshConfig, progress: Callable[[str], object] | None = None
+) -> list[KindCheck]:
+    """Build ``config``'s mesh on this rank, verify every group kind, destroy it.
+
+    Rank 0 reports each phase to ``progress``.
+    """
+    say = progress if progress is not None and dist.get_rank() == 0 else None
+    if say:
+        say(f"{dist.get_world_size()} ranks ready; building the mesh")
+    mesh = init_mesh(**config.arguments())
+    try:
+        if say:
+            say("verifying every group kind with collectives")
+        return verify_mesh(mesh)
+    finally:
+        mesh.destroy()
+
+
+def check_every_rank(
+    config: MeshConfig, progress: Callable[[str], object] = lambda message: None
+) -> list[KindSummary]:
+    """Build ``config``'s mesh for every rank of a simulated world and verify every group
+    kind on all of them; run it in ``simulated_world(config.world_size).call``."""
+    from meshstate.core.simulated_mesh import SimulatedMesh
+
+    progress(f"building the mesh of every rank ({config.world_size} ranks)")
+    mesh = init_mesh(**config.arguments())
+    try:
+        assert isinstance(mesh, SimulatedMesh)  # init_mesh's answer under the simulation
+        return verify_every_rank(mesh, progress)
+    finally:
+        mesh.destroy()
 
 
 def verify_mesh(mesh: ParallelMesh) -> list[KindCheck]:
