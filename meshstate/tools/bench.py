@@ -59,6 +59,9 @@ from meshstate.tools.bench_simulated import (
     format_simulated_checks,
     measure_simulated_checks,
 )
+from meshstate.tools.cli_shared import sizes_text
+
+
 @dataclass
 class Report:
     """Everything ``meshstate bench`` prints."""
@@ -122,11 +125,7 @@ def run(
 def _check_simulated_checks(world_sizes: Sequence[int]) -> None:
     """Raise ConfigError for a simulated check that cannot run, before measuring anything."""
     for world_size in world_sizes:
-        try:
-            MeshConfig(world_size, **SIMULATED_CHECK_SIZES)
-        except ConfigError as error:
-            layout = " ".join(f"{name}={size}" for name, size in SIMULATED_CHECK_SIZES.items())
-            raise ConfigError(f"simulated check ({layout}): {error}") from None
+        _check_layout("simulated check", world_size, SIMULATED_CHECK_SIZES)
         if world_size > MAX_SIMULATED_CHECK:
             raise ConfigError(
                 f"simulated check of {world_size} ranks: check --simulate builds at most "
@@ -171,11 +170,15 @@ def _check_worlds(
         if rank is not None and not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside 0..{world_size - 1}")
     for world_size in process_world_sizes:
-        try:
-            MeshConfig(world_size, **process_sizes)
-        except ConfigError as error:
-            layout = " ".join(f"{name}={size}" for name, size in process_sizes.items())
-            raise ConfigError(f"local processes ({layout}): {error}") from None
+        _check_layout("local processes", world_size, process_sizes)
+
+
+def _check_layout(measurement: str, world_size: int, sizes: dict[str, Any]) -> None:
+    """Raise ConfigError, naming ``measurement`` and its sizes, if ``sizes`` do not fit the world."""
+    try:
+        MeshConfig(world_size, **sizes)
+    except ConfigError as error:
+        raise ConfigError(f"{measurement} ({sizes_text(sizes)}): {error}") from None
 
 
 def machine() -> dict[str, Any]:
@@ -215,7 +218,7 @@ def _simulated_table(report: Report) -> str:
     config = report.config
     lines = [
         "meshstate bench: one simulated rank per world size (fake backend); "
-        + " ".join(f"{k}={v}" for k, v in config.items() if k != "world_sizes"),
+        + sizes_text({k: v for k, v in config.items() if k != "world_sizes"}),
         f"machine: {report.machine['processor']}, {report.machine['cpus']} CPUs, "
         f"Python {report.machine['python']}, torch {report.machine['torch']}",
         "",
@@ -282,7 +285,7 @@ def _process_table(report: Report) -> str:
     if not report.process_rows:
         return ""
     lines = ["real processes, init wall time of the slowest rank: "
-             + " ".join(f"{k}={v}" for k, v in report.process_config.items())]
+             + sizes_text(report.process_config)]
     for row in report.process_rows:
         lines.append(
             f"{row.world_size:>7} {row.backend:<6} {row.approach:<25} {row.init_seconds:>8.4f} s"

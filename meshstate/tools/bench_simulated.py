@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from meshstate.tools.cli_shared import sizes_text
+
 
 @dataclass(frozen=True)
 class SimulatedCheckRow:
@@ -81,9 +83,8 @@ def measure_simulated_checks(
 
 def format_simulated_checks(rows: Sequence[SimulatedCheckRow], sizes: dict[str, Any]) -> str:
     """The table ``meshstate bench`` prints for the simulated checks."""
-    layout = " ".join(f"{name}={size}" for name, size in sizes.items())
-    lines = [f"check --simulate (every rank in one process), {layout}; a fresh process each, "
-             "peak resident memory of the process and before the check:"]
+    lines = [f"check --simulate (every rank in one process), {sizes_text(sizes)}; a fresh "
+             "process each, peak resident memory of the process and before the check:"]
     for row in rows:
         result = "verified" if row.verified else "FAILED"
         lines.append(

@@ -33,7 +33,7 @@ from meshstate.tools.cli_parser import (
     RANK_MEMORY_BYTES,
     RANKS_PER_CPU,
 )
-from meshstate.tools.cli_shared import EXIT_MISMATCH, Progress
+from meshstate.tools.cli_shared import EXIT_MISMATCH, Progress, ranks_text, sizes_text
 from meshstate.tools.svg import layout_svg
 from meshstate.tools.topology import (
     LocalityReport,
@@ -145,8 +145,7 @@ def _config(args: argparse.Namespace, world_size: int) -> MeshConfig:
 
 
 def _describe(config: MeshConfig) -> str:
-    sizes = " ".join(f"{name}={size}" for name, size in config.sizes().items())
-    return f"order {config.order}, {sizes}"
+    return f"order {config.order}, {sizes_text(config.sizes())}"
 
 
 def _kinds(config: MeshConfig) -> tuple[str, ...]:
@@ -229,10 +228,6 @@ def _rank_group(
     return grid.index_in_group(rank, axes), size, shown
 
 
-def _short(ranks: Sequence[int], total: int) -> str:
-    return f"[{', '.join(map(str, ranks))}{', …' if total > len(ranks) else ''}]"
-
-
 def _nodes(count: int) -> str:
     return "node" if count == 1 else f"{count} nodes"
 
@@ -252,7 +247,7 @@ def _plan_text(
     lines.append(f"{'kind':<{width}} {'size':>6} {'groups':>7}{locality_header}  first groups")
     for kind in kinds:
         preview = _preview(layout, kind, groups=3, members=8)
-        first = " ".join(_short(group, preview.size) for group in preview.first)
+        first = " ".join(ranks_text(group, preview.size) for group in preview.first)
         more = " …" if preview.count > 3 else ""
         spans = "" if locality is None else f" {_nodes(locality.nodes_spanned[kind]):>9}"
         lines.append(f"{kind:<{width}} {preview.size:>6} {preview.count:>7}{spans}  {first}{more}")
@@ -263,7 +258,7 @@ def _plan_text(
         lines += ["", f"rank {rank}: {coordinate}", f"{'kind':<{width}} {'index':>6}  group"]
         for kind in kinds:
             index, size, shown = _rank_group(layout, rank, kind, members=16)
-            lines.append(f"{kind:<{width}} {index:>6}  {_short(shown, size)}")
+            lines.append(f"{kind:<{width}} {index:>6}  {ranks_text(shown, size)}")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ import argparse
 import math
 import textwrap
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from meshstate.core.config import DEFAULT_ORDER
 from meshstate.tools.bench_settings import (
@@ -25,7 +25,7 @@ from meshstate.tools.bench_settings import (
     SIMULATED_CHECK_SIZES,
     SIMULATED_CHECK_WORLDS,
 )
-from meshstate.tools.cli_shared import EXIT_BAD_INPUT
+from meshstate.tools.cli_shared import EXIT_BAD_INPUT, sizes_text
 
 MAX_WORLD_SIZE = 2**31 - 1
 """The largest world c10d can address: ranks are 32-bit signed integers."""
@@ -58,13 +58,6 @@ _INFERRED = {
 """Each size meshstate infers, and the sizes the world size is divided by to get it."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr and status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
-
-
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows every default; an option without a value (None) says its default in words."""
 
@@ -75,6 +68,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.nargs == 0:  # no value, or a flag
             return action.help
         return super()._get_help_string(action)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose ``--help`` shows every default (:class:`_HelpFormatter`) and
+    whose errors are one line on stderr and status 2."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(formatter_class=_HelpFormatter, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
 def _bounded_int(most: int | None = None, why: str = "") -> Callable[[str], int]:
@@ -162,7 +166,6 @@ def _add_plan(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "plan", help="print every group of a layout; no processes",
         description="Print every group kind of a layout; starts no processes. Sizes not "
         "given default to init_mesh's: 1, and etp the same as tp; dp is inferred.",
-        formatter_class=_HelpFormatter,
     )
     plan.add_argument("--world-size", type=_rank_count, required=True, help="ranks in the world")
     _add_mesh_flags(plan)
@@ -191,7 +194,6 @@ def _add_check(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "every rank in this process with --simulate) and verify every group with real "
         "collectives. Sizes not given default to init_mesh's: 1, and etp the same as tp; dp "
         "is inferred.",
-        formatter_class=_HelpFormatter,
     )
     check.add_argument(
         "--world-size", type=_rank_count,
@@ -226,7 +228,6 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "eager and compiled, beside torch's own, and what check --simulate costs at whole "
         "worlds. The simulated layout defaults to a large model's, tp=8 cp=2 ep=8 etp=1 "
         "pp=8, unlike plan and check, whose sizes default to 1.",
-        formatter_class=_HelpFormatter,
     )
     bench.add_argument(
         "--world-sizes", type=_world_sizes, default="1024,16384,131072",
@@ -242,7 +243,7 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
     bench.add_argument(
         "--processes", type=_process_world_sizes, default="8,16",
         help="real local worlds to time too, with "
-        + " ".join(f"{name}={size}" for name, size in PROCESS_SIZES.items())
+        + sizes_text(PROCESS_SIZES)
         + "; 0 for none",
     )
     bench.add_argument("--without-megatron", action="store_true", help="leave megatron-core out")
@@ -261,7 +262,7 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
     bench.add_argument(
         "--simulated-checks", type=_process_world_sizes, default=SIMULATED_CHECK_WORLDS,
         help="worlds to time check --simulate at (every rank in one process, "
-        + " ".join(f"{name}={size}" for name, size in SIMULATED_CHECK_SIZES.items())
+        + sizes_text(SIMULATED_CHECK_SIZES)
         + "), each in a fresh process, with its peak memory; 0 for none",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
@@ -275,7 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshstate",
         description="The parallel layout of a training job: plan it without processes, "
         "check it on real ones, bench it.",
-        formatter_class=_HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     for add in (_add_plan, _add_check, _add_bench):

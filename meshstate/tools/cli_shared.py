@@ -1,4 +1,4 @@
-"""What the ``meshstate`` commands share: exit codes and progress lines.
+"""What the ``meshstate`` commands share: exit codes, progress lines and how sizes and ranks read.
 
 Imports neither torch nor any other tools module, so the entry point, the
 parser, the commands and the bench all import it from below.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -52,3 +52,15 @@ class Progress:
         finally:
             timer.cancel()
 
+
+def sizes_text(sizes: Mapping[str, object]) -> str:
+    """``{"tp": 2, "pp": 4}`` -> ``"tp=2 pp=4"``."""
+    return " ".join(f"{name}={size}" for name, size in sizes.items())
+
+
+def ranks_text(first: Sequence[int], total: int) -> str:
+    """The first ranks of a group of ``total``, ``…`` where some are left out.
+
+    Example: ``ranks_text([0, 8], 4) == "[0, 8, …]"``, ``ranks_text([0, 8], 2) == "[0, 8]"``.
+    """
+    return f"[{', '.join(map(str, first))}{', …' if total > len(first) else ''}]"

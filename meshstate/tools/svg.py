@@ -18,6 +18,7 @@ from html import escape
 
 from meshstate.core.errors import ConfigError
 from meshstate.core.layout import ParallelLayout
+from meshstate.tools.cli_shared import ranks_text, sizes_text
 from meshstate.tools.topology import check_ranks_per_node
 
 MAX_DRAWN_WORLD = 4096
@@ -112,17 +113,13 @@ def _check_key(layout: ParallelLayout, color_by: str) -> None:
         )
 
 
-def _members(group: Sequence[int], most: int) -> str:
-    return ", ".join(map(str, group[:most])) + (", …" if len(group) > most else "")
-
-
 def _legend_label(index: int, key: str, group: Sequence[int]) -> str:
     """``"g3 dp [3, 11, 19, 27]"``, as many first ranks as fit one legend column."""
     for most in range(len(group), 1, -1):
-        label = f"g{index} {key} [{_members(group, most)}]"
+        label = f"g{index} {key} {ranks_text(group[:most], len(group))}"
         if len(label) <= _LEGEND_CHARS:
             return label
-    return f"g{index} {key} [{_members(group, 1)}]"
+    return f"g{index} {key} {ranks_text(group[:1], len(group))}"
 
 
 def _crossing_note(key: str, spans: list[int], crossing: set[int], nodes: int) -> str:
@@ -160,8 +157,7 @@ def layout_svg(layout: ParallelLayout, color_by: str, ranks_per_node: int) -> st
     crossing = {index for index, span in enumerate(spans) if span > 1}
     nodes = world // ranks_per_node
     outlined = crossing if len(crossing) < len(groups) else set()
-    sizes = " ".join(f"{name}={size}" for name, size in layout.config.sizes().items())
-    title = f"{world} ranks, order {layout.config.order}, {sizes}"
+    title = f"{world} ranks, order {layout.config.order}, {sizes_text(layout.config.sizes())}"
     subtitle = " · ".join(
         part for part in (
             f"coloured by {key}: {len(groups)} groups of {len(groups[0])}",
@@ -232,7 +228,7 @@ def _node(
                    if index in outlined else 'stroke="#ffffff"')
         parts.append(
             f"<g><title>rank {rank}: {escape(key)} group {index} "
-            f"[{_members(groups[index], 16)}]</title>"
+            f"{ranks_text(groups[index][:16], len(groups[index]))}</title>"
             f'<rect class="cell" x="{x}" y="{y}" width="{_CELL - 2}" height="{_CELL - 2}" '
             f'fill="{fill}" {outline}/>'
             f'<text x="{x + 3}" y="{y + 11}" fill="{ink}">{rank}</text>'
