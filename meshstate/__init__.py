@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from meshstate.megatron.hyper_comm_grid import HyperCommGrid
     from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Grid, Instances, Level, ParallelLayout, Pick
     from meshstate.core.build import init_mesh
-    from meshstate.core.mesh import AxisGroup, OrderedGroup, ParallelMesh, current_mesh, set_mesh
+    from meshstate.core.mesh import ParallelMesh, current_mesh, set_mesh
+    from meshstate.core.ordered import AxisGroup, OrderedGroup
     from meshstate.megatron.process_groups import ProcessGroupCollection
     from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
     from meshstate.jax.reshard import reshard
@@ -45,7 +46,8 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('HyperCommGrid',), "meshstate.megatron.hyper_comm_grid"),
     **dict.fromkeys(('GROUP_KINDS', 'Chunks', 'DerivedGroup', 'Grid', 'Instances', 'Level', 'ParallelLayout', 'Pick'), "meshstate.core.layout"),
     **dict.fromkeys(('init_mesh',), "meshstate.core.build"),
-    **dict.fromkeys(('AxisGroup', 'OrderedGroup', 'ParallelMesh', 'current_mesh', 'set_mesh'), "meshstate.core.mesh"),
+    **dict.fromkeys(('ParallelMesh', 'current_mesh', 'set_mesh'), "meshstate.core.mesh"),
+    **dict.fromkeys(('AxisGroup', 'OrderedGroup'), "meshstate.core.ordered"),
     **dict.fromkeys(('ProcessGroupCollection',), "meshstate.megatron.process_groups"),
     **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
     **dict.fromkeys(("reshard",), "meshstate.jax.reshard"),

@@ -32,43 +32,10 @@ from meshstate.core.errors import AxisError, MeshStateError, NotInitializedError
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
 from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Grid, Key, ParallelLayout, spellings, splits_dp
 from meshstate.core.simulation import process_rank
+from meshstate.core.ordered import AxisGroup, OrderedGroup
 from meshstate.core.tables import Facts, Table
 from meshstate.core.views import build_root_mesh, flattened_mesh, sliced_mesh
 
-if TYPE_CHECKING:
-    from meshstate.core.build import init_mesh as init_mesh
-
-
-@dataclass(frozen=True)
-class AxisGroup:
-    """The calling rank's group of one kind: its global ranks, the caller's
-    position in it, and the process group.
-    """
-
-    key: Key
-    ranks: Sequence[int]
-    rank: int
-    group: dist.ProcessGroup
-
-
-@dataclass(frozen=True)
-class OrderedGroup:
-    """The caller's group over an ordered list of axes.
-
-    ``ranks`` are the global ranks in row-major order of the axes (first axis
-    major) and ``index`` the caller's position among them; ``group`` is the
-    process group of the same ranks, in which ``ranks[i]`` has group rank
-    ``group_ranks[i]``.
-    """
-
-    ranks: tuple[int, ...]
-    index: int
-    group: dist.ProcessGroup
-    group_ranks: tuple[int, ...]
-    group_name: str
-    """``group.group_name``, which torch's traceable collectives take."""
-    by_group_rank: tuple[int, ...] | None
-    """The axis index of each group rank; ``None`` where they agree (no reordering)."""
 
 
 class _DeviceMeshOnly:
@@ -178,7 +145,7 @@ class ParallelMesh:
                 self.size_of[spelling] = len(ranks)
                 self.group_of[spelling] = process_groups.by_name[key]
                 self.ranks_of[spelling] = ranks
-        self.facts = Facts(self)
+        self.facts = Facts(self.kinds, self.rank_in, self.size_of, self.group_of, self.ranks_of)
         # The groups this process holds and their members, for making groups on first use:
         # the tables themselves here; rank 0's beside the per-rank tables of a simulated mesh.
         self._own_group_of, self._own_ranks_of = self.group_of, self.ranks_of
@@ -411,6 +378,14 @@ class ParallelMesh:
         self._device_meshes[names] = self._device_meshes[key] = mesh
         return mesh
 
+    def cached_view(self, key: tuple[str, ...]) -> DeviceMesh | None:
+        """The DeviceMesh already made for the request ``key``, if any (for the views)."""
+        return self._device_meshes.get(key)
+
+    def keep_view(self, key: tuple[str, ...], view: DeviceMesh) -> None:
+        """Keep ``view`` as the answer to the request ``key`` until ``destroy()``."""
+        self._device_meshes[key] = view
+
     def destroy(self) -> None:
         """Destroy the process groups this mesh created; safe to call twice.
 
@@ -609,13 +584,3 @@ def current_mesh() -> ParallelMesh:
         "`with mesh:` on the ParallelMesh from meshstate.init_mesh (a torch DeviceMesh's "
         "`with` does not count)"
     )
-
-
-def __getattr__(name: str) -> Any:
-    """``init_mesh``, whose home is :mod:`meshstate.core.build` (which imports this module),
-    for code that imports it from here."""
-    if name == "init_mesh":
-        from meshstate.core.build import init_mesh
-
-        return init_mesh
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,8 @@ from meshstate.core import compat as _compat
 from meshstate.core.errors import SimulationError
 from meshstate.core.groups import ProcessGroupSet
 from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Key, ParallelLayout
-from meshstate.core.mesh import OrderedGroup, ParallelMesh
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.ordered import OrderedGroup
 from meshstate.core.per_rank import (
     PerRankRanks,
     group_rank,
@@ -115,7 +116,7 @@ class SimulatedMesh(ParallelMesh):
                 if why is not None:
                     refused.update(dict.fromkeys(spellings, why))
                     refused_groups.update(dict.fromkeys(spellings, why))
-        self.facts = Facts(self)
+        self.facts = Facts(self.kinds, self.rank_in, self.size_of, self.group_of, self.ranks_of)
 
     def _add_key(self, key: Key, spellings: list[Key]) -> str | None:
         """Enter ``key``'s per-rank answers under ``spellings``; else why it is refused."""

@@ -5,13 +5,13 @@ emptied by ``destroy()``, after which every read names where that happened.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch.distributed as dist
 
 from meshstate.core.errors import NotInitializedError
 from meshstate.core.layout import Key
-
-if TYPE_CHECKING:
-    from meshstate.core.mesh import ParallelMesh
 
 V = TypeVar("V")
 
@@ -53,14 +53,21 @@ class Facts:
     destroyed: str
     """Once the mesh is destroyed: the message that says where."""
 
-    def __init__(self, mesh: ParallelMesh) -> None:
-        for key in mesh.kinds:
-            if key in mesh.group_of:
+    def __init__(
+        self,
+        keys: Iterable[str],
+        rank_in: Mapping[Key, int],
+        size_of: Mapping[Key, int],
+        group_of: Mapping[Key, dist.ProcessGroup],
+        ranks_of: Mapping[Key, Sequence[int]],
+    ) -> None:
+        for key in keys:
+            if key in group_of:
                 name = key.replace("-", "_")
-                setattr(self, f"{name}_rank", mesh.rank_in[key])
-                setattr(self, f"{name}_size", mesh.size_of[key])
-                setattr(self, f"{name}_group", mesh.group_of[key])
-                setattr(self, f"{name}_ranks", mesh.ranks_of[key])
+                setattr(self, f"{name}_rank", rank_in[key])
+                setattr(self, f"{name}_size", size_of[key])
+                setattr(self, f"{name}_group", group_of[key])
+                setattr(self, f"{name}_ranks", ranks_of[key])
 
     def forget(self, destroyed: str) -> None:
         """Empty these facts: from now on every read raises ``NotInitializedError(destroyed)``."""

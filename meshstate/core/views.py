@@ -8,17 +8,39 @@ calls these on first request and caches what they return.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
+from meshstate.core.config import MeshConfig
 from meshstate.core.errors import AxisError, MeshStateError
-from meshstate.core.layout import DENSE_AXES, EXPERT_AXES, HSDP_AXES, Grid
+from meshstate.core.layout import DENSE_AXES, EXPERT_AXES, HSDP_AXES, Grid, Key, ParallelLayout
+from meshstate.core.ordered import OrderedGroup
 from meshstate.core.simulation import differs_anywhere, outside_simulation
 
-if TYPE_CHECKING:
-    from meshstate.core.mesh import ParallelMesh
+
+class ParallelMesh(Protocol):
+    """What the views need of a :class:`~meshstate.core.mesh.ParallelMesh`."""
+
+    config: MeshConfig
+    layout: ParallelLayout
+    device_type: str
+    global_rank: int
+
+    @property
+    def group_of(self) -> Mapping[Key, dist.ProcessGroup]: ...
+
+    def __getitem__(self, key: str | tuple[str, ...]) -> DeviceMesh: ...
+    def _check_alive(self) -> None: ...
+    def ordered(self, axes: str | tuple[str, ...]) -> OrderedGroup: ...
+    def root_of(self, grid: Grid) -> DeviceMesh: ...
+    def cached_view(self, key: tuple[str, ...]) -> DeviceMesh | None: ...
+    def keep_view(self, key: tuple[str, ...], view: DeviceMesh) -> None: ...
+    def _rank_in_group(self, group: dist.ProcessGroup) -> int: ...
+    def _rank_in_view(self, view: DeviceMesh, dim: int) -> int: ...
 
 
 def build_root_mesh(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
@@ -40,14 +62,15 @@ def flattened_mesh(mesh: ParallelMesh, key: str, view: Grid | None = None) -> De
     if len(axes) == 1:  # "dp_replicate-dp_shard" is the axis dp
         return mesh[axes[0]]
     cached = view is None or grid is mesh.layout.resolve(key)[1]
-    if cached and (canonical,) in mesh._device_meshes:
-        return mesh._device_meshes[(canonical,)]
+    found = mesh.cached_view((canonical,)) if cached else None
+    if found is not None:
+        return found
     group, root = mesh.ordered(axes).group, mesh.root_of(grid)
     with outside_simulation():
         flattened = _compat.flatten_with_group(root, axes, canonical, group)
     check_consistent(mesh, flattened, (canonical,))
     if cached:
-        mesh._device_meshes[(canonical,)] = flattened
+        mesh.keep_view((canonical,), flattened)
     return flattened
 
 

@@ -56,7 +56,8 @@ import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.core.errors import ConfigError
-from meshstate.core.mesh import OrderedGroup, ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.core.ordered import OrderedGroup
 from meshstate.core.simulation import each_rank
 from meshstate.jax.vma import (
     VaryingAxesError,

@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from meshstate.core import compat as _compat
 from meshstate.core.errors import ConfigError
-from meshstate.core.mesh import OrderedGroup, ParallelMesh
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.ordered import OrderedGroup
 from meshstate.core.simulation import each_rank
 from meshstate.jax.collectives import device_for, gather
 from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
