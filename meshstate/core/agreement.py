@@ -61,7 +61,7 @@ def agree(
     timeout = timeout or _compat.default_timeout(backend)
     store = _compat.thread_store()
     ranks = ranks or range(dist.get_world_size())
-    rank, world_size = ranks.index(dist.get_rank()), len(ranks)
+    rank = ranks.index(dist.get_rank())
     listed = "" if isinstance(ranks, range) else _digest(json.dumps(ranks))
     if len(ranks) == dist.get_world_size():
         scope = _PREFIX

@@ -20,7 +20,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 

@@ -48,17 +48,28 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.ordered import OrderedGroup
-from meshstate.core.simulation import each_rank
+from meshstate.jax.torch_calls import (
+    all_gather_on,
+    check_perm,
+    device_for,
+    exchange,
+    gather_invariant,
+    permute,
+    recorded,
+    reduce,
+    scatter,
+    sum_over,
+    summed_gradient,
+)
 from meshstate.jax.vma import (
     VaryingAxesError,
     axes_text,
@@ -100,23 +111,6 @@ def _ordered_group(mesh: ParallelMesh, axes: Axes) -> OrderedGroup:
     return mesh.ordered(axes)
 
 
-def _traced(x: object, name: str) -> bool:
-    """Whether ``x`` must go through torch's traceable collectives: torch.compile is
-    tracing, ``x`` is a tensor subclass (a tracer's fake or functional tensor, a DTensor),
-    or autograd records ``x``. A ConfigError if ``x`` is not a tensor."""
-    kind = type(x)
-    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-        if not isinstance(x, torch.Tensor):
-            raise ConfigError(f"{name} takes a torch.Tensor, got {kind.__name__}")
-        return True
-    return _recorded(cast(torch.Tensor, x)) or torch.compiler.is_compiling()
-
-
-def _recorded(x: torch.Tensor) -> bool:
-    """Whether autograd records ``x`` (it requires grad and grad mode is on)."""
-    return x.requires_grad and torch.is_grad_enabled()
-
-
 @_compat.constant_when_traced
 def _axis_names(axes: Axes) -> frozenset[str]:
     """The mesh axes a collective names: ``"dp-cp"`` and ``("cp", "dp")`` name dp and cp."""
@@ -156,11 +150,11 @@ def _typed_input(
 def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
     """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
     ``pvary`` inside a typed body, and what casting an operand up inserts)."""
-    if not _recorded(x):
+    if not recorded(x):
         return typed(x.view_as(x), vma(x) | axes)
     group = _ordered_group(parallel_mesh, tuple(sorted(axes)))
-    cast = x.view_as(x) if len(group.ranks) == 1 else _summed_gradient(x, group.group_name)
-    return typed(cast, vma(x) | axes)
+    aliased = x.view_as(x) if len(group.ranks) == 1 else summed_gradient(x, group.group_name)
+    return typed(aliased, vma(x) | axes)
 
 
 def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> Any:
@@ -180,13 +174,6 @@ def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> Any:
         return typed(index, _axis_names(axes))
 
 
-def device_for(device_type: str) -> torch.device:
-    """The device a mesh of ``device_type`` computes on: the current CUDA device for ``"cuda"``."""
-    if device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device_type)
-
-
 def axis_size(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
     """The number of ranks along ``axes``."""
     return len(_ordered(axes, mesh, "axis_size").ranks)
@@ -201,20 +188,20 @@ def psum(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> to
     """
     group = _ordered(axes, mesh, "psum")
     if body.types is None:
-        return _sum(x, group, "psum")
+        return sum_over(x, group, "psum")
     with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "psum", reduces=True)
-        return typed(_sum(x, group, "psum"), before - _axis_names(axes))
+        return typed(sum_over(x, group, "psum"), before - _axis_names(axes))
 
 
 def pmean(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The mean of ``x`` over ``axes``, on every rank (``psum(x, axes) / axis_size(axes)``)."""
     group = _ordered(axes, mesh, "pmean")
     if body.types is None:
-        return _sum(x, group, "pmean") / len(group.ranks)
+        return sum_over(x, group, "pmean") / len(group.ranks)
     with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "pmean", reduces=True)
-        return typed(_sum(x, group, "pmean") / len(group.ranks), before - _axis_names(axes))
+        return typed(sum_over(x, group, "pmean") / len(group.ranks), before - _axis_names(axes))
 
 
 def pmax(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
@@ -232,20 +219,9 @@ def _extreme(
 ) -> torch.Tensor:
     group = _ordered(axes, mesh, name)
     if body.types is None:
-        return _reduce(x, group, op, name)
+        return reduce(x, group, op, name)
     with _compat.torch_functions_off():
-        return typed(_reduce(x, group, op, name), vma(x) - _axis_names(axes))
-
-
-def _reduce(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Tensor:
-    traced = _traced(x, name)
-    if x.requires_grad:
-        raise ConfigError(f"{name} is not differentiable; call it on x.detach()")
-    if traced:
-        return _compat.traced_all_reduce(x, op, group.group_name)
-    result = x.clone()
-    dist.all_reduce(result, op=_REDUCE_OPS[op], group=group.group)
-    return result
+        return typed(reduce(x, group, op, name), vma(x) - _axis_names(axes))
 
 
 def pvary(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
@@ -268,9 +244,9 @@ def pvary(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> t
     if body.legacy:
         return x
     if body.types is None:
-        if len(group.ranks) == 1 or not _recorded(x):
+        if len(group.ranks) == 1 or not recorded(x):
             return x
-        return _summed_gradient(x, group.group_name)
+        return summed_gradient(x, group.group_name)
     names = _axis_names(axes)
     if names & vma(x):
         raise VaryingAxesError(
@@ -299,20 +275,10 @@ def all_gather(
     """
     group = _ordered(axes, mesh, "all_gather")
     if body.types is None:
-        return _all_gather(x, group, axis, tiled)
+        return all_gather_on(x, group, axis, tiled)
     with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "all_gather", reduces=False)
-        return typed(_all_gather(x, group, axis, tiled), before | _axis_names(axes))
-
-
-def _all_gather(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
-    traced = _traced(x, "all_gather")
-    if tiled and axis == 0 and _in_place(x, traced, group):
-        gathered = x.new_empty((len(group.ranks) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(gathered, x, group=group.group)
-        return gathered
-    axis = _dim(axis, x.dim() + (not tiled), "all_gather", "axis")
-    return gather(x, group, axis, tiled=tiled, traced=traced)
+        return typed(all_gather_on(x, group, axis, tiled), before | _axis_names(axes))
 
 
 def all_gather_invariant(
@@ -332,39 +298,10 @@ def all_gather_invariant(
     """
     group = _ordered(axes, mesh, "all_gather_invariant")
     if body.types is None:
-        return _gather_invariant(x, group, axis, tiled)
+        return gather_invariant(x, group, axis, tiled)
     with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "all_gather_invariant", reduces=False)
-        return typed(_gather_invariant(x, group, axis, tiled), before - _axis_names(axes))
-
-
-def _gather_invariant(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
-    if not _recorded(x):
-        return _all_gather(x, group, axis, tiled)
-    axis = _dim(axis, x.dim() + (not tiled), "all_gather_invariant", "axis")
-    return _gather_keeping_slice(x, group, axis, tiled)
-
-
-def gather(
-    x: torch.Tensor, group: OrderedGroup, axis: int, *, tiled: bool, traced: bool
-) -> torch.Tensor:
-    """:func:`all_gather` over ``group`` with ``axis`` checked (non-negative); ``traced``
-    picks torch's traceable collective over the in-place one."""
-    n = len(group.ranks)
-    source = x.contiguous()
-    if traced:
-        stacked = _compat.traced_all_gather(source, n, group.group_name)
-    else:
-        stacked = source.new_empty((n * source.numel(),))
-        dist.all_gather_single(stacked, source.view(-1), group=group.group)
-    stacked = stacked.view(n, *x.shape)
-    if group.by_group_rank is not None:
-        stacked = stacked[list(group.group_ranks)]
-    if not tiled:
-        return stacked.movedim(0, axis)
-    if axis == 0:
-        return stacked.view(n * x.shape[0], *x.shape[1:])
-    return stacked.movedim(0, axis).flatten(axis, axis + 1)
+        return typed(gather_invariant(x, group, axis, tiled), before - _axis_names(axes))
 
 
 def psum_scatter(
@@ -384,26 +321,10 @@ def psum_scatter(
     """
     group = _ordered(axes, mesh, "psum_scatter")
     if body.types is None:
-        return _scatter(x, group, scatter_dimension, tiled)
+        return scatter(x, group, scatter_dimension, tiled)
     with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "psum_scatter", reduces=True)
-        return typed(_scatter(x, group, scatter_dimension, tiled), before | _axis_names(axes))
-
-
-def _scatter(x: torch.Tensor, group: OrderedGroup, scatter_dimension: int, tiled: bool) -> torch.Tensor:
-    traced = _traced(x, "psum_scatter")
-    n = len(group.ranks)
-    if tiled and scatter_dimension == 0 and _in_place(x, traced, group) and x.shape[0] % n == 0:
-        scattered = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-        dist.reduce_scatter_single(scattered, x, group=group.group)
-        return scattered
-    chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
-    if traced:
-        flat = _compat.traced_reduce_scatter(chunks.reshape(-1), n, group.group_name)
-    else:
-        flat = x.new_empty((chunks[0].numel(),))
-        dist.reduce_scatter_single(flat, chunks.reshape(-1), group=group.group)
-    return flat.view(chunks.shape[1:])
+        return typed(scatter(x, group, scatter_dimension, tiled), before | _axis_names(axes))
 
 
 def all_to_all(
@@ -424,38 +345,11 @@ def all_to_all(
     """
     group = _ordered(axes, mesh, "all_to_all")
     if body.types is None:
-        return _exchange(x, group, split_axis, concat_axis, tiled)
+        return exchange(x, group, split_axis, concat_axis, tiled)
     with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "all_to_all", reduces=False)
-        exchanged = _exchange(x, group, split_axis, concat_axis, tiled)
+        exchanged = exchange(x, group, split_axis, concat_axis, tiled)
         return typed(exchanged, before | _axis_names(axes))
-
-
-def _exchange(
-    x: torch.Tensor, group: OrderedGroup, split_axis: int, concat_axis: int, tiled: bool
-) -> torch.Tensor:
-    traced = _traced(x, "all_to_all")
-    if tiled and split_axis == concat_axis == 0 and _in_place(x, traced, group) and (
-        x.shape[0] % len(group.ranks) == 0
-    ):
-        exchanged = torch.empty_like(x)
-        dist.all_to_all_single(exchanged, x, group=group.group)
-        return exchanged
-    chunks = _chunks(x, group, split_axis, tiled, "all_to_all", "split_axis")
-    concat_axis = _dim(concat_axis, chunks.dim() - 1 + (not tiled), "all_to_all", "concat_axis")
-    n = len(group.ranks)
-    if traced:
-        splits = [chunks[0].numel()] * n
-        flat = _compat.traced_all_to_all(chunks.reshape(-1), splits, splits, group.group_name)
-    else:
-        flat = torch.empty_like(chunks).view(-1)
-        dist.all_to_all_single(flat, chunks.reshape(-1), group=group.group)
-    received = flat.view(chunks.shape)
-    if group.by_group_rank is not None:
-        received = received[list(group.group_ranks)]
-    if not tiled:
-        return received.movedim(0, concat_axis)
-    return received.movedim(0, concat_axis).flatten(concat_axis, concat_axis + 1)
 
 
 def ppermute(
@@ -472,200 +366,11 @@ def ppermute(
     Type: ``vma(x)`` and ``axes``.
     """
     group = _ordered(axes, mesh, "ppermute")
-    pairs = _check_perm(perm, len(group.ranks))
+    pairs = check_perm(perm, len(group.ranks))
     if body.types is None:
-        return _permute(x, group, pairs)
+        return permute(x, group, pairs)
     with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, "ppermute", reduces=False)
-        return typed(_permute(x, group, pairs), before | _axis_names(axes))
+        return typed(permute(x, group, pairs), before | _axis_names(axes))
 
 
-def _permute(
-    x: torch.Tensor, group: OrderedGroup, pairs: tuple[tuple[int, int], ...]
-) -> torch.Tensor:
-    # One all_to_all_single whose only non-empty pieces go to the destination and come
-    # from the source: a point-to-point exchange that traces, and whose backward (the
-    # splits swapped) is the inverse permutation.
-    if _traced(x, "ppermute"):
-        return _traced_ppermute(x, group, pairs)
-    numel, n = x.numel(), len(group.ranks)
-    sends, receives = [0] * n, [0] * n
-    for source, destination in pairs:
-        if source == group.index:
-            sends[group.group_ranks[destination]] = numel
-        if destination == group.index:
-            receives[group.group_ranks[source]] = numel
-    arrived = x.new_zeros(x.shape)
-    dist.all_to_all_single(
-        arrived.view(-1)[: sum(receives)], x.contiguous().view(-1)[: sum(sends)],
-        receives, sends, group=group.group,
-    )
-    return arrived
-
-
-def _traced_ppermute(
-    x: torch.Tensor, group: OrderedGroup, pairs: tuple[tuple[int, int], ...]
-) -> torch.Tensor:
-    """ppermute with the same shapes on every rank, as a compiled graph needs.
-
-    A compiled backward orders independent collectives by its graph, which must
-    then be the same on every rank: the perm is completed to a whole one (each
-    index that sends nothing sends to one that receives nothing) and a rank
-    outside ``pairs`` as a destination masks what it gets to zeros (no gradient
-    goes back through the mask). The split sizes are each rank's own, also for
-    every rank of a simulated world.
-    """
-    n, numel = len(group.ranks), x.numel()
-    pieces = _exchange_pieces(group.index, pairs, group.group_ranks)
-    sends = [piece * numel for piece in pieces[:n]]
-    receives = [piece * numel for piece in pieces[n : 2 * n]]
-    received = pieces[2 * n]
-    arrived = _compat.traced_all_to_all(x.contiguous().view(-1), receives, sends, group.group_name)
-    mask = torch.full((), received, dtype=torch.bool, device=x.device)
-    return arrived.view(x.shape).where(mask, 0)
-
-
-@_compat.constant_when_traced
-@each_rank
-def _exchange_pieces(
-    index: int, pairs: tuple[tuple[int, int], ...], group_ranks: tuple[int, ...]
-) -> list[int]:
-    """Whether the rank at axis ``index`` sends its piece to each group rank in the
-    completed perm (1 or 0), then whether it receives one from each, then whether
-    ``pairs`` sends it anything: one flat list, as a simulated world makes per-rank
-    values of."""
-    n = len(group_ranks)
-    destination_of = dict(pairs)
-    idle_sources = [i for i in range(n) if i not in destination_of]
-    idle_destinations = [i for i in range(n) if i not in set(destination_of.values())]
-    destination_of.update(zip(idle_sources, idle_destinations))
-    source = next(s for s, d in destination_of.items() if d == index)
-    sends, receives = [0] * n, [0] * n
-    sends[group_ranks[destination_of[index]]] = 1
-    receives[group_ranks[source]] = 1
-    return [*sends, *receives, int((source, index) in pairs)]
-
-
-def _sum(x: torch.Tensor, group: OrderedGroup, name: str) -> torch.Tensor:
-    """``x`` summed over ``group``: backward the identity, or a sum in a legacy body."""
-    if _recorded(x) and not body.legacy:
-        return _sum_with_identity_gradient(x, group.group_name)
-    if _traced(x, name):
-        return _compat.traced_all_reduce(x, "sum", group.group_name)
-    result: torch.Tensor = x.clone()
-    dist.all_reduce(result, group=group.group)
-    return result
-
-
-class _SumWithIdentityGradient(torch.autograd.Function):
-    """``psum`` with JAX's default transpose: the gradient passes through unchanged.
-
-    Hand-written: torch's functional all-reduce has the legacy transpose (another
-    all-reduce) as its registered backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        return _compat.traced_all_reduce(x, "sum", group_name)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _SummedGradient(torch.autograd.Function):
-    """``pvary``: the identity forward; backward sums the gradient over the group.
-
-    Hand-written: torch's functional collectives have no identity-forward op."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        ctx.group_name = group_name
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _compat.traced_all_reduce(grad.contiguous(), "sum", ctx.group_name), None
-
-
-class _GatherKeepingSlice(torch.autograd.Function):
-    """``all_gather_invariant``: gather forward; backward keeps the caller's slice of
-    the gradient (every rank holds the whole gradient of an invariant value)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool
-    ) -> torch.Tensor:
-        ctx.group, ctx.axis, ctx.tiled, ctx.size = group, axis, tiled, x.shape[axis] if tiled else 1
-        return gather(x, group, axis, tiled=tiled, traced=True)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        index = ctx.group.index
-        if ctx.tiled:
-            return grad.narrow(ctx.axis, index * ctx.size, ctx.size), None, None, None
-        return grad.select(ctx.axis, index), None, None, None
-
-
-# Function.apply is untyped; these name each one's signature.
-_sum_with_identity_gradient: Callable[[torch.Tensor, str], torch.Tensor] = (
-    _SumWithIdentityGradient.apply
-)
-_summed_gradient: Callable[[torch.Tensor, str], torch.Tensor] = _SummedGradient.apply
-_gather_keeping_slice: Callable[[torch.Tensor, OrderedGroup, int, bool], torch.Tensor] = (
-    _GatherKeepingSlice.apply
-)
-
-
-def _in_place(x: torch.Tensor, traced: bool, group: OrderedGroup) -> bool:
-    """Whether a tiled collective along dim 0 can run on ``x`` as it is: eager,
-    contiguous, with dims, chunks in the group's rank order."""
-    return not traced and group.by_group_rank is None and x.is_contiguous() and x.dim() > 0
-
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def _dim(dim: int, ndim: int, name: str, parameter: str) -> int:
-    """``dim`` as a non-negative dim of a tensor of ``ndim`` dims, else a ConfigError."""
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
-        raise ConfigError(f"{name}: {parameter}={dim!r} is not a dim of a {ndim}-dim result")
-    return dim % ndim
-
-
-def _chunks(
-    x: torch.Tensor, group: OrderedGroup, dim: int, tiled: bool, name: str, parameter: str
-) -> torch.Tensor:
-    """``x`` cut along ``dim`` into one chunk per rank, stacked on a new dim 0 in group-rank
-    order (the chunk for axis index ``i`` at group rank ``group_ranks[i]``); contiguous."""
-    n = len(group.ranks)
-    dim = _dim(dim, x.dim(), name, parameter)
-    size = x.shape[dim]
-    if tiled:
-        if size % n:
-            raise ConfigError(
-                f"{name}: dim {dim} of shape {tuple(x.shape)} has size {size}, "
-                f"not divisible by the axis size {n}"
-            )
-        chunks = x.reshape(*x.shape[:dim], n, size // n, *x.shape[dim + 1 :]).movedim(dim, 0)
-    else:
-        if size != n:
-            raise ConfigError(
-                f"{name}: dim {dim} of shape {tuple(x.shape)} has size {size}, but without "
-                f"tiled=True it must equal the axis size {n}"
-            )
-        chunks = x.movedim(dim, 0)
-    if group.by_group_rank is not None:
-        chunks = chunks[list(group.by_group_rank)]
-    return chunks.contiguous()
-
-
-def _check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, int], ...]:
-    pairs = tuple((int(source), int(destination)) for source, destination in perm)
-    sources = [source for source, _ in pairs]
-    destinations = [destination for _, destination in pairs]
-    for index in sources + destinations:
-        if not 0 <= index < size:
-            raise ConfigError(f"ppermute pair index {index} is outside 0..{size - 1} in {list(perm)}")
-    if len(set(sources)) != len(sources) or len(set(destinations)) != len(destinations):
-        raise ConfigError(f"ppermute perm {list(perm)} repeats a source or a destination")
-    return pairs

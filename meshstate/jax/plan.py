@@ -29,7 +29,7 @@ from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.simulation import each_rank
-from meshstate.jax.collectives import device_for, gather
+from meshstate.jax.torch_calls import device_for, gather
 from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
 
 SpecTree = P | None | tuple[Any, ...] | list[Any] | dict[Any, Any]

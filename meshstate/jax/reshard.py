@@ -27,7 +27,7 @@ from meshstate.core import compat as _compat
 from meshstate.core.errors import NotInitializedError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.ordered import OrderedGroup
-from meshstate.jax.collectives import gather
+from meshstate.jax.torch_calls import gather
 from meshstate.jax.plan import block, contiguous_strides, plan_on, take_block
 from meshstate.jax.sharding import DimAxes, P, _axes_of, to_placements
 

@@ -1,0 +1,339 @@
+"""The torch calls behind each JAX-style collective, and the autograd pieces they need.
+
+Two paths, one meaning: torch's traceable functional collectives (through
+:mod:`meshstate.core.compat`) while tracing, where autograd records the input or
+where the input is a tensor subclass (a simulated world's), the in-place c10d call
+in tensor form in plain eager code. :mod:`meshstate.jax.collectives` picks the
+types and the group; this module moves the data.
+
+Example (8 ranks, ``init_mesh(tp=2)``)::
+
+    group = mesh.ordered("tp")
+    sum_over(torch.ones(2), group, "psum")    # tensor([2., 2.])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from meshstate.core import compat as _compat
+from meshstate.core.errors import ConfigError
+from meshstate.core.ordered import OrderedGroup
+from meshstate.core.simulation import each_rank
+from meshstate.jax.vma import body
+
+
+def use_functional(x: object, name: str) -> bool:
+    """Whether ``x`` must go through torch's traceable collectives: torch.compile is
+    tracing, ``x`` is a tensor subclass (a tracer's fake or functional tensor, a DTensor),
+    or autograd records ``x``. A ConfigError if ``x`` is not a tensor."""
+    kind = type(x)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        if not isinstance(x, torch.Tensor):
+            raise ConfigError(f"{name} takes a torch.Tensor, got {kind.__name__}")
+        return True
+    return recorded(cast(torch.Tensor, x)) or torch.compiler.is_compiling()
+
+
+def recorded(x: torch.Tensor) -> bool:
+    """Whether autograd records ``x`` (it requires grad and grad mode is on)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+def device_for(device_type: str) -> torch.device:
+    """The device a mesh of ``device_type`` computes on: the current CUDA device for ``"cuda"``."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def reduce(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Tensor:
+    traced = use_functional(x, name)
+    if x.requires_grad:
+        raise ConfigError(f"{name} is not differentiable; call it on x.detach()")
+    if traced:
+        return _compat.traced_all_reduce(x, op, group.group_name)
+    result = x.clone()
+    dist.all_reduce(result, op=_REDUCE_OPS[op], group=group.group)
+    return result
+
+
+def all_gather_on(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
+    traced = use_functional(x, "all_gather")
+    if tiled and axis == 0 and _in_place(x, traced, group):
+        gathered = x.new_empty((len(group.ranks) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(gathered, x, group=group.group)
+        return gathered
+    axis = checked_dim(axis, x.dim() + (not tiled), "all_gather", "axis")
+    return gather(x, group, axis, tiled=tiled, traced=traced)
+
+
+def gather_invariant(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
+    if not recorded(x):
+        return all_gather_on(x, group, axis, tiled)
+    axis = checked_dim(axis, x.dim() + (not tiled), "all_gather_invariant", "axis")
+    return _gather_keeping_slice(x, group, axis, tiled)
+
+
+def gather(
+    x: torch.Tensor, group: OrderedGroup, axis: int, *, tiled: bool, traced: bool
+) -> torch.Tensor:
+    """:func:`all_gather` over ``group`` with ``axis`` checked (non-negative); ``traced``
+    picks torch's traceable collective over the in-place one."""
+    n = len(group.ranks)
+    source = x.contiguous()
+    if traced:
+        stacked = _compat.traced_all_gather(source, n, group.group_name)
+    else:
+        stacked = source.new_empty((n * source.numel(),))
+        dist.all_gather_single(stacked, source.view(-1), group=group.group)
+    stacked = stacked.view(n, *x.shape)
+    if group.by_group_rank is not None:
+        stacked = stacked[list(group.group_ranks)]
+    if not tiled:
+        return stacked.movedim(0, axis)
+    if axis == 0:
+        return stacked.view(n * x.shape[0], *x.shape[1:])
+    return stacked.movedim(0, axis).flatten(axis, axis + 1)
+
+
+def scatter(x: torch.Tensor, group: OrderedGroup, scatter_dimension: int, tiled: bool) -> torch.Tensor:
+    traced = use_functional(x, "psum_scatter")
+    n = len(group.ranks)
+    if tiled and scatter_dimension == 0 and _in_place(x, traced, group) and x.shape[0] % n == 0:
+        scattered = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+        dist.reduce_scatter_single(scattered, x, group=group.group)
+        return scattered
+    chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
+    if traced:
+        flat = _compat.traced_reduce_scatter(chunks.reshape(-1), n, group.group_name)
+    else:
+        flat = x.new_empty((chunks[0].numel(),))
+        dist.reduce_scatter_single(flat, chunks.reshape(-1), group=group.group)
+    return flat.view(chunks.shape[1:])
+
+
+def exchange(
+    x: torch.Tensor, group: OrderedGroup, split_axis: int, concat_axis: int, tiled: bool
+) -> torch.Tensor:
+    traced = use_functional(x, "all_to_all")
+    if tiled and split_axis == concat_axis == 0 and _in_place(x, traced, group) and (
+        x.shape[0] % len(group.ranks) == 0
+    ):
+        exchanged = torch.empty_like(x)
+        dist.all_to_all_single(exchanged, x, group=group.group)
+        return exchanged
+    chunks = _chunks(x, group, split_axis, tiled, "all_to_all", "split_axis")
+    concat_axis = checked_dim(concat_axis, chunks.dim() - 1 + (not tiled), "all_to_all", "concat_axis")
+    n = len(group.ranks)
+    if traced:
+        splits = [chunks[0].numel()] * n
+        flat = _compat.traced_all_to_all(chunks.reshape(-1), splits, splits, group.group_name)
+    else:
+        flat = torch.empty_like(chunks).view(-1)
+        dist.all_to_all_single(flat, chunks.reshape(-1), group=group.group)
+    received = flat.view(chunks.shape)
+    if group.by_group_rank is not None:
+        received = received[list(group.group_ranks)]
+    if not tiled:
+        return received.movedim(0, concat_axis)
+    return received.movedim(0, concat_axis).flatten(concat_axis, concat_axis + 1)
+
+
+def permute(
+    x: torch.Tensor, group: OrderedGroup, pairs: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
+    # One all_to_all_single whose only non-empty pieces go to the destination and come
+    # from the source: a point-to-point exchange that traces, and whose backward (the
+    # splits swapped) is the inverse permutation.
+    if use_functional(x, "ppermute"):
+        return _traced_ppermute(x, group, pairs)
+    numel, n = x.numel(), len(group.ranks)
+    sends, receives = [0] * n, [0] * n
+    for source, destination in pairs:
+        if source == group.index:
+            sends[group.group_ranks[destination]] = numel
+        if destination == group.index:
+            receives[group.group_ranks[source]] = numel
+    arrived = x.new_zeros(x.shape)
+    dist.all_to_all_single(
+        arrived.view(-1)[: sum(receives)], x.contiguous().view(-1)[: sum(sends)],
+        receives, sends, group=group.group,
+    )
+    return arrived
+
+
+def _traced_ppermute(
+    x: torch.Tensor, group: OrderedGroup, pairs: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
+    """ppermute with the same shapes on every rank, as a compiled graph needs.
+
+    A compiled backward orders independent collectives by its graph, which must
+    then be the same on every rank: the perm is completed to a whole one (each
+    index that sends nothing sends to one that receives nothing) and a rank
+    outside ``pairs`` as a destination masks what it gets to zeros (no gradient
+    goes back through the mask). The split sizes are each rank's own, also for
+    every rank of a simulated world.
+    """
+    n, numel = len(group.ranks), x.numel()
+    pieces = _exchange_pieces(group.index, pairs, group.group_ranks)
+    sends = [piece * numel for piece in pieces[:n]]
+    receives = [piece * numel for piece in pieces[n : 2 * n]]
+    received = pieces[2 * n]
+    arrived = _compat.traced_all_to_all(x.contiguous().view(-1), receives, sends, group.group_name)
+    mask = torch.full((), received, dtype=torch.bool, device=x.device)
+    return arrived.view(x.shape).where(mask, 0)
+
+
+@_compat.constant_when_traced
+@each_rank
+def _exchange_pieces(
+    index: int, pairs: tuple[tuple[int, int], ...], group_ranks: tuple[int, ...]
+) -> list[int]:
+    """Whether the rank at axis ``index`` sends its piece to each group rank in the
+    completed perm (1 or 0), then whether it receives one from each, then whether
+    ``pairs`` sends it anything: one flat list, as a simulated world makes per-rank
+    values of."""
+    n = len(group_ranks)
+    destination_of = dict(pairs)
+    idle_sources = [i for i in range(n) if i not in destination_of]
+    idle_destinations = [i for i in range(n) if i not in set(destination_of.values())]
+    destination_of.update(zip(idle_sources, idle_destinations))
+    source = next(s for s, d in destination_of.items() if d == index)
+    sends, receives = [0] * n, [0] * n
+    sends[group_ranks[destination_of[index]]] = 1
+    receives[group_ranks[source]] = 1
+    return [*sends, *receives, int((source, index) in pairs)]
+
+
+def sum_over(x: torch.Tensor, group: OrderedGroup, name: str) -> torch.Tensor:
+    """``x`` summed over ``group``: backward the identity, or a sum in a legacy body."""
+    if recorded(x) and not body.legacy:
+        return _sum_with_identity_gradient(x, group.group_name)
+    if use_functional(x, name):
+        return _compat.traced_all_reduce(x, "sum", group.group_name)
+    result: torch.Tensor = x.clone()
+    dist.all_reduce(result, group=group.group)
+    return result
+
+
+class _SumWithIdentityGradient(torch.autograd.Function):
+    """``psum`` with JAX's default transpose: the gradient passes through unchanged.
+
+    Hand-written: torch's functional all-reduce has the legacy transpose (another
+    all-reduce) as its registered backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        return _compat.traced_all_reduce(x, "sum", group_name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _SummedGradient(torch.autograd.Function):
+    """``pvary``: the identity forward; backward sums the gradient over the group.
+
+    Hand-written: torch's functional collectives have no identity-forward op."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _compat.traced_all_reduce(grad.contiguous(), "sum", ctx.group_name), None
+
+
+class _GatherKeepingSlice(torch.autograd.Function):
+    """``all_gather_invariant``: gather forward; backward keeps the caller's slice of
+    the gradient (every rank holds the whole gradient of an invariant value)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool
+    ) -> torch.Tensor:
+        ctx.group, ctx.axis, ctx.tiled, ctx.size = group, axis, tiled, x.shape[axis] if tiled else 1
+        return gather(x, group, axis, tiled=tiled, traced=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        index = ctx.group.index
+        if ctx.tiled:
+            return grad.narrow(ctx.axis, index * ctx.size, ctx.size), None, None, None
+        return grad.select(ctx.axis, index), None, None, None
+
+
+# Function.apply is untyped; these name each one's signature.
+_sum_with_identity_gradient: Callable[[torch.Tensor, str], torch.Tensor] = (
+    _SumWithIdentityGradient.apply
+)
+
+
+summed_gradient: Callable[[torch.Tensor, str], torch.Tensor] = _SummedGradient.apply
+
+
+_gather_keeping_slice: Callable[[torch.Tensor, OrderedGroup, int, bool], torch.Tensor] = (
+    _GatherKeepingSlice.apply
+)
+
+
+def _in_place(x: torch.Tensor, traced: bool, group: OrderedGroup) -> bool:
+    """Whether a tiled collective along dim 0 can run on ``x`` as it is: eager,
+    contiguous, with dims, chunks in the group's rank order."""
+    return not traced and group.by_group_rank is None and x.is_contiguous() and x.dim() > 0
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def checked_dim(dim: int, ndim: int, name: str, parameter: str) -> int:
+    """``dim`` as a non-negative dim of a tensor of ``ndim`` dims, else a ConfigError."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ConfigError(f"{name}: {parameter}={dim!r} is not a dim of a {ndim}-dim result")
+    return dim % ndim
+
+
+def _chunks(
+    x: torch.Tensor, group: OrderedGroup, dim: int, tiled: bool, name: str, parameter: str
+) -> torch.Tensor:
+    """``x`` cut along ``dim`` into one chunk per rank, stacked on a new dim 0 in group-rank
+    order (the chunk for axis index ``i`` at group rank ``group_ranks[i]``); contiguous."""
+    n = len(group.ranks)
+    dim = checked_dim(dim, x.dim(), name, parameter)
+    size = x.shape[dim]
+    if tiled:
+        if size % n:
+            raise ConfigError(
+                f"{name}: dim {dim} of shape {tuple(x.shape)} has size {size}, "
+                f"not divisible by the axis size {n}"
+            )
+        chunks = x.reshape(*x.shape[:dim], n, size // n, *x.shape[dim + 1 :]).movedim(dim, 0)
+    else:
+        if size != n:
+            raise ConfigError(
+                f"{name}: dim {dim} of shape {tuple(x.shape)} has size {size}, but without "
+                f"tiled=True it must equal the axis size {n}"
+            )
+        chunks = x.movedim(dim, 0)
+    if group.by_group_rank is not None:
+        chunks = chunks[list(group.by_group_rank)]
+    return chunks.contiguous()
+
+
+def check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, int], ...]:
+    pairs = tuple((int(source), int(destination)) for source, destination in perm)
+    sources = [source for source, _ in pairs]
+    destinations = [destination for _, destination in pairs]
+    for index in sources + destinations:
+        if not 0 <= index < size:
+            raise ConfigError(f"ppermute pair index {index} is outside 0..{size - 1} in {list(perm)}")
+    if len(set(sources)) != len(sources) or len(set(destinations)) != len(destinations):
+        raise ConfigError(f"ppermute perm {list(perm)} repeats a source or a destination")
+    return pairs
