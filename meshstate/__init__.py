@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from meshstate.core.build import init_mesh
     from meshstate.core.mesh import ParallelMesh, current_mesh, set_mesh
     from meshstate.core.ordered import AxisGroup, OrderedGroup
+    from meshstate.core.hybrid_grid import HybridGrid
+    from meshstate.core.hybrid_mesh import HybridMesh, init_hybrid_mesh
     from meshstate.megatron.process_groups import ProcessGroupCollection
     from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
     from meshstate.jax.reshard import reshard
@@ -48,6 +50,8 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('init_mesh',), "meshstate.core.build"),
     **dict.fromkeys(('ParallelMesh', 'current_mesh', 'set_mesh'), "meshstate.core.mesh"),
     **dict.fromkeys(('AxisGroup', 'OrderedGroup'), "meshstate.core.ordered"),
+    **dict.fromkeys(('HybridGrid',), "meshstate.core.hybrid_grid"),
+    **dict.fromkeys(('HybridMesh', 'init_hybrid_mesh'), "meshstate.core.hybrid_mesh"),
     **dict.fromkeys(('ProcessGroupCollection',), "meshstate.megatron.process_groups"),
     **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
     **dict.fromkeys(("reshard",), "meshstate.jax.reshard"),
@@ -73,4 +77,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']
+__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']

@@ -1,8 +1,8 @@
-"""``meshstate.topology``: the same module as :mod:`meshstate.tools.topology`."""
+"""``meshstate.topology``: the same module as :mod:`meshstate.core.topology`."""
 
 import sys
 
-from meshstate.tools import topology as _module
-from meshstate.tools.topology import *  # noqa: F403  (the names, for type checkers)
+from meshstate.core import topology as _module
+from meshstate.core.topology import *  # noqa: F403  (the names, for type checkers)
 
 sys.modules[__name__] = _module

@@ -16,11 +16,10 @@ from meshstate.testing import torch_internals
 from meshstate.tools.cli import main
 from meshstate.core.layout import GROUP_KINDS
 from meshstate.testing import fake_world
-from meshstate.tools.topology import (
-    HybridGrid,
+from meshstate import HybridGrid, init_hybrid_mesh
+from meshstate.core.topology import (
     NodeCrossingWarning,
     check_ranks_per_node,
-    init_hybrid_mesh,
     locality_report,
     nodes_spanned,
     ranks_per_node_from_env,
@@ -397,3 +396,10 @@ def test_plan_bad_gpus_per_node_exits_2_with_one_line(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "meshstate plan: error: argument --gpus-per-node: expected a positive integer, got 0"
     ]
+
+
+def test_the_hybrid_names_at_their_old_address_still_work_and_say_where_they_live():
+    import meshstate.topology
+
+    with pytest.warns(DeprecationWarning, match="use meshstate.HybridGrid"):
+        assert meshstate.topology.HybridGrid is HybridGrid

@@ -35,7 +35,7 @@ from meshstate.tools.cli_parser import (
 )
 from meshstate.tools.cli_shared import EXIT_MISMATCH, Progress, ranks_text, sizes_text
 from meshstate.tools.svg import layout_svg
-from meshstate.tools.topology import (
+from meshstate.core.topology import (
     LocalityReport,
     NodeCrossingWarning,
     locality_report,

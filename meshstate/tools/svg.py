@@ -19,7 +19,7 @@ from html import escape
 from meshstate.core.errors import ConfigError
 from meshstate.core.layout import ParallelLayout
 from meshstate.tools.cli_shared import ranks_text, sizes_text
-from meshstate.tools.topology import check_ranks_per_node
+from meshstate.core.topology import check_ranks_per_node
 
 MAX_DRAWN_WORLD = 4096
 """The largest world drawn: one 30-pixel cell per rank."""

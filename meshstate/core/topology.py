@@ -5,10 +5,10 @@ Ranks sit on nodes the way torchrun places them: node ``n`` holds ranks
 for every group kind of a :class:`~meshstate.core.layout.ParallelLayout`, how many
 nodes one group spans, and warns when a bandwidth-hungry axis (tp, cp, ep, etp)
 crosses nodes while another order would keep it inside one. Pure rank
-arithmetic. :class:`HybridGrid` (JAX-style layouts, every axis split into an
-inter-node and an intra-node part) and :func:`init_hybrid_mesh` live in
-:mod:`meshstate.core.hybrid_grid` and :mod:`meshstate.core.hybrid_mesh`, and
-are importable from here.
+arithmetic. :class:`~meshstate.core.hybrid_grid.HybridGrid` (JAX-style layouts,
+every axis split into an inter-node and an intra-node part) and
+:func:`~meshstate.core.hybrid_mesh.init_hybrid_mesh` are ``meshstate.HybridGrid``
+and ``meshstate.init_hybrid_mesh``.
 
 Example (16 ranks, 8 per node; the report also warns, caught here)::
 
@@ -22,19 +22,18 @@ Example (16 ranks, 8 per node; the report also warns, caught here)::
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from meshstate.core.config import MeshConfig, check_positive_int
 from meshstate.core.errors import AxisError, ConfigError
-from meshstate.core.hybrid_grid import HybridGrid as HybridGrid
-from meshstate.core.hybrid_mesh import HybridMesh as HybridMesh
-from meshstate.core.hybrid_mesh import init_hybrid_mesh as init_hybrid_mesh
 from meshstate.core.layout import GROUP_KINDS, ParallelLayout
 
 BANDWIDTH_HUNGRY_KINDS = ("tp", "cp", "ep", "etp")
@@ -214,3 +213,20 @@ def _advice(
         then = ", ".join(f"{kind} groups span {suggested_spans[kind]} nodes" for kind in pushed_out)
         advice += f" ({then} there)"
     return advice
+
+
+_MOVED = {
+    "HybridGrid": "meshstate.core.hybrid_grid",
+    "HybridMesh": "meshstate.core.hybrid_mesh",
+    "init_hybrid_mesh": "meshstate.core.hybrid_mesh",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The hybrid-mesh names this module used to carry, with a warning saying their home."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"meshstate.topology.{name} moved: use meshstate.{name}", DeprecationWarning, stacklevel=2
+    )
+    return getattr(importlib.import_module(_MOVED[name]), name)
