@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from meshstate.jax.vma import VaryingAxesError, vma
     from meshstate.core.adopt import adopt
     from meshstate.core.config import DEFAULT_ORDER, MeshConfig
-    from meshstate.core.errors import AxisError, ConfigError, MeshStateError, NotInitializedError, ParallelStateError, SimulationError, WrongMeshError
+    from meshstate.core.errors import AxisError, ConfigError, MeshStateError, NotInitializedError, SimulationError, WrongMeshError
+    from meshstate.megatron.errors import ParallelStateError
     from meshstate.core.groups import GroupOptions
     from meshstate.megatron.hyper_comm_grid import HyperCommGrid
     from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Grid, Instances, Level, ParallelLayout, Pick
@@ -43,7 +44,8 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('VaryingAxesError', 'vma'), "meshstate.jax.vma"),
     **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
     **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.core.config"),
-    **dict.fromkeys(('AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'ParallelStateError', 'SimulationError', 'WrongMeshError'), "meshstate.core.errors"),
+    **dict.fromkeys(('AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'SimulationError', 'WrongMeshError'), "meshstate.core.errors"),
+    **dict.fromkeys(('ParallelStateError',), "meshstate.megatron.errors"),
     **dict.fromkeys(('GroupOptions',), "meshstate.core.groups"),
     **dict.fromkeys(('HyperCommGrid',), "meshstate.megatron.hyper_comm_grid"),
     **dict.fromkeys(('GROUP_KINDS', 'Chunks', 'DerivedGroup', 'Grid', 'Instances', 'Level', 'ParallelLayout', 'Pick'), "meshstate.core.layout"),

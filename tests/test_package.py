@@ -19,3 +19,18 @@ def test_submodules_load_on_first_use():
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[]", "meshstate.titan.parallel_dims"]
+
+
+def test_a_facade_error_lives_with_its_facade_and_its_old_address_warns():
+    import pytest
+
+    import meshstate
+    import meshstate.core.errors as core_errors
+    from meshstate.megatron.errors import ParallelStateError
+    from meshstate.titan.parallel_dims import DimNameError
+
+    assert meshstate.ParallelStateError is ParallelStateError
+    with pytest.warns(DeprecationWarning, match="moved to meshstate.megatron.errors"):
+        assert core_errors.ParallelStateError is ParallelStateError
+    with pytest.warns(DeprecationWarning, match="moved to meshstate.titan.parallel_dims"):
+        assert core_errors.DimNameError is DimNameError

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from meshstate.megatron import parallel_state as ours
-from meshstate.core.errors import NotInitializedError, ParallelStateError
+from meshstate.core.errors import NotInitializedError
+from meshstate.megatron.errors import ParallelStateError
 from meshstate.testing import fake_world
 
 with warnings.catch_warnings():

@@ -8,6 +8,10 @@ unknown mesh axis keeps working.
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from typing import Any
+
 
 class MeshStateError(Exception):
     """Base class of every meshstate error."""
@@ -39,12 +43,6 @@ class NotInitializedError(MeshStateError, RuntimeError, AssertionError):
     megatron-core answers a getter called before ``initialize_model_parallel``
     with an ``AssertionError``; code that catches that (or ``RuntimeError``)
     still catches this.
-    """
-
-
-class ParallelStateError(ConfigError, RuntimeError, AssertionError):
-    """A Megatron-style call that megatron-core rejects with ``RuntimeError`` or
-    ``AssertionError``: catchable as either of those, and as ``ValueError``.
     """
 
 
@@ -83,8 +81,17 @@ class SimulationError(MeshStateError, NotImplementedError):
     """
 
 
-class DimNameError(AxisError, ValueError):
-    """An axis name where code written for torchtitan catches ``ValueError``.
+_MOVED = {
+    "ParallelStateError": "meshstate.megatron.errors",
+    "DimNameError": "meshstate.titan.parallel_dims",
+}
 
-    Example: ``ParallelDims(...).get_mesh("fsdp")`` under the default backend.
-    """
+
+def __getattr__(name: str) -> Any:
+    """A façade's error this module used to carry, with a warning saying its home."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"meshstate.core.errors.{name} moved to {_MOVED[name]}", DeprecationWarning, stacklevel=2
+    )
+    return getattr(importlib.import_module(_MOVED[name]), name)

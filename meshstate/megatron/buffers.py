@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ParallelStateError
+from meshstate.megatron.errors import ParallelStateError
 from meshstate.megatron.getters import get_tensor_model_parallel_group, served_mesh
 from meshstate.megatron.tables import not_initialized
 

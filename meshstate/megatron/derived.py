@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from meshstate.core.config import MeshConfig
-from meshstate.core.errors import ParallelStateError
+from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.layout import Chunks, DerivedGroup, Instances, Key, Level, Pick
 
 EMBEDDING = DerivedGroup("pp", Pick("embedding"))

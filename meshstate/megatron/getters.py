@@ -25,7 +25,8 @@ from typing import cast
 
 import torch.distributed as dist
 
-from meshstate.core.errors import AxisError, NotInitializedError, ParallelStateError
+from meshstate.core.errors import AxisError, NotInitializedError
+from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.layout import Chunks, DerivedGroup, Key
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.tables import Facts

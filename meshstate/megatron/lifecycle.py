@@ -20,7 +20,8 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate.core.config import DEFAULT_ORDER, MeshConfig
-from meshstate.core.errors import ConfigError, ParallelStateError
+from meshstate.core.errors import ConfigError
+from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.groups import GroupOptions
 from meshstate.core.layout import DerivedGroup, Key
 from meshstate.core.build import init_mesh

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ParallelStateError
+from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.groups import GroupOptions
 from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Key, Level
 from meshstate.megatron import derived as families

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.core.config import parse_order
-from meshstate.core.errors import AxisError, ConfigError, ParallelStateError
+from meshstate.core.errors import AxisError, ConfigError
+from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.groups import ProcessGroupSet, create_group_family
 from meshstate.core.layout import Chunks, Grid, hierarchical_levels
 from meshstate.megatron import derived as families

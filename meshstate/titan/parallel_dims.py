@@ -30,12 +30,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
 from meshstate.core.config import check_positive_int
-from meshstate.core.errors import AxisError, ConfigError, DimNameError
+from meshstate.core.errors import AxisError, ConfigError
 from meshstate.core.layout import HSDP_KINDS, Chunks, DerivedGroup, Key
 from meshstate.core.build import init_mesh
 from meshstate.core.mesh import ParallelMesh
 
 SpmdBackend = Literal["partial_dtensor", "full_dtensor", "spmd_types"]
+
+
+class DimNameError(AxisError, ValueError):
+    """An axis name where code written for torchtitan catches ``ValueError``.
+
+    Example: ``ParallelDims(...).get_mesh("fsdp")`` under the default backend.
+    """
 
 
 class ParallelDimsError(ConfigError, AssertionError):
