@@ -64,7 +64,16 @@ _SUBMODULES = frozenset(
 )
 
 
+_DEPRECATED = {"AxisGroup": "mesh.ranks(key), mesh.rank(key) and mesh.group(key)"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        import warnings
+
+        warnings.warn(f"meshstate.{name} is deprecated; use {_DEPRECATED[name]}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_HOME[name]), name)
     if name in _HOME:
         value = getattr(importlib.import_module(_HOME[name]), name)
     elif name in _SUBMODULES:

@@ -64,7 +64,7 @@ def test_rank_sums_stay_exact_past_float32() -> None:
 def verify_with_tp_given_cp_groups() -> list[KindSummary]:
     mesh = meshstate.init_mesh(tp=2, cp=2)
     assert isinstance(mesh, SimulatedMesh)
-    mesh.group_of["tp"] = mesh.group_of["cp"]
+    mesh._group_of["tp"] = mesh._group_of["cp"]
     return verify_every_rank(mesh)
 
 

@@ -217,7 +217,7 @@ def test_derived_groups_are_asked_for_by_value():
         assert mesh.group(DerivedGroup("dp-cp", Chunks(4))) is mesh.group(QUARTERS)
         # The same ranks are the same process group: a quarter of dp-cp is rank 5's cp group.
         assert mesh.group(QUARTERS) is mesh.group("cp")
-        assert mesh.rank_in[INNER] == 0 and mesh.size_of["cp-tp"] == mesh.size("tp-cp") == 8
+        assert mesh.rank(INNER) == 0 and mesh.size("cp-tp") == mesh.size("tp-cp") == 8
         with pytest.raises(AxisError) as raised:
             mesh.group(DerivedGroup("cp", Level(2)))
         assert str(raised.value).startswith("mesh has no group 'cp/level 2'; valid keys are tp, cp")

@@ -93,7 +93,7 @@ def test_init_destroy_cycles_leave_no_groups_behind():
 def test_verify_reports_a_group_that_does_not_match_the_layout():
     mesh = meshstate.init_mesh(tp=2)
     # Pretend the layout put the ranks of each tp group the other way round.
-    mesh.ranks_of["tp"], mesh.rank_in["tp"] = mesh.ranks_of["tp"][::-1], 1 - mesh.rank_in["tp"]
+    mesh._ranks_of["tp"], mesh._rank_in["tp"] = mesh._ranks_of["tp"][::-1], 1 - mesh._rank_in["tp"]
     checks = {check.key: check for check in verify_mesh(mesh)}
     assert not checks["tp"].ok
     assert any("all_gather of ranks gave" in p for p in checks["tp"].problems)

@@ -93,3 +93,17 @@ def test_shard_map_over_dp_shard_on_an_hsdp_mesh_equals_psum():
         assert moved.to_local().tolist() == [2.0 * mesh.rank("dp_shard"), 2.0 * mesh.rank("dp_shard") + 1]
         assert mesh["dp_shard"].size() == 2 and summed.item() == sum(mesh.ranks("dp_shard"))
     mesh.destroy()
+
+
+def test_one_public_way_to_ask_a_position_and_the_tables_stay_private():
+    with fake_world(5, 8):
+        mesh = meshstate.init_mesh(tp=2, cp=2)  # rank 5: tp=1 cp=0 dp=1
+        assert mesh.rank("tp") == 1 and mesh.rank("dp-cp") == 2
+        assert mesh.rank(("cp", "dp")) == 1 and mesh.rank(("dp", "tp")) == 3
+        with pytest.warns(DeprecationWarning, match=r"mesh.rank_in\[key\] is deprecated; use mesh.rank\(key\)"):
+            assert mesh.rank_in["tp"] == 1
+        with pytest.warns(DeprecationWarning, match="mesh.axis_group"):
+            assert mesh.axis_group("tp").rank == 1
+        with pytest.warns(DeprecationWarning, match="meshstate.AxisGroup is deprecated"):
+            meshstate.AxisGroup
+        mesh.destroy()

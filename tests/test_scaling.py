@@ -66,7 +66,7 @@ def test_init_mesh_allocates_no_world_sized_sequence(rank):
         peak, mesh = _peak_while(lambda: meshstate.init_mesh(
             tp=64, cp=64, pp=64, ep=16, etp=4, derived=DERIVED))
         try:
-            assert max(mesh.size_of.values()) == 65536
+            assert max(mesh._size_of.values()) == 65536
             assert [mesh.size(key) for key in DERIVED] == [256, 1024, 8]
             assert mesh.ranks("pp")[0] == rank % (WORLD // 64)
             assert peak < PEAK_BOUND, f"peak {peak / 2**20:.1f} MiB"

@@ -30,7 +30,7 @@ def _by_key(mesh: meshstate.ParallelMesh, ask: Any) -> dict[str, Any]:
 CORE_VALUES = {
     "global_rank": lambda mesh: mesh.global_rank,
     "rank": lambda mesh: _by_key(mesh, mesh.rank),
-    "rank_in": lambda mesh: _by_key(mesh, mesh.rank_in.__getitem__),
+    "rank_in": lambda mesh: _by_key(mesh, mesh.rank),
     "ranks": lambda mesh: _by_key(mesh, mesh.ranks),
     "coordinate": lambda mesh: mesh.coordinate,
     "next_rank": lambda mesh: _by_key(mesh, mesh.next_rank),

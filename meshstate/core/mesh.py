@@ -18,6 +18,7 @@ import inspect
 import os
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from functools import cached_property
@@ -67,15 +68,17 @@ class ParallelMesh:
     Build one with :func:`init_mesh`. Keys name one axis (``"tp"``), a
     Megatron joint group (``"dp-cp"``; a set, so ``"cp-dp"`` is the same) or a
     :class:`~meshstate.core.layout.DerivedGroup` declared at init; ``in``, ``len``
-    and iteration follow :meth:`keys`. Every query reads a table made at init:
-    ``rank_in``, ``size_of``, ``group_of`` and ``ranks_of`` map every spelling of
-    every key whose group holds the calling rank to its answer.
+    and iteration follow :meth:`keys`. Every query is one lookup in a private table
+    made at init, which maps every spelling of every key whose group holds the
+    calling rank to its answer. :meth:`rank` is the one way to ask a position
+    (``axis_index`` inside SPMD code).
 
     Example, on rank 5 of 8 with ``init_mesh(tp=2, pp=2)`` (so dp=2)::
 
         mesh.ranks("dp")        # (5, 7)
         mesh.rank("tp-dp")      # 1
-        mesh.size_of["cp-dp"]   # 2, a dict lookup
+        mesh.rank(("dp", "tp")) # 2: any axis tuple, the first axis major
+        mesh.size("cp-dp")      # 2, a dict lookup
         mesh["tp"]              # DeviceMesh([4, 5], mesh_dim_names=("tp",))
         mesh["dp", "tp"]        # 2-D DeviceMesh [[4, 5], [6, 7]]
         mesh.next_rank("pp")    # 1 (the ring wraps around)
@@ -133,21 +136,21 @@ class ParallelMesh:
             for key in self.keys()
             for spelling in spellings(key, split_dp=split_dp)
         }
-        self.rank_in: Table[int] = Table()
-        self.size_of: Table[int] = Table()
-        self.group_of: Table[dist.ProcessGroup] = Table()
-        self.ranks_of: Table[Sequence[int]] = Table()
+        self._rank_in: Table[int] = Table()
+        self._size_of: Table[int] = Table()
+        self._group_of: Table[dist.ProcessGroup] = Table()
+        self._ranks_of: Table[Sequence[int]] = Table()
         for spelling, key in self._declared.items():
             ranks = members[key]
             if ranks is not None:
-                self.rank_in[spelling] = ranks.index(self._rank)
-                self.size_of[spelling] = len(ranks)
-                self.group_of[spelling] = process_groups.by_name[key]
-                self.ranks_of[spelling] = ranks
-        self.facts = Facts(self.kinds, self.rank_in, self.size_of, self.group_of, self.ranks_of)
+                self._rank_in[spelling] = ranks.index(self._rank)
+                self._size_of[spelling] = len(ranks)
+                self._group_of[spelling] = process_groups.by_name[key]
+                self._ranks_of[spelling] = ranks
+        self.facts = Facts(self.kinds, self._rank_in, self._size_of, self._group_of, self._ranks_of)
         # The groups this process holds and their members, for making groups on first use:
         # the tables themselves here; rank 0's beside the per-rank tables of a simulated mesh.
-        self._own_group_of, self._own_ranks_of = self.group_of, self.ranks_of
+        self._own_group_of, self._own_ranks_of = self._group_of, self._ranks_of
         self._device_meshes: dict[str | tuple[str, ...], DeviceMesh] = {}
         self.store: dict[Hashable, Any] = {}
         """What the layers above compute from this mesh (shard_map and reshard plans), by a
@@ -216,7 +219,7 @@ class ParallelMesh:
     def has_group(self, key: Key) -> bool:
         """Whether the calling rank is in a group of ``key`` (always, for axis keys)."""
         self._check_alive()
-        return key in self.group_of
+        return key in self._group_of
 
     @property
     def coordinate(self) -> dict[str, int]:
@@ -283,28 +286,56 @@ class ParallelMesh:
         return view.get_local_rank(dim)
 
     def axis_group(self, key: Key) -> AxisGroup:
-        """Everything the calling rank knows about its group of ``key``."""
+        """Deprecated: ``mesh.ranks(key)``, ``mesh.rank(key)`` and ``mesh.group(key)``."""
+        _deprecated("mesh.axis_group(key)", "mesh.ranks(key), mesh.rank(key) and mesh.group(key)")
         ranks = self.ranks(key)
-        return AxisGroup(self._declared[key], ranks, self.rank_in[key], self.group_of[key])
+        return AxisGroup(self._declared[key], ranks, self._rank_in[key], self._group_of[key])
 
     def group(self, key: Key) -> dist.ProcessGroup:
         """The process group of ``key`` that the calling rank is in."""
         try:
-            return self.group_of[key]
+            return self._group_of[key]
         except KeyError:
             raise self._missing(key) from None
 
-    def rank(self, key: Key) -> int:
-        """The calling rank's position in its group of ``key``."""
+    def rank(self, key: Key | tuple[str, ...]) -> int:
+        """The calling rank's position in its group of ``key``, or along a tuple of axes
+        of one view, the first major (``rank(("cp", "dp")) == cp * dp_size + dp``)."""
         try:
-            return self.rank_in[key]
+            return self._rank_in[key]  # type: ignore[index]  # a tuple is never a key: KeyError
         except KeyError:
+            if isinstance(key, tuple):
+                return self.ordered(key).index
             raise self._missing(key) from None
+
+    @property
+    def rank_in(self) -> Table[int]:
+        """Deprecated: ``mesh.rank(key)``."""
+        _deprecated("mesh.rank_in[key]", "mesh.rank(key)")
+        return self._rank_in
+
+    @property
+    def size_of(self) -> Table[int]:
+        """Deprecated: ``mesh.size(key)``."""
+        _deprecated("mesh.size_of[key]", "mesh.size(key)")
+        return self._size_of
+
+    @property
+    def group_of(self) -> Table[dist.ProcessGroup]:
+        """Deprecated: ``mesh.group(key)``."""
+        _deprecated("mesh.group_of[key]", "mesh.group(key)")
+        return self._group_of
+
+    @property
+    def ranks_of(self) -> Table[Sequence[int]]:
+        """Deprecated: ``mesh.ranks(key)``."""
+        _deprecated("mesh.ranks_of[key]", "mesh.ranks(key)")
+        return self._ranks_of
 
     def size(self, key: Key) -> int:
         """Number of ranks in a group of ``key``."""
         try:
-            return self.size_of[key]
+            return self._size_of[key]
         except KeyError:
             raise self._missing(key) from None
 
@@ -315,7 +346,7 @@ class ParallelMesh:
         (:class:`~meshstate.core.ranks.Ranks`), so ``[i]``, ``in`` and ``index`` cost no list.
         """
         try:
-            return self.ranks_of[key]
+            return self._ranks_of[key]
         except KeyError:
             raise self._missing(key) from None
 
@@ -326,7 +357,7 @@ class ParallelMesh:
         where a context-parallel ring sends.
         """
         ranks = self.ranks(key)
-        return ranks[(self.rank_in[key] + 1) % len(ranks)]
+        return ranks[(self._rank_in[key] + 1) % len(ranks)]
 
     def prev_rank(self, key: Key) -> int:
         """Global rank before the caller in its group, wrapping around.
@@ -334,7 +365,7 @@ class ParallelMesh:
         ``prev_rank("cp")`` is where a context-parallel ring receives from.
         """
         ranks = self.ranks(key)
-        return ranks[(self.rank_in[key] - 1) % len(ranks)]
+        return ranks[(self._rank_in[key] - 1) % len(ranks)]
 
     def first_rank(self, key: Key) -> int:
         """Global rank of the first member of the caller's group."""
@@ -347,13 +378,13 @@ class ParallelMesh:
     def is_first(self, key: Key) -> bool:
         """Whether the caller is first in its group (``is_first("pp")``: first stage)."""
         try:
-            return self.rank_in[key] == 0
+            return self._rank_in[key] == 0
         except KeyError:
             raise self._missing(key) from None
 
     def is_last(self, key: Key) -> bool:
         """Whether the caller is last in its group (``is_last("pp")``: last stage)."""
-        return self.rank(key) == self.size_of[key] - 1
+        return self.rank(key) == self._size_of[key] - 1
 
     def __getitem__(self, key: str | tuple[str, ...]) -> DeviceMesh:
         """A DeviceMesh by axis name, tuple of axis names, or joint key.
@@ -409,7 +440,7 @@ class ParallelMesh:
         self.store.clear()
         for name in roots:
             del self.__dict__[name]
-        tables = self.rank_in, self.size_of, self.group_of, self.ranks_of
+        tables = self._rank_in, self._size_of, self._group_of, self._ranks_of
         for table in (*tables, self._own_group_of, self._own_ranks_of):
             table.clear()
             table.destroyed = str(self._destroyed_error())
@@ -491,6 +522,10 @@ def destroy_every_mesh() -> None:
     for mesh in list(_live_meshes):
         mesh.destroy()
     _current.set_mesh, _current.entered = None, ()
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
 
 
 def _inverse(permutation: tuple[int, ...]) -> tuple[int, ...]:

@@ -106,9 +106,9 @@ class SimulatedMesh(ParallelMesh):
         refused: dict[Key, str] = {}  # keys whose groups some ranks are not in
         refused_groups: dict[Key, str] = {}  # and keys whose collectives would go wrong
         self._refused_groups = refused_groups
-        self.rank_in, self.size_of = PerRankTable[int](refused), PerRankTable[int](refused)
-        self.group_of = PerRankTable[dist.ProcessGroup](refused_groups)
-        self.ranks_of = PerRankTable[Sequence[int]](refused)
+        self._rank_in, self._size_of = PerRankTable[int](refused), PerRankTable[int](refused)
+        self._group_of = PerRankTable[dist.ProcessGroup](refused_groups)
+        self._ranks_of = PerRankTable[Sequence[int]](refused)
         with outside_simulation():  # the layout's arithmetic, once
             for key in self.keys():
                 spellings = [s for s, declared in self._declared.items() if declared == key]
@@ -116,7 +116,7 @@ class SimulatedMesh(ParallelMesh):
                 if why is not None:
                     refused.update(dict.fromkeys(spellings, why))
                     refused_groups.update(dict.fromkeys(spellings, why))
-        self.facts = Facts(self.kinds, self.rank_in, self.size_of, self.group_of, self.ranks_of)
+        self.facts = Facts(self.kinds, self._rank_in, self._size_of, self._group_of, self._ranks_of)
 
     def _add_key(self, key: Key, spellings: list[Key]) -> str | None:
         """Enter ``key``'s per-rank answers under ``spellings``; else why it is refused."""
@@ -138,14 +138,14 @@ class SimulatedMesh(ParallelMesh):
         group = self._own_group_of[key]
         mismatch = tiling_mismatch(str(key), group, groups)
         if mismatch is None:
-            self.group_of.update(dict.fromkeys(spellings, group))
+            self._group_of.update(dict.fromkeys(spellings, group))
         else:
             self._refused_groups.update(dict.fromkeys(spellings, mismatch))
         rank_in, ranks = per_rank_int(index), PerRankRanks(group_of_rank, sizes[0])
         for spelling in spellings:
-            self.rank_in[spelling] = rank_in
-            self.size_of[spelling] = sizes[0]
-            self.ranks_of[spelling] = ranks
+            self._rank_in[spelling] = rank_in
+            self._size_of[spelling] = sizes[0]
+            self._ranks_of[spelling] = ranks
         return None
 
     @property

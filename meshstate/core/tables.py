@@ -39,8 +39,8 @@ class Table(dict[Key, V]):
 class Facts:
     """A mesh's tables for its axes and joint keys, read by attribute.
 
-    ``facts.tp_rank`` is ``mesh.rank_in["tp"]``, ``facts.dp_cp_size`` is
-    ``mesh.size_of["dp-cp"]`` (a key's ``-`` is ``_``), and likewise ``*_group``
+    ``facts.tp_rank`` is ``mesh.rank("tp")``, ``facts.dp_cp_size`` is
+    ``mesh.size("dp-cp")`` (a key's ``-`` is ``_``), and likewise ``*_group``
     and ``*_ranks``. Written once, with the tables, when the mesh is made; an
     attribute read costs less than a dict lookup, so code that asks one key
     millions of times (Megatron's getters) reads these.

@@ -31,7 +31,7 @@ class ParallelMesh(Protocol):
     global_rank: int
 
     @property
-    def group_of(self) -> Mapping[Key, dist.ProcessGroup]: ...
+    def _group_of(self) -> Mapping[Key, dist.ProcessGroup]: ...
 
     def __getitem__(self, key: str | tuple[str, ...]) -> DeviceMesh: ...
     def _check_alive(self) -> None: ...
@@ -47,7 +47,7 @@ def build_root_mesh(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
     """Build ``grid``'s root DeviceMesh from the groups of its axes (O(world): once, cached)."""
     mesh._check_alive()
     groups = [
-        mesh.group_of[axis] if axis in mesh.group_of else mesh.ordered(axis).group
+        mesh._group_of[axis] if axis in mesh._group_of else mesh.ordered(axis).group
         for axis in grid.mesh_axes
     ]
     with outside_simulation():  # one rank grid, shared by every simulated rank

@@ -138,7 +138,7 @@ def process_group_list() -> list[ProcessGroup | None] | None:
     mesh = _mesh()
     if mesh is None or not is_initialized():
         return None
-    return [None, *dict.fromkeys([*mesh.group_of.values(), *mesh.process_groups.owned])]
+    return [None, *dict.fromkeys([*mesh._group_of.values(), *mesh.process_groups.owned])]
 
 
 def _partial_without_cp(table: Mapping[Key, int]) -> int:

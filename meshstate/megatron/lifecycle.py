@@ -95,7 +95,7 @@ def initialize_model_parallel(
         "create_gloo_process_groups": create_gloo_process_groups,
     })
     if sharp_group is not None:
-        nccl.enable_sharp(mesh.group_of.get(sharp_group))
+        nccl.enable_sharp(mesh._group_of.get(sharp_group))
     _serve(mesh, virtual_pipeline_model_parallel_size)
     logger.debug("initialized model parallel state: %r", mesh)
 

@@ -323,9 +323,9 @@ class TableFacts:
             self.size_of = _layered(layers["size"], _NotInitialized(ZERO_UNLESS_DISTRIBUTED))
             self.group_of, self.ranks_of = _NotInitialized(), _NotInitialized()
         else:
-            self.rank_in = _layered(layers["rank"], mesh.rank_in)
-            self.size_of = _layered(layers["size"], mesh.size_of)
-            self.group_of, self.ranks_of = mesh.group_of, mesh.ranks_of
+            self.rank_in = _layered(layers["rank"], mesh._rank_in)
+            self.size_of = _layered(layers["size"], mesh._size_of)
+            self.group_of, self.ranks_of = mesh._group_of, mesh._ranks_of
         self.maybe = self if optional else TableFacts(mesh, overrides, optional=True)
 
     def __getattr__(self, name: str) -> Any:
