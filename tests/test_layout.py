@@ -113,8 +113,8 @@ def test_rank_order_inside_joint_group_is_mesh_order():
     # tp=2 cp=2 dp=2: in a dp-cp group cp (first in the order) varies fastest.
     layout = ParallelLayout(MeshConfig(8, tp=2, cp=2))
     assert layout.groups("dp-cp").tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert layout.dense.mesh_axes == ("pp", "dp", "cp", "tp")
-    assert layout.expert.mesh_axes == ("pp", "edp", "ep", "etp")
+    assert layout.dense.axes_mesh_order == ("pp", "dp", "cp", "tp")
+    assert layout.expert.axes_mesh_order == ("pp", "edp", "ep", "etp")
 
 
 def test_coordinate_round_trips():
@@ -122,9 +122,9 @@ def test_coordinate_round_trips():
     for rank in range(48):
         coordinate = layout.coordinate(rank)
         dense = layout.dense
-        assert sum(coordinate[a] * dense.stride(a) for a in dense.axes) == rank
+        assert sum(coordinate[a] * dense.stride(a) for a in dense.axes_fastest_first) == rank
         expert = layout.expert
-        assert sum(coordinate[a] * expert.stride(a) for a in expert.axes) == rank
+        assert sum(coordinate[a] * expert.stride(a) for a in expert.axes_fastest_first) == rank
 
 
 def test_grid_ordered_groups_follow_the_callers_axis_order():

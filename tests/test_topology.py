@@ -171,8 +171,8 @@ HYBRID = HybridGrid(intra={"dp": 2, "tp": 4}, inter={"dp": 2})
 
 
 def test_hybrid_groups_by_hand():
-    assert HYBRID.axes == ("dp", "tp") and HYBRID.sizes == (4, 4)
-    assert HYBRID.mesh_axes == ("tp", "dp") and HYBRID.mesh_shape == (4, 4)
+    assert HYBRID.axes_fastest_first == ("dp", "tp") and HYBRID.sizes == (4, 4)
+    assert HYBRID.axes_mesh_order == ("tp", "dp") and HYBRID.mesh_shape == (4, 4)
     assert (HYBRID.world_size, HYBRID.ranks_per_node, HYBRID.num_nodes) == (16, 8, 2)
     assert HYBRID.rank_grid().tolist() == [
         [0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15],
@@ -199,9 +199,9 @@ def test_no_order_string_expresses_the_hybrid_grid():
     def group_sets(grid, axis):
         return {frozenset(group) for group in grid.groups([axis]).tolist()}
 
-    for axes in itertools.permutations(HYBRID.axes):
+    for axes in itertools.permutations(HYBRID.axes_fastest_first):
         grid = Grid(axes, tuple(HYBRID.size(axis) for axis in axes))
-        assert any(group_sets(grid, a) != group_sets(HYBRID, a) for a in HYBRID.axes), axes
+        assert any(group_sets(grid, a) != group_sets(HYBRID, a) for a in HYBRID.axes_fastest_first), axes
     for order in ("tp-dp", "dp-tp"):
         layout = ParallelLayout(MeshConfig(16, order=order, tp=4))
         assert {frozenset(g) for g in layout.groups("dp").tolist()} != group_sets(HYBRID, "dp")
@@ -241,14 +241,14 @@ def test_hybrid_grid_matches_jax_and_its_own_arithmetic(intra, inter):
     expected = jax_hybrid_rank_grid(grid.intra_sizes[::-1], grid.inter_sizes[::-1])
     assert grid.rank_grid().tolist() == expected.tolist()
     rank_grid = grid.rank_grid()
-    axis_sets = [list(axes) for n in (1, 2) for axes in itertools.permutations(grid.axes, n)]
+    axis_sets = [list(axes) for n in (1, 2) for axes in itertools.permutations(grid.axes_fastest_first, n)]
     for axes in axis_sets:
         rows = grid.groups(axes).tolist()
         row_of = {rank: row for row in rows for rank in row}
         assert sorted(row_of) == list(range(grid.world_size))
         for rank in range(grid.world_size):
             coordinate = grid.coordinate(rank)
-            assert rank_grid[tuple(coordinate[a] for a in grid.mesh_axes)] == rank
+            assert rank_grid[tuple(coordinate[a] for a in grid.axes_mesh_order)] == rank
             assert list(grid.group_ranks(rank, axes)) == row_of[rank]
             assert row_of[rank][grid.index_in_group(rank, axes)] == rank
 
@@ -291,11 +291,11 @@ def test_init_hybrid_mesh(grid, ranks):
             before = len(c10d._world.pg_map)
             hybrid = init_hybrid_mesh(grid)
             mesh = hybrid.device_mesh
-            assert mesh.mesh_dim_names == grid.mesh_axes
+            assert mesh.mesh_dim_names == grid.axes_mesh_order
             assert mesh.mesh.tolist() == grid.rank_grid().tolist()
             coordinate = grid.coordinate(rank)
-            assert mesh.get_coordinate() == tuple(coordinate[a] for a in grid.mesh_axes)
-            for axis in grid.axes:
+            assert mesh.get_coordinate() == tuple(coordinate[a] for a in grid.axes_mesh_order)
+            for axis in grid.axes_fastest_first:
                 members = list(grid.group_ranks(rank, [axis]))
                 assert dist.get_process_group_ranks(mesh.get_group(axis)) == members
                 assert mesh[axis].mesh.tolist() == members

@@ -14,6 +14,8 @@ Example::
 
 from __future__ import annotations
 
+import warnings
+
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +32,8 @@ from meshstate.core.ranks import Ranks, listed_if_small
 class Grid:
     """Ranks ``rank_offset .. rank_offset + prod(sizes) - 1`` on named axes.
 
-    ``axes`` and ``sizes`` run fastest-varying first, as in an order string;
-    ``mesh_axes``/``mesh_shape`` give the same axes outer to inner, the order of
+    ``axes_fastest_first`` and ``sizes`` run fastest-varying first, as in an order
+    string; ``axes_mesh_order``/``mesh_shape`` give the same axes outer to inner, the order of
     a ``DeviceMesh``'s dimensions.
 
     Example::
@@ -43,27 +45,27 @@ class Grid:
         [[0, 1], [2, 3], [4, 5]]
     """
 
-    axes: tuple[str, ...]
+    axes_fastest_first: tuple[str, ...]
     sizes: tuple[int, ...]
     rank_offset: int = 0
     _strides: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.axes) != len(self.sizes):
+        if len(self.axes_fastest_first) != len(self.sizes):
             raise ConfigError(
-                f"grid has {len(self.axes)} axis names {self.axes} but "
+                f"grid has {len(self.axes_fastest_first)} axis names {self.axes_fastest_first} but "
                 f"{len(self.sizes)} sizes {self.sizes}"
             )
-        if len(set(self.axes)) != len(self.axes):
-            raise ConfigError(f"grid axis names {self.axes} repeat a name")
-        for axis, size in zip(self.axes, self.sizes):
+        if len(set(self.axes_fastest_first)) != len(self.axes_fastest_first):
+            raise ConfigError(f"grid axis names {self.axes_fastest_first} repeat a name")
+        for axis, size in zip(self.axes_fastest_first, self.sizes):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ConfigError(f"size of axis {axis!r} must be a positive integer, got {size!r}")
         if isinstance(self.rank_offset, bool) or not isinstance(self.rank_offset, int):
             raise ConfigError(f"rank_offset must be an integer, got {self.rank_offset!r}")
         if self.rank_offset < 0:
             raise ConfigError(f"rank_offset must be >= 0, got {self.rank_offset}")
-        strides = dict(zip(self.axes, _prefix_products(self.sizes)))
+        strides = dict(zip(self.axes_fastest_first, _prefix_products(self.sizes)))
         object.__setattr__(self, "_strides", strides)
 
     @property
@@ -72,9 +74,21 @@ class Grid:
         return math.prod(self.sizes)
 
     @property
-    def mesh_axes(self) -> tuple[str, ...]:
+    def axes_mesh_order(self) -> tuple[str, ...]:
         """Axis names outer to inner (the order string reversed)."""
-        return self.axes[::-1]
+        return self.axes_fastest_first[::-1]
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Deprecated: ``axes_fastest_first``."""
+        _renamed("Grid.axes", "Grid.axes_fastest_first")
+        return self.axes_fastest_first
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """Deprecated: ``axes_mesh_order``."""
+        _renamed("Grid.mesh_axes", "Grid.axes_mesh_order")
+        return self.axes_mesh_order
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -83,7 +97,7 @@ class Grid:
 
     def size(self, axis: str) -> int:
         """Size of one axis."""
-        return self.sizes[self.axes.index(self._known(axis))]
+        return self.sizes[self.axes_fastest_first.index(self._known(axis))]
 
     def stride(self, axis: str) -> int:
         """How far apart two ranks one step along ``axis`` are."""
@@ -93,14 +107,14 @@ class Grid:
         """The given axis set sorted outer to inner, e.g. ``("dp", "cp")``."""
         wanted = {self._known(axis) for axis in axes}
         if not wanted:
-            raise AxisError(f"an axis set needs at least one axis; valid axes are {self.axes}")
-        return tuple(axis for axis in self.mesh_axes if axis in wanted)
+            raise AxisError(f"an axis set needs at least one axis; valid axes are {self.axes_fastest_first}")
+        return tuple(axis for axis in self.axes_mesh_order if axis in wanted)
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """The position of ``rank`` on every axis."""
         local = self._local(rank)
         coordinate = {}
-        for axis, size in zip(self.axes, self.sizes):
+        for axis, size in zip(self.axes_fastest_first, self.sizes):
             local, coordinate[axis] = divmod(local, size)
         return coordinate
 
@@ -110,47 +124,47 @@ class Grid:
             self.mesh_shape
         )
 
-    def groups(self, axes: Sequence[str]) -> torch.Tensor:
-        """Every group of ``axes``, one row each.
+    def groups(self, major_to_minor: Sequence[str]) -> torch.Tensor:
+        """Every group of ``major_to_minor``, one row each.
 
-        ``axes`` runs major to minor: the last one varies fastest inside a row.
-        Rows are enumerated over the other axes, outer to inner.
+        ``major_to_minor`` runs major to minor: the last one varies fastest inside a row.
+        Rows are enumerated over the other major_to_minor, outer to inner.
 
         Example: ``Grid(("tp", "dp"), (2, 2)).groups(["dp", "tp"])`` is
         ``[[0, 1, 2, 3]]``; ``.groups(["tp", "dp"])`` is ``[[0, 2, 1, 3]]``.
         """
-        major_to_minor = self._distinct(axes)
-        letters = {axis: f"a{i}" for i, axis in enumerate(self.mesh_axes)}
-        others = [letters[a] for a in self.mesh_axes if a not in major_to_minor]
+        major_to_minor = self._distinct(major_to_minor)
+        letters = {axis: f"a{i}" for i, axis in enumerate(self.axes_mesh_order)}
+        others = [letters[a] for a in self.axes_mesh_order if a not in major_to_minor]
         members = [letters[a] for a in major_to_minor]
         pattern = (
             f"{' '.join(letters.values())} -> ({' '.join(others)}) ({' '.join(members)})"
         )
         return einops.rearrange(self.rank_grid(), pattern).contiguous()
 
-    def group_ranks(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
-        """The global ranks of the group of ``axes`` (major to minor) that holds ``rank``."""
-        return tuple(self.lattice_of(rank, axes))
+    def group_ranks(self, rank: int, major_to_minor: Sequence[str]) -> tuple[int, ...]:
+        """The global ranks of the group of ``major_to_minor`` (major to minor) that holds ``rank``."""
+        return tuple(self.lattice_of(rank, major_to_minor))
 
-    def lattice_of(self, rank: int, axes: Sequence[str]) -> Ranks:
+    def lattice_of(self, rank: int, major_to_minor: Sequence[str]) -> Ranks:
         """:meth:`group_ranks` as :class:`~meshstate.core.ranks.Ranks`: strides, no list of members.
 
         Example: ``Grid(("tp", "dp"), (2, 4)).lattice_of(5, ["dp"]) == (1, 3, 5, 7)``.
         """
-        major_to_minor = self._distinct(axes)
+        major_to_minor = self._distinct(major_to_minor)
         coordinate = self.coordinate(rank)
         base = rank - sum(coordinate[a] * self._strides[a] for a in major_to_minor)
         return Ranks(base, [(self._strides[a], self.size(a)) for a in major_to_minor])
 
-    def members_of(self, rank: int, axes: Sequence[str]) -> Sequence[int]:
+    def members_of(self, rank: int, major_to_minor: Sequence[str]) -> Sequence[int]:
         """:meth:`group_ranks` as a mesh keeps it: strides for more than 4,096 ranks, else a tuple.
 
         Example: ``Grid(("tp", "dp"), (2, 4)).members_of(5, ["dp"])`` is ``(1, 3, 5, 7)``.
         """
-        return listed_if_small(self.lattice_of(rank, axes))
+        return listed_if_small(self.lattice_of(rank, major_to_minor))
 
-    def members_at(self, rank: int, axes: Sequence[str], positions: range) -> Sequence[int]:
-        """The members at ``positions`` of ``rank``'s group of ``axes`` (major to minor), sorted.
+    def members_at(self, rank: int, major_to_minor: Sequence[str], positions: range) -> Sequence[int]:
+        """The members at ``positions`` of ``rank``'s group of ``major_to_minor`` (major to minor), sorted.
 
         Arithmetic on strides for just those positions, never the whole group: a
         :class:`~meshstate.core.ranks.Ranks` where they form a lattice of more
@@ -158,7 +172,7 @@ class Grid:
         Example: ``Grid(("tp", "dp"), (2, 4)).members_at(0, ["dp", "tp"], range(2, 4))``
         is ``(2, 3)``.
         """
-        major_to_minor = self._distinct(axes)
+        major_to_minor = self._distinct(major_to_minor)
         taken = self.lattice_of(rank, major_to_minor).take(positions)
         if taken is not None:
             return listed_if_small(taken.sorted())
@@ -172,9 +186,9 @@ class Grid:
         found: list[int] = members.sort().values.tolist()
         return tuple(found)
 
-    def index_in_group(self, rank: int, axes: Sequence[str]) -> int:
-        """Position of ``rank`` inside its group of ``axes`` (major to minor)."""
-        major_to_minor = self._distinct(axes)
+    def index_in_group(self, rank: int, major_to_minor: Sequence[str]) -> int:
+        """Position of ``rank`` inside its group of ``major_to_minor`` (major to minor)."""
+        major_to_minor = self._distinct(major_to_minor)
         coordinate = self.coordinate(rank)
         index = 0
         for axis in major_to_minor:
@@ -183,7 +197,7 @@ class Grid:
 
     def _known(self, axis: str) -> str:
         if axis not in self._strides:
-            raise AxisError(f"unknown axis {axis!r}; valid axes are {', '.join(self.axes)}")
+            raise AxisError(f"unknown axis {axis!r}; valid axes are {', '.join(self.axes_fastest_first)}")
         return axis
 
     def _distinct(self, axes: Sequence[str]) -> tuple[str, ...]:
@@ -191,7 +205,7 @@ class Grid:
             axes = (axes,)
         checked = tuple(self._known(axis) for axis in axes)
         if not checked:
-            raise AxisError(f"an axis list needs at least one axis; valid axes are {self.axes}")
+            raise AxisError(f"an axis list needs at least one axis; valid axes are {self.axes_fastest_first}")
         if len(set(checked)) != len(checked):
             raise AxisError(f"axis list {checked} names an axis twice")
         return checked
@@ -237,30 +251,30 @@ class ListedGrid(Grid):
             )
         if any(b <= a for a, b in zip(self.ranks, self.ranks[1:])) or self.ranks[0] < 0:
             raise ConfigError(f"listed ranks must increase from >= 0, got {_shown(self.ranks)}")
-        object.__setattr__(self, "_plain", Grid(self.axes, self.sizes))
+        object.__setattr__(self, "_plain", Grid(self.axes_fastest_first, self.sizes))
         object.__setattr__(self, "_position", {rank: i for i, rank in enumerate(self.ranks)})
 
     def rank_grid(self) -> torch.Tensor:
         """All ranks as an int tensor of ``mesh_shape``."""
         return torch.tensor(self.ranks).view(self.mesh_shape)
 
-    def group_ranks(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
-        """The global ranks of the group of ``axes`` (major to minor) that holds ``rank``."""
-        return tuple(self.ranks[i] for i in self._plain.group_ranks(self._local(rank), axes))
+    def group_ranks(self, rank: int, major_to_minor: Sequence[str]) -> tuple[int, ...]:
+        """The global ranks of the group of ``major_to_minor`` (major to minor) that holds ``rank``."""
+        return tuple(self.ranks[i] for i in self._plain.group_ranks(self._local(rank), major_to_minor))
 
-    def lattice_of(self, rank: int, axes: Sequence[str]) -> NoReturn:
+    def lattice_of(self, rank: int, major_to_minor: Sequence[str]) -> NoReturn:
         """Refused: listed ranks are no lattice; :meth:`group_ranks` lists the group."""
         raise ConfigError(
-            f"a grid over listed ranks has no strides; ask group_ranks({rank}, {axes})"
+            f"a grid over listed ranks has no strides; ask group_ranks({rank}, {major_to_minor})"
         )
 
-    def members_of(self, rank: int, axes: Sequence[str]) -> tuple[int, ...]:
+    def members_of(self, rank: int, major_to_minor: Sequence[str]) -> tuple[int, ...]:
         """The group, listed: listed ranks have no strides to keep."""
-        return self.group_ranks(rank, axes)
+        return self.group_ranks(rank, major_to_minor)
 
-    def members_at(self, rank: int, axes: Sequence[str], positions: range) -> tuple[int, ...]:
-        """The members at ``positions`` of ``rank``'s group of ``axes``, sorted."""
-        local = self._plain.members_at(self._local(rank), axes, positions)
+    def members_at(self, rank: int, major_to_minor: Sequence[str], positions: range) -> tuple[int, ...]:
+        """The members at ``positions`` of ``rank``'s group of ``major_to_minor``, sorted."""
+        local = self._plain.members_at(self._local(rank), major_to_minor, positions)
         return tuple(self.ranks[i] for i in local)
 
     def _local(self, rank: int) -> int:
@@ -281,3 +295,6 @@ def _prefix_products(sizes: Sequence[int]) -> list[int]:
         products.append(products[-1] * size)
     return products
 
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(f"{old} is renamed {new} (it says the order)", DeprecationWarning, stacklevel=3)

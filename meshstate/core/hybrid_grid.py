@@ -26,10 +26,10 @@ class HybridGrid:
     JAX's ``mesh_utils.create_hybrid_device_mesh`` for ranks: axis ``a`` has size
     ``inter[a] * intra[a]`` and coordinate ``inter_index * intra[a] + intra_index``.
     The rank at a coordinate is ``node * ranks_per_node + local``, where ``node``
-    numbers the inter indices and ``local`` the intra indices. ``axes`` run
-    fastest first, for ``node``, ``local`` and the groups alike: the axes of
-    ``intra`` in the order given, then those only ``inter`` names. ``mesh_axes``
-    is that order reversed, as in :class:`~meshstate.core.layout.Grid`.
+    numbers the inter indices and ``local`` the intra indices.
+    ``axes_fastest_first`` is the order of ``node``, ``local`` and the groups
+    alike: the axes of ``intra`` in the order given, then those only ``inter``
+    names; ``axes_mesh_order`` is it reversed, as in :class:`~meshstate.core.layout.Grid`.
 
     Example (16 ranks on 2 nodes of 8; data parallel twice inside a node and
     twice across nodes; a dp group ``[0, 1, 8, 9]`` is no order string's)::
@@ -45,7 +45,7 @@ class HybridGrid:
         {'dp': 3, 'tp': 0}
     """
 
-    axes: tuple[str, ...]
+    axes_fastest_first: tuple[str, ...]
     intra_sizes: tuple[int, ...]
     inter_sizes: tuple[int, ...]
     _positions: Grid = field(repr=False, compare=False)
@@ -59,7 +59,7 @@ class HybridGrid:
                 check_positive_int(f"{part} size of axis {axis!r}", size)
         intra_sizes = tuple(intra.get(axis, 1) for axis in axes)
         inter_sizes = tuple(inter.get(axis, 1) for axis in axes)
-        object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "axes_fastest_first", axes)
         object.__setattr__(self, "intra_sizes", intra_sizes)
         object.__setattr__(self, "inter_sizes", inter_sizes)
         sizes = tuple(i * n for i, n in zip(intra_sizes, inter_sizes))
@@ -71,8 +71,18 @@ class HybridGrid:
         return self._positions.sizes
 
     @property
+    def axes_mesh_order(self) -> tuple[str, ...]:
+        """Axis names outer to inner (``axes_fastest_first`` reversed)."""
+        return self._positions.axes_mesh_order
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Deprecated: ``axes_fastest_first``."""
+        return self._positions.axes
+
+    @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """Axis names outer to inner (``axes`` reversed)."""
+        """Deprecated: ``axes_mesh_order``."""
         return self._positions.mesh_axes
 
     @property
@@ -107,7 +117,7 @@ class HybridGrid:
             raise ConfigError(f"rank {rank} is outside the grid's ranks 0..{self.world_size - 1}")
         node, local = divmod(rank, self.ranks_per_node)
         coordinate = {}
-        for axis, intra_size, inter_size in zip(self.axes, self.intra_sizes, self.inter_sizes):
+        for axis, intra_size, inter_size in zip(self.axes_fastest_first, self.intra_sizes, self.inter_sizes):
             node, inter_index = divmod(node, inter_size)
             local, intra_index = divmod(local, intra_size)
             coordinate[axis] = inter_index * intra_size + intra_index
@@ -115,8 +125,8 @@ class HybridGrid:
 
     def rank_grid(self) -> torch.Tensor:
         """All ranks as an int tensor of ``mesh_shape``: the rank at each coordinate."""
-        inter = [f"n{i}" for i in range(len(self.axes))][::-1]
-        intra = [f"l{i}" for i in range(len(self.axes))][::-1]
+        inter = [f"n{i}" for i in range(len(self.axes_fastest_first))][::-1]
+        intra = [f"l{i}" for i in range(len(self.axes_fastest_first))][::-1]
         merged = " ".join(f"({n} {l})" for n, l in zip(inter, intra))
         ranks = torch.arange(self.world_size).view(*self.inter_sizes[::-1], *self.intra_sizes[::-1])
         return einops.rearrange(ranks, f"{' '.join(inter)} {' '.join(intra)} -> {merged}")
@@ -140,12 +150,12 @@ class HybridGrid:
 
     def _position(self, rank: int) -> int:
         coordinate = self.coordinate(rank)
-        return sum(coordinate[axis] * self._positions.stride(axis) for axis in self.axes)
+        return sum(coordinate[axis] * self._positions.stride(axis) for axis in self.axes_fastest_first)
 
     def _rank_at(self, coordinate: Mapping[str, int]) -> int:
         node = local = 0
         node_stride = local_stride = 1
-        for axis, intra_size, inter_size in zip(self.axes, self.intra_sizes, self.inter_sizes):
+        for axis, intra_size, inter_size in zip(self.axes_fastest_first, self.intra_sizes, self.inter_sizes):
             inter_index, intra_index = divmod(coordinate[axis], intra_size)
             node += inter_index * node_stride
             local += intra_index * local_stride

@@ -46,7 +46,7 @@ def init_hybrid_mesh(
     backend: str | None = None,
     timeout: timedelta | None = None,
 ) -> HybridMesh:
-    """Build ``grid``'s ``DeviceMesh`` (dims ``grid.mesh_axes``); every rank must call it.
+    """Build ``grid``'s ``DeviceMesh`` (dims ``grid.axes_mesh_order``); every rank must call it.
 
     Creates one group per axis in one :func:`meshstate.core.groups.create_process_groups`
     build and builds the mesh from them (``DeviceMesh.from_group`` creates none).
@@ -66,7 +66,7 @@ def init_hybrid_mesh(
     if dist.get_world_size() != grid.world_size:
         raise ConfigError(
             f"hybrid grid has {grid.world_size} ranks "
-            f"({' '.join(f'{a}={s}' for a, s in zip(grid.axes, grid.sizes))}) "
+            f"({' '.join(f'{a}={s}' for a, s in zip(grid.axes_fastest_first, grid.sizes))}) "
             f"but the world has {dist.get_world_size()}"
         )
     device_type = resolve_device_type(device_type)
@@ -77,15 +77,15 @@ def init_hybrid_mesh(
             tuple(sorted(grid.group_ranks(rank, [axis]))),
             functools.partial(_sorted_groups, grid, axis),
         )
-        for axis in grid.mesh_axes
+        for axis in grid.axes_mesh_order
     ]
     process_groups = create_process_groups(specs, backend=backend, timeout=timeout)
     try:
         device_mesh = DeviceMesh.from_group(
-            [process_groups.by_name[axis] for axis in grid.mesh_axes],
+            [process_groups.by_name[axis] for axis in grid.axes_mesh_order],
             device_type,
             mesh=grid.rank_grid(),
-            mesh_dim_names=grid.mesh_axes,
+            mesh_dim_names=grid.axes_mesh_order,
         )
     except BaseException:
         process_groups.destroy()

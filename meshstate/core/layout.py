@@ -87,7 +87,7 @@ def _hsdp_grid(config: MeshConfig, rank_offset: int = 0) -> Grid:
 
 
 def _listed(grid: Grid, ranks: tuple[int, ...] | None) -> Grid:
-    return grid if ranks is None else ListedGrid(grid.axes, grid.sizes, grid.rank_offset, ranks)
+    return grid if ranks is None else ListedGrid(grid.axes_fastest_first, grid.sizes, grid.rank_offset, ranks)
 
 
 def _expert_grid(config: MeshConfig, rank_offset: int = 0) -> Grid:

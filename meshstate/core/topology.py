@@ -141,7 +141,7 @@ def _hungry_spans(
     spans = {}
     for kind in BANDWIDTH_HUNGRY_KINDS:
         _, grid, axes = layout.resolve(kind)
-        key = (kind, *((a, s) for a, s in zip(grid.axes, grid.sizes) if s > 1))
+        key = (kind, *((a, s) for a, s in zip(grid.axes_fastest_first, grid.sizes) if s > 1))
         if key not in known:
             known[key] = nodes_spanned(grid.groups(axes), ranks_per_node)
         spans[kind] = known[key]

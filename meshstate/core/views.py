@@ -48,11 +48,11 @@ def build_root_mesh(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
     mesh._check_alive()
     groups = [
         mesh._group_of[axis] if axis in mesh._group_of else mesh.ordered(axis).group
-        for axis in grid.mesh_axes
+        for axis in grid.axes_mesh_order
     ]
     with outside_simulation():  # one rank grid, shared by every simulated rank
         return DeviceMesh.from_group(
-            groups, mesh.device_type, mesh=grid.rank_grid(), mesh_dim_names=grid.mesh_axes
+            groups, mesh.device_type, mesh=grid.rank_grid(), mesh_dim_names=grid.axes_mesh_order
         )
 
 

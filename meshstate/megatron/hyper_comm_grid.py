@@ -132,7 +132,7 @@ class HyperCommGrid:
     @property
     def dim_names(self) -> list[str]:
         """The dim names, fastest-varying first."""
-        return list(self._grid.axes)
+        return list(self._grid.axes_fastest_first)
 
     @property
     def rank_offset(self) -> int:
@@ -252,9 +252,9 @@ class HyperCommGrid:
 
     def _checked(self, dims: str | Sequence[str]) -> tuple[str, ...]:
         names = (dims,) if isinstance(dims, str) else tuple(dims)
-        valid = ", ".join(self._grid.axes)
+        valid = ", ".join(self._grid.axes_fastest_first)
         for name in names:
-            if name not in self._grid.axes:
+            if name not in self._grid.axes_fastest_first:
                 raise DimError(f"unknown dim {name!r} in {dims!r}; the grid's dims are {valid}")
             if names.count(name) > 1:
                 raise DimError(f"dims {list(names)} name {name!r} twice")

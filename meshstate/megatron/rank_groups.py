@@ -199,6 +199,6 @@ class RankGenerator:
     def get_ranks(self, token: str) -> list[list[int]]:
         """Every group of the axes in ``token`` (e.g. ``"tp-dp"``), megatron-core's order."""
         mask = self.get_mask(self.order, token)
-        names = [name for name, keep in zip(self._grid.axes, mask) if keep]
+        names = [name for name, keep in zip(self._grid.axes_fastest_first, mask) if keep]
         groups: list[list[int]] = self._grid.groups(self._grid.mesh_order(names)).tolist()
         return groups

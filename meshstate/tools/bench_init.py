@@ -148,7 +148,7 @@ def _build_device_mesh(config: MeshConfig) -> _Built:
     """Plain torch: every axis by ``init_device_mesh``, joint and expert groups by flattening."""
     layout = ParallelLayout(config)
     dense = init_device_mesh(
-        "cpu", layout.dense.mesh_shape, mesh_dim_names=layout.dense.mesh_axes
+        "cpu", layout.dense.mesh_shape, mesh_dim_names=layout.dense.axes_mesh_order
     )
     flattened = {}
     for key in GROUP_KINDS:
@@ -156,7 +156,7 @@ def _build_device_mesh(config: MeshConfig) -> _Built:
         if "-" in key and grid is layout.dense:
             flattened[key] = torch_internals.flatten(dense[axes], key)
     expert = torch_internals.unflatten(
-        torch_internals.flatten(dense, "world"), layout.expert.mesh_shape, layout.expert.mesh_axes
+        torch_internals.flatten(dense, "world"), layout.expert.mesh_shape, layout.expert.axes_mesh_order
     )
     for key in ("etp-ep", "etp-ep-pp"):
         flattened[key] = torch_internals.flatten(expert[layout.resolve(key)[2]], key)

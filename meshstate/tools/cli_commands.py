@@ -205,7 +205,7 @@ class _GroupsPreview:
 def _preview(layout: ParallelLayout, kind: str, groups: int, members: int) -> _GroupsPreview:
     """Equals ``layout.groups(kind)[:groups, :members]`` with its shape, in O(groups * members)."""
     _, grid, axes = layout.resolve(kind)
-    others = [axis for axis in grid.mesh_axes if axis not in axes]
+    others = [axis for axis in grid.axes_mesh_order if axis not in axes]
     size = math.prod(grid.size(axis) for axis in axes)
     count = grid.world_size // size
     first = [
