@@ -100,7 +100,7 @@ def test_one_public_way_to_ask_a_position_and_the_tables_stay_private():
         mesh = meshstate.init_mesh(tp=2, cp=2)  # rank 5: tp=1 cp=0 dp=1
         assert mesh.rank("tp") == 1 and mesh.rank("dp-cp") == 2
         assert mesh.rank(("cp", "dp")) == 1 and mesh.rank(("dp", "tp")) == 3
-        with pytest.warns(DeprecationWarning, match=r"mesh.rank_in\[key\] is deprecated; use mesh.rank\(key\)"):
+        with pytest.warns(DeprecationWarning, match=r"ParallelMesh.rank_in is deprecated; use mesh.rank\(key\)"):
             assert mesh.rank_in["tp"] == 1
         with pytest.warns(DeprecationWarning, match="mesh.axis_group"):
             assert mesh.axis_group("tp").rank == 1

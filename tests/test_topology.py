@@ -401,5 +401,5 @@ def test_plan_bad_gpus_per_node_exits_2_with_one_line(capsys):
 def test_the_hybrid_names_at_their_old_address_still_work_and_say_where_they_live():
     import meshstate.topology
 
-    with pytest.warns(DeprecationWarning, match="use meshstate.HybridGrid"):
+    with pytest.warns(DeprecationWarning, match="HybridGrid moved to meshstate"):
         assert meshstate.topology.HybridGrid is HybridGrid

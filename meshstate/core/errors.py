@@ -8,9 +8,7 @@ unknown mesh axis keeps working.
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
+from meshstate.core.deprecation import moved_names
 
 
 class MeshStateError(Exception):
@@ -81,17 +79,7 @@ class SimulationError(MeshStateError, NotImplementedError):
     """
 
 
-_MOVED = {
+__getattr__ = moved_names(__name__, {
     "ParallelStateError": "meshstate.megatron.errors",
     "DimNameError": "meshstate.titan.parallel_dims",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """A façade's error this module used to carry, with a warning saying its home."""
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"meshstate.core.errors.{name} moved to {_MOVED[name]}", DeprecationWarning, stacklevel=2
-    )
-    return getattr(importlib.import_module(_MOVED[name]), name)
+})

@@ -14,8 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
-
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from typing import NoReturn
 import einops
 import torch
 
+from meshstate.core.deprecation import Renamed
 from meshstate.core.errors import AxisError, ConfigError
 from meshstate.core.ranks import Ranks, listed_if_small
 
@@ -78,17 +77,8 @@ class Grid:
         """Axis names outer to inner (the order string reversed)."""
         return self.axes_fastest_first[::-1]
 
-    @property
-    def axes(self) -> tuple[str, ...]:
-        """Deprecated: ``axes_fastest_first``."""
-        _renamed("Grid.axes", "Grid.axes_fastest_first")
-        return self.axes_fastest_first
-
-    @property
-    def mesh_axes(self) -> tuple[str, ...]:
-        """Deprecated: ``axes_mesh_order``."""
-        _renamed("Grid.mesh_axes", "Grid.axes_mesh_order")
-        return self.axes_mesh_order
+    axes = Renamed[tuple[str, ...]]("axes_fastest_first")
+    mesh_axes = Renamed[tuple[str, ...]]("axes_mesh_order")
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -294,7 +284,3 @@ def _prefix_products(sizes: Sequence[int]) -> list[int]:
     for size in sizes[:-1]:
         products.append(products[-1] * size)
     return products
-
-
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(f"{old} is renamed {new} (it says the order)", DeprecationWarning, stacklevel=3)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import einops
 import torch
 
+from meshstate.core.deprecation import Renamed
 from meshstate.core.config import check_positive_int
 from meshstate.core.errors import ConfigError
 from meshstate.core.grid import Grid
@@ -75,15 +76,8 @@ class HybridGrid:
         """Axis names outer to inner (``axes_fastest_first`` reversed)."""
         return self._positions.axes_mesh_order
 
-    @property
-    def axes(self) -> tuple[str, ...]:
-        """Deprecated: ``axes_fastest_first``."""
-        return self._positions.axes
-
-    @property
-    def mesh_axes(self) -> tuple[str, ...]:
-        """Deprecated: ``axes_mesh_order``."""
-        return self._positions.mesh_axes
+    axes = Renamed[tuple[str, ...]]("axes_fastest_first")
+    mesh_axes = Renamed[tuple[str, ...]]("axes_mesh_order")
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

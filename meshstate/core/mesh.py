@@ -18,7 +18,6 @@ import inspect
 import os
 import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from functools import cached_property
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
+from meshstate.core.deprecation import Renamed, warn_deprecated
 from meshstate.core.errors import AxisError, MeshStateError, NotInitializedError, WrongMeshError
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
 from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Grid, Key, ParallelLayout, spellings, splits_dp
@@ -287,7 +287,7 @@ class ParallelMesh:
 
     def axis_group(self, key: Key) -> AxisGroup:
         """Deprecated: ``mesh.ranks(key)``, ``mesh.rank(key)`` and ``mesh.group(key)``."""
-        _deprecated("mesh.axis_group(key)", "mesh.ranks(key), mesh.rank(key) and mesh.group(key)")
+        warn_deprecated("mesh.axis_group(key)", "mesh.ranks(key), mesh.rank(key) and mesh.group(key)")
         ranks = self.ranks(key)
         return AxisGroup(self._declared[key], ranks, self._rank_in[key], self._group_of[key])
 
@@ -308,29 +308,10 @@ class ParallelMesh:
                 return self.ordered(key).index
             raise self._missing(key) from None
 
-    @property
-    def rank_in(self) -> Table[int]:
-        """Deprecated: ``mesh.rank(key)``."""
-        _deprecated("mesh.rank_in[key]", "mesh.rank(key)")
-        return self._rank_in
-
-    @property
-    def size_of(self) -> Table[int]:
-        """Deprecated: ``mesh.size(key)``."""
-        _deprecated("mesh.size_of[key]", "mesh.size(key)")
-        return self._size_of
-
-    @property
-    def group_of(self) -> Table[dist.ProcessGroup]:
-        """Deprecated: ``mesh.group(key)``."""
-        _deprecated("mesh.group_of[key]", "mesh.group(key)")
-        return self._group_of
-
-    @property
-    def ranks_of(self) -> Table[Sequence[int]]:
-        """Deprecated: ``mesh.ranks(key)``."""
-        _deprecated("mesh.ranks_of[key]", "mesh.ranks(key)")
-        return self._ranks_of
+    rank_in = Renamed[Table[int]]("_rank_in", "mesh.rank(key)")
+    size_of = Renamed[Table[int]]("_size_of", "mesh.size(key)")
+    group_of = Renamed[Table[dist.ProcessGroup]]("_group_of", "mesh.group(key)")
+    ranks_of = Renamed[Table[Sequence[int]]]("_ranks_of", "mesh.ranks(key)")
 
     def size(self, key: Key) -> int:
         """Number of ranks in a group of ``key``."""
@@ -522,10 +503,6 @@ def destroy_every_mesh() -> None:
     for mesh in list(_live_meshes):
         mesh.destroy()
     _current.set_mesh, _current.entered = None, ()
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
 
 
 def _inverse(permutation: tuple[int, ...]) -> tuple[int, ...]:

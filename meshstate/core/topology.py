@@ -22,17 +22,16 @@ Example (16 ranks, 8 per node; the report also warns, caught here)::
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from meshstate.core.config import MeshConfig, check_positive_int
+from meshstate.core.deprecation import moved_names
 from meshstate.core.errors import AxisError, ConfigError
 from meshstate.core.layout import GROUP_KINDS, ParallelLayout
 
@@ -215,18 +214,6 @@ def _advice(
     return advice
 
 
-_MOVED = {
-    "HybridGrid": "meshstate.core.hybrid_grid",
-    "HybridMesh": "meshstate.core.hybrid_mesh",
-    "init_hybrid_mesh": "meshstate.core.hybrid_mesh",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """The hybrid-mesh names this module used to carry, with a warning saying their home."""
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"meshstate.topology.{name} moved: use meshstate.{name}", DeprecationWarning, stacklevel=2
-    )
-    return getattr(importlib.import_module(_MOVED[name]), name)
+__getattr__ = moved_names(__name__, {
+    name: "meshstate" for name in ("HybridGrid", "HybridMesh", "init_hybrid_mesh")
+})

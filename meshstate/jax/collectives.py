@@ -48,7 +48,7 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -147,6 +147,28 @@ def _typed_input(
     return pvary_over(x, names - before, parallel_mesh), before
 
 
+def _collective(
+    x: torch.Tensor,
+    axes: Axes,
+    mesh: ParallelMesh | None,
+    name: str,
+    run: Callable[[torch.Tensor, OrderedGroup], torch.Tensor],
+    *,
+    reduces: bool = False,
+    keeps_axes: bool = True,
+) -> torch.Tensor:
+    """``run(x, group)`` over the group of ``axes``; inside a typed body, with JAX's rule:
+    ``x`` cast up to vary over ``axes`` first, the result typed with them (``keeps_axes``)
+    or without them, a reduction over a mix of varying and invariant axes refused."""
+    group = _ordered(axes, mesh, name)
+    if body.types is None:
+        return run(x, group)
+    with _compat.torch_functions_off():
+        x, before = _typed_input(x, axes, mesh, name, reduces=reduces)
+        names = _axis_names(axes)
+        return typed(run(x, group), before | names if keeps_axes else before - names)
+
+
 def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
     """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
     ``pvary`` inside a typed body, and what casting an operand up inserts)."""
@@ -186,22 +208,16 @@ def psum(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> to
     ``reduce_from_tensor_model_parallel_region``); a ``psum`` inside a
     ``shard_map(check_vma=False)`` body. Type: ``vma(x)`` without ``axes``.
     """
-    group = _ordered(axes, mesh, "psum")
-    if body.types is None:
-        return sum_over(x, group, "psum")
-    with _compat.torch_functions_off():
-        x, before = _typed_input(x, axes, mesh, "psum", reduces=True)
-        return typed(sum_over(x, group, "psum"), before - _axis_names(axes))
+    return _collective(x, axes, mesh, "psum", lambda v, group: sum_over(v, group, "psum"),
+                       reduces=True, keeps_axes=False)
 
 
 def pmean(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
     """The mean of ``x`` over ``axes``, on every rank (``psum(x, axes) / axis_size(axes)``)."""
-    group = _ordered(axes, mesh, "pmean")
-    if body.types is None:
-        return sum_over(x, group, "pmean") / len(group.ranks)
-    with _compat.torch_functions_off():
-        x, before = _typed_input(x, axes, mesh, "pmean", reduces=True)
-        return typed(sum_over(x, group, "pmean") / len(group.ranks), before - _axis_names(axes))
+    return _collective(
+        x, axes, mesh, "pmean", lambda v, group: sum_over(v, group, "pmean") / len(group.ranks),
+        reduces=True, keeps_axes=False,
+    )
 
 
 def pmax(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
@@ -273,12 +289,8 @@ def all_gather(
     Type: ``vma(x)`` and ``axes`` (every rank holds the same values, typed varying;
     :func:`all_gather_invariant` gives them the invariant type).
     """
-    group = _ordered(axes, mesh, "all_gather")
-    if body.types is None:
-        return all_gather_on(x, group, axis, tiled)
-    with _compat.torch_functions_off():
-        x, before = _typed_input(x, axes, mesh, "all_gather", reduces=False)
-        return typed(all_gather_on(x, group, axis, tiled), before | _axis_names(axes))
+    return _collective(x, axes, mesh, "all_gather",
+                       lambda v, group: all_gather_on(v, group, axis, tiled))
 
 
 def all_gather_invariant(
@@ -296,12 +308,8 @@ def all_gather_invariant(
     Type: ``vma(x)`` without ``axes``, so the result may leave a ``shard_map``
     under an out-spec that leaves ``axes`` out.
     """
-    group = _ordered(axes, mesh, "all_gather_invariant")
-    if body.types is None:
-        return gather_invariant(x, group, axis, tiled)
-    with _compat.torch_functions_off():
-        x, before = _typed_input(x, axes, mesh, "all_gather_invariant", reduces=False)
-        return typed(gather_invariant(x, group, axis, tiled), before - _axis_names(axes))
+    return _collective(x, axes, mesh, "all_gather_invariant",
+                       lambda v, group: gather_invariant(v, group, axis, tiled), keeps_axes=False)
 
 
 def psum_scatter(
@@ -319,12 +327,8 @@ def psum_scatter(
     Backward: ``all_gather`` (megatron-core's ``reduce_scatter_to_sequence_parallel_region``).
     Type: ``vma(x)`` and ``axes``.
     """
-    group = _ordered(axes, mesh, "psum_scatter")
-    if body.types is None:
-        return scatter(x, group, scatter_dimension, tiled)
-    with _compat.torch_functions_off():
-        x, before = _typed_input(x, axes, mesh, "psum_scatter", reduces=True)
-        return typed(scatter(x, group, scatter_dimension, tiled), before | _axis_names(axes))
+    return _collective(x, axes, mesh, "psum_scatter",
+                       lambda v, group: scatter(v, group, scatter_dimension, tiled), reduces=True)
 
 
 def all_to_all(
@@ -343,13 +347,8 @@ def all_to_all(
     dim of that size appears at ``concat_axis``; with ``tiled=True`` no dim is
     added or removed. Backward: the swapped ``all_to_all``. Type: ``vma(x)`` and ``axes``.
     """
-    group = _ordered(axes, mesh, "all_to_all")
-    if body.types is None:
-        return exchange(x, group, split_axis, concat_axis, tiled)
-    with _compat.torch_functions_off():
-        x, before = _typed_input(x, axes, mesh, "all_to_all", reduces=False)
-        exchanged = exchange(x, group, split_axis, concat_axis, tiled)
-        return typed(exchanged, before | _axis_names(axes))
+    return _collective(x, axes, mesh, "all_to_all",
+                       lambda v, group: exchange(v, group, split_axis, concat_axis, tiled))
 
 
 def ppermute(
@@ -365,12 +364,7 @@ def ppermute(
     as a source and once as a destination. Backward: the inverse permutation.
     Type: ``vma(x)`` and ``axes``.
     """
-    group = _ordered(axes, mesh, "ppermute")
-    pairs = check_perm(perm, len(group.ranks))
-    if body.types is None:
-        return permute(x, group, pairs)
-    with _compat.torch_functions_off():
-        x, before = _typed_input(x, axes, mesh, "ppermute", reduces=False)
-        return typed(permute(x, group, pairs), before | _axis_names(axes))
+    pairs = check_perm(perm, axis_size(axes, mesh=mesh))
+    return _collective(x, axes, mesh, "ppermute", lambda v, group: permute(v, group, pairs))
 
 

@@ -29,7 +29,7 @@ from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.simulation import each_rank
-from meshstate.jax.torch_calls import device_for, gather
+from meshstate.jax.torch_calls import device_for, gather, summed_gradient
 from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
 
 SpecTree = P | None | tuple[Any, ...] | list[Any] | dict[Any, Any]
@@ -122,7 +122,7 @@ class Plan:
             left_out = self.left_out[key]
             if left_out is None or not jax_grads or not local.requires_grad:
                 return local
-            return sum_grad(local, left_out.group_name)
+            return summed_gradient(local, left_out.group_name)
         if len(spec.dims) > x.dim():
             raise ConfigError(
                 f"{spec!r} has {len(spec.dims)} dims but the shape {tuple(x.shape)} has {x.dim()}"
@@ -143,7 +143,7 @@ class Plan:
         left_out = self.left_out[key]
         if left_out is None or not jax_grads:
             return local
-        return sum_grad(local, left_out.group_name)
+        return summed_gradient(local, left_out.group_name)
 
     def _local_of(self, x: DTensor, key: SpecKey) -> torch.Tensor:
         """The block of a DTensor laid out as ``key`` on the view. One on the view or on a
@@ -327,21 +327,6 @@ class _TakeBlock(torch.autograd.Function):
         return grad, None
 
 
-class _SumGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group named ``group_name``.
-
-    Hand-written: torch's functional collectives have no identity-forward op."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        ctx.group_name = group_name
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _compat.traced_all_reduce(grad.contiguous(), "sum", ctx.group_name), None
-
-
 class _ShareGrad(torch.autograd.Function):
     """Identity forward; backward divides the gradient into ``parts`` equal shares.
 
@@ -361,5 +346,4 @@ class _ShareGrad(torch.autograd.Function):
 take_block: Callable[
     [torch.Tensor, Sequence[tuple[int, OrderedGroup]]], torch.Tensor
 ] = _TakeBlock.apply
-sum_grad: Callable[[torch.Tensor, str], torch.Tensor] = _SumGrad.apply
 share_grad: Callable[[torch.Tensor, int], torch.Tensor] = _ShareGrad.apply
