@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -224,14 +226,68 @@ class Result:
     reference_losses: list[float]
     max_loss_diff: float
     max_grad_diff: float
+    tolerance: float = TOLERANCE
 
     @property
     def ok(self) -> bool:
         return (
             self.losses[-1] < self.losses[0]
-            and self.max_loss_diff <= TOLERANCE
-            and self.max_grad_diff <= TOLERANCE
+            and self.max_loss_diff <= self.tolerance
+            and self.max_grad_diff <= self.tolerance
         )
+
+
+def checked_result(
+    name: str,
+    summary: str,
+    losses: list[float],
+    reference_losses: list[float],
+    grad_diffs: list[float],
+    tolerance: float = TOLERANCE,
+    digits: int = 4,
+) -> Result:
+    """A run's :class:`Result`, printed on rank 0 under ``name: summary``; a ``RuntimeError``
+    on every rank if the loss did not go down or it differs from the reference."""
+    result = Result(
+        losses=losses,
+        reference_losses=reference_losses,
+        max_loss_diff=max(abs(a - b) for a, b in zip(losses, reference_losses)),
+        max_grad_diff=max(grad_diffs),
+        tolerance=tolerance,
+    )
+    if dist.get_rank() == 0:
+        print(f"{name}: {summary}")
+        print("  loss      " + " ".join(f"{x:.{digits}f}" for x in losses))
+        print("  reference " + " ".join(f"{x:.{digits}f}" for x in reference_losses))
+        print(
+            f"  max |loss - reference| = {result.max_loss_diff:.1e}, "
+            f"max |grad - reference| = {result.max_grad_diff:.1e} "
+            f"(tolerance {tolerance:g}): {'OK' if result.ok else 'FAILED'}"
+        )
+    if not result.ok:
+        raise RuntimeError(f"{name} check failed on rank {dist.get_rank()}: {result}")
+    return result
+
+
+def destroying(mesh: meshstate.ParallelMesh, train: Callable[..., Result], *args: Any) -> Result:
+    """``train(mesh, *args)``; the mesh is destroyed afterwards, whatever happens."""
+    try:
+        return train(mesh, *args)
+    finally:
+        mesh.destroy()
+
+
+def torchrun_main(train: Callable[[], object]) -> None:
+    """Run ``train`` under ``torchrun --nproc-per-node 8``: NCCL with a GPU per rank, else
+    gloo; the default group is destroyed afterwards."""
+    use_cuda = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        train()
+    finally:
+        dist.destroy_process_group()
 
 
 def train(tp: int = 2, cp: int = 2, steps: int = STEPS) -> Result:
@@ -241,11 +297,7 @@ def train(tp: int = 2, cp: int = 2, steps: int = STEPS) -> Result:
     and ``cp``). Prints a summary on rank 0 and raises ``RuntimeError`` if the
     loss did not go down or the loss or gradients differ from the reference.
     """
-    mesh = meshstate.init_mesh(tp=tp, cp=cp)
-    try:
-        return _train(mesh, steps)
-    finally:
-        mesh.destroy()
+    return destroying(meshstate.init_mesh(tp=tp, cp=cp), _train, steps)
 
 
 def _train(mesh: meshstate.ParallelMesh, steps: int) -> Result:
@@ -284,25 +336,9 @@ def _train(mesh: meshstate.ParallelMesh, steps: int) -> Result:
             opt.step()
             opt.zero_grad()
 
-    result = Result(
-        losses=losses,
-        reference_losses=reference_losses,
-        max_loss_diff=max(abs(a - b) for a, b in zip(losses, reference_losses)),
-        max_grad_diff=max(grad_diffs),
-    )
-    if dist.get_rank() == 0:
-        sizes = " ".join(f"{axis}={mesh.size(axis)}" for axis in ("tp", "cp", "dp"))
-        print(f"fsdp2_tp: {sizes}, {steps} steps on {device.type}")
-        print("  loss      " + " ".join(f"{x:.4f}" for x in losses))
-        print("  reference " + " ".join(f"{x:.4f}" for x in reference_losses))
-        print(
-            f"  max |loss - reference| = {result.max_loss_diff:.1e}, "
-            f"max |grad - reference| = {result.max_grad_diff:.1e} "
-            f"(tolerance {TOLERANCE:g}): {'OK' if result.ok else 'FAILED'}"
-        )
-    if not result.ok:
-        raise RuntimeError(f"fsdp2_tp check failed on rank {dist.get_rank()}: {result}")
-    return result
+    sizes = " ".join(f"{axis}={mesh.size(axis)}" for axis in ("tp", "cp", "dp"))
+    return checked_result("fsdp2_tp", f"{sizes}, {steps} steps on {device.type}", losses,
+                          reference_losses, grad_diffs)
 
 
 def _max_grad_diff(model: nn.Module, reference: nn.Module) -> float:
@@ -331,17 +367,5 @@ def _device(mesh: meshstate.ParallelMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def main() -> None:
-    """Entry point under ``torchrun --nproc-per-node 8``: NCCL with a GPU per rank, else gloo."""
-    use_cuda = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    try:
-        train()
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    torchrun_main(train)

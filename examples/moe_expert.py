@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import meshstate
+from fsdp2_tp import Result, checked_result
 
 DIM = 16
 HIDDEN = 32
@@ -237,22 +238,6 @@ def average_gradients(model: MoE, mesh: meshstate.ParallelMesh) -> None:
         param.grad.div_(mesh.size("ep"))
 
 
-@dataclass(frozen=True)
-class Result:
-    losses: list[float]
-    reference_losses: list[float]
-    max_loss_diff: float
-    max_grad_diff: float
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.losses[-1] < self.losses[0]
-            and self.max_loss_diff <= TOLERANCE
-            and self.max_grad_diff <= TOLERANCE
-        )
-
-
 def train(tp: int = 2, ep: int = 2, etp: int = 2, steps: int = STEPS) -> Result:
     """Train on every rank of an initialised world; check against the reference.
 
@@ -303,28 +288,10 @@ def _train(mesh: meshstate.ParallelMesh, steps: int) -> Result:
             opt.step()
             opt.zero_grad()
 
-    result = Result(
-        losses=losses,
-        reference_losses=reference_losses,
-        max_loss_diff=max(abs(a - b) for a, b in zip(losses, reference_losses)),
-        max_grad_diff=max(grad_diffs),
-    )
-    if dist.get_rank() == 0:
-        sizes = " ".join(f"{axis}={mesh.size(axis)}" for axis in ("ep", "etp", "edp"))
-        print(
-            f"moe_expert: {sizes}, {EXPERTS} experts, top-{TOP_K}, "
-            f"{steps} steps on {device.type}"
-        )
-        print("  loss      " + " ".join(f"{x:.4f}" for x in losses))
-        print("  reference " + " ".join(f"{x:.4f}" for x in reference_losses))
-        print(
-            f"  max |loss - reference| = {result.max_loss_diff:.1e}, "
-            f"max |grad - reference| = {result.max_grad_diff:.1e} "
-            f"(tolerance {TOLERANCE:g}): {'OK' if result.ok else 'FAILED'}"
-        )
-    if not result.ok:
-        raise RuntimeError(f"moe_expert check failed on rank {dist.get_rank()}: {result}")
-    return result
+    return checked_result('moe_expert', (
+        " ".join(f"{axis}={mesh.size(axis)}" for axis in ("ep", "etp", "edp"))
+        + f", {EXPERTS} experts, top-{TOP_K}, {steps} steps on {device.type}"
+    ), losses, reference_losses, grad_diffs)
 
 
 def _device(mesh: meshstate.ParallelMesh) -> torch.device:

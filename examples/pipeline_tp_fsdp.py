@@ -34,7 +34,6 @@ Run it with::
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,7 +44,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import meshstate
-from fsdp2_tp import _device, _max_grad_diff
+from fsdp2_tp import Result, _device, _max_grad_diff, checked_result, destroying, torchrun_main
 
 IN = 8
 DIM = 16
@@ -129,34 +128,10 @@ def loss_of(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)
 
 
-@dataclass(frozen=True)
-class Result:
-    losses: list[float]
-    reference_losses: list[float]
-    max_loss_diff: float
-    max_grad_diff: float
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.losses[-1] < self.losses[0]
-            and self.max_loss_diff <= TOLERANCE
-            and self.max_grad_diff <= TOLERANCE
-        )
-
-
 def train(tp: int = 2, pp: int = 2, steps: int = STEPS) -> Result:
-    """Train on every rank of an initialised world; check against the reference.
-
-    Every rank must call it (``dp`` is what is left of the world after ``tp``
-    and ``pp``). Prints a summary on rank 0 and raises ``RuntimeError`` if the
-    loss did not go down or the loss or gradients differ from the reference.
-    """
-    mesh = meshstate.init_mesh(tp=tp, pp=pp)
-    try:
-        return _train(mesh, steps)
-    finally:
-        mesh.destroy()
+    """``steps`` pipelined steps on every rank (dp is what ``tp`` and ``pp`` leave of the
+    world), checked against one process as :func:`fsdp2_tp.checked_result` says."""
+    return destroying(meshstate.init_mesh(tp=tp, pp=pp), _train, steps)
 
 
 def _train(mesh: meshstate.ParallelMesh, steps: int) -> Result:
@@ -203,35 +178,11 @@ def _train(mesh: meshstate.ParallelMesh, steps: int) -> Result:
             opt.step()
             opt.zero_grad()
 
-    result = Result(
-        losses=losses,
-        reference_losses=reference_losses,
-        max_loss_diff=max(abs(a - b) for a, b in zip(losses, reference_losses)),
-        max_grad_diff=max(grad_diffs),
-    )
-    if dist.get_rank() == 0:
-        sizes = " ".join(f"{axis}={mesh.size(axis)}" for axis in ("tp", "pp", "dp"))
-        print(f"pipeline_tp_fsdp: {sizes}, {MICROBATCHES} microbatches, {steps} steps on {device.type}")
-        print("  loss      " + " ".join(f"{x:.6f}" for x in losses))
-        print("  reference " + " ".join(f"{x:.6f}" for x in reference_losses))
-        print(
-            f"  max |loss - reference| = {result.max_loss_diff:.1e}, "
-            f"max |grad - reference| = {result.max_grad_diff:.1e} "
-            f"(tolerance {TOLERANCE:g}): {'OK' if result.ok else 'FAILED'}"
-        )
-    if not result.ok:
-        raise RuntimeError(f"pipeline_tp_fsdp check failed on rank {dist.get_rank()}: {result}")
-    return result
-
-
-def main() -> None:
-    """Entry point under ``torchrun --nproc-per-node 8`` (gloo on CPU)."""
-    dist.init_process_group("gloo")
-    try:
-        train()
-    finally:
-        dist.destroy_process_group()
+    return checked_result('pipeline_tp_fsdp', (
+        " ".join(f"{axis}={mesh.size(axis)}" for axis in ("tp", "pp", "dp"))
+        + f", {MICROBATCHES} microbatches, {steps} steps on {device.type}"
+    ), losses, reference_losses, grad_diffs, TOLERANCE, digits=6)
 
 
 if __name__ == "__main__":
-    main()
+    torchrun_main(train)

@@ -33,9 +33,9 @@ from fsdp2_tp import (
     BATCH,
     LR,
     STEPS,
-    TOLERANCE,
     Result,
     Transformer,
+    checked_result,
     _max_grad_diff,
     loss_of,
     make_batch,
@@ -94,27 +94,10 @@ def _train(dims: ParallelDims, steps: int) -> Result:
             opt.step()
             opt.zero_grad()
 
-    result = Result(
-        losses=losses,
-        reference_losses=reference_losses,
-        max_loss_diff=max(abs(a - b) for a, b in zip(losses, reference_losses)),
-        max_grad_diff=max(grad_diffs),
-    )
-    if dist.get_rank() == 0:
-        print(
-            f"titan_hsdp_tp: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} "
-            f"tp={dims.tp}, {steps} steps on {device.type}"
-        )
-        print("  loss      " + " ".join(f"{x:.4f}" for x in losses))
-        print("  reference " + " ".join(f"{x:.4f}" for x in reference_losses))
-        print(
-            f"  max |loss - reference| = {result.max_loss_diff:.1e}, "
-            f"max |grad - reference| = {result.max_grad_diff:.1e} "
-            f"(tolerance {TOLERANCE:g}): {'OK' if result.ok else 'FAILED'}"
-        )
-    if not result.ok:
-        raise RuntimeError(f"titan_hsdp_tp check failed on rank {dist.get_rank()}: {result}")
-    return result
+    return checked_result('titan_hsdp_tp', (
+        f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}, "
+        f"{steps} steps on {device.type}"
+    ), losses, reference_losses, grad_diffs)
 
 
 def main() -> None:
