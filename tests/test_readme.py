@@ -1,31 +1,40 @@
-"""Every ```python block of README.md runs exactly as printed.
+"""Every ```python block of README.md and docs/*.md runs exactly as printed, and every
+```signature block there is the code's own signature.
 
 A block runs on every rank of an 8-rank local gloo world (the README's mesh
 needs 8), in a fresh namespace; a line ``expression  # literal`` also checks
-that the expression equals the literal, so the values the README shows stay
+that the expression equals the literal, so the values the pages show stay
 true. A block that defines a ``@distributed`` test is a test file, so it is
-run the way a user runs one: saved as a file and given to pytest.
+run the way a user runs one: saved as a file and given to pytest. A signature
+is ``module.name(parameters)`` as :func:`signature_text` renders it from the code
+(keywords a ``**kwargs: Unpack[...]`` takes listed by name), so none is retyped.
 """
 
 import ast
+import importlib
+import inspect
 import io
 import linecache
 import re
 import subprocess
 import sys
 import tokenize
+import typing
 from pathlib import Path
 
 import pytest
 
 from meshstate.testing import local_world
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 WORLD_SIZE = 8
 
 
-def python_blocks(markdown: str) -> list[tuple[str, int, str]]:
-    """``(heading, first line, source)`` of every ```python block; a heading's second is ``#2``."""
+def python_blocks(markdown: str, language: str = "python") -> list[tuple[str, int, str]]:
+    """``(heading, first line, source)`` of every ```python (or ``language``) block; a
+    heading's second is ``#2``."""
     blocks: list[tuple[str, int, str]] = []
     per_heading: dict[str, int] = {}
     heading, fence, lines = "top", None, []
@@ -33,7 +42,7 @@ def python_blocks(markdown: str) -> list[tuple[str, int, str]]:
         if fence is None and line.startswith("```"):
             fence, lines, first_line = line[3:], [], number + 1
         elif fence is not None and line == "```":
-            if fence == "python":
+            if fence == language:
                 count = per_heading[heading] = per_heading.get(heading, 0) + 1
                 name = heading if count == 1 else f"{heading} #{count}"
                 blocks.append((name, first_line, "\n".join(lines) + "\n"))
@@ -45,10 +54,19 @@ def python_blocks(markdown: str) -> list[tuple[str, int, str]]:
     return blocks
 
 
-BLOCKS = python_blocks(README.read_text())
+BLOCKS = [
+    (page, f"{page.relative_to(ROOT)}: {name}", line, source)
+    for page in PAGES
+    for name, line, source in python_blocks(page.read_text())
+]
+SIGNATURES = [
+    (f"{page.relative_to(ROOT)}: {name}", source.strip())
+    for page in PAGES
+    for name, _, source in python_blocks(page.read_text(), "signature")
+]
 
 
-def with_checked_comments(source: str, first_line: int) -> ast.Module:
+def with_checked_comments(source: str, first_line: int, page: str = "README.md") -> ast.Module:
     """``source`` parsed, each ``expression  # literal`` statement turned into an assert.
 
     Line numbers are README.md's, so a traceback points into the README.
@@ -62,30 +80,30 @@ def with_checked_comments(source: str, first_line: int) -> ast.Module:
             except (ValueError, SyntaxError):
                 continue  # prose, not a value
             literals[token.start[0]] = text
-    module = ast.parse(source, filename="README.md")
+    module = ast.parse(source, filename=page)
     for index, statement in enumerate(module.body):
         if isinstance(statement, ast.Expr) and statement.end_lineno in literals:
             expected = literals[statement.end_lineno]
             shown = ast.get_source_segment(source, statement.value)
             check = ast.Assert(
                 test=ast.Compare(statement.value, [ast.Eq()], [ast.parse(expected, mode="eval").body]),
-                msg=ast.Constant(f"README.md says {shown} is {expected}"),
+                msg=ast.Constant(f"{page} says {shown} is {expected}"),
             )
             module.body[index] = ast.copy_location(check, statement)
     return ast.increment_lineno(ast.fix_missing_locations(module), first_line - 1)
 
 
-def run_block(source: str, first_line: int = 1) -> None:
-    """Run one README block in a fresh namespace (called on every rank).
+def run_block(source: str, first_line: int = 1, page: Path = README) -> None:
+    """Run one block in a fresh namespace (called on every rank).
 
-    Its code is filed under the README's name with the block at its own lines
-    (``linecache``), so a traceback shows the README's line and tools that read
+    Its code is filed under the page's name with the block at its own lines
+    (``linecache``), so a traceback shows the page's line and tools that read
     a function's source (torch.compile does) find it.
     """
-    filename = f"{README}#L{first_line}"
+    filename = f"{page}#L{first_line}"
     lines = ["\n"] * (first_line - 1) + source.splitlines(keepends=True)
     linecache.cache[filename] = (len(source), None, lines, filename)
-    code = compile(with_checked_comments(source, first_line), filename, "exec")
+    code = compile(with_checked_comments(source, first_line, page.name), filename, "exec")
     exec(code, {"__name__": "readme"})
 
 
@@ -93,15 +111,17 @@ def defines_distributed_test(source: str) -> bool:
     return re.search(r"^@distributed\(", source, re.MULTILINE) is not None
 
 
-def test_the_readme_has_python_blocks():
-    assert len(BLOCKS) >= 5
-    assert any(defines_distributed_test(source) for _, _, source in BLOCKS)
+def test_the_pages_have_python_blocks():
+    readme = [source for page, _, _, source in BLOCKS if page == README]
+    assert len(readme) >= 5 and any(defines_distributed_test(source) for source in readme)
+    assert len(README.read_text().splitlines()) <= 200
 
 
 @pytest.mark.parametrize(
-    "source, first_line", [pytest.param(source, line, id=name) for name, line, source in BLOCKS]
+    "page, source, first_line",
+    [pytest.param(page, source, line, id=name) for page, name, line, source in BLOCKS],
 )
-def test_readme_block_runs_as_printed(source, first_line, tmp_path):
+def test_readme_block_runs_as_printed(page, source, first_line, tmp_path):
     if defines_distributed_test(source):
         test_file = tmp_path / "test_readme_block.py"
         test_file.write_text(source)
@@ -112,9 +132,34 @@ def test_readme_block_runs_as_printed(source, first_line, tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         return
     if not needs_a_world(source):
-        run_block(source, first_line)  # pure layout or import switching: no ranks needed
+        run_block(source, first_line, page)  # pure layout or import switching: no ranks needed
         return
-    local_world(WORLD_SIZE).run(run_block, source, first_line)
+    local_world(WORLD_SIZE).run(run_block, source, first_line, page)
+
+
+def signature_text(dotted: str) -> str:
+    """``module.name(parameters)`` of the function or class at ``dotted``, keywords that a
+    ``**kwargs: Unpack[TypedDict]`` takes listed by name, in the order they are declared."""
+    module_name, _, name = dotted.rpartition(".")
+    target = getattr(importlib.import_module(module_name), name)
+    parameters = []
+    for parameter in inspect.signature(target).parameters.values():
+        unpacked = typing.get_type_hints(target).get(parameter.name) if parameter.kind is parameter.VAR_KEYWORD else None
+        if unpacked is not None and typing.get_origin(unpacked) is typing.Unpack:
+            (typed_dict,) = typing.get_args(unpacked)
+            declared = [key for base in reversed(typed_dict.__mro__) for key in getattr(base, "__annotations__", {})]
+            parameters += list(dict.fromkeys(declared))
+            continue
+        text = parameter.name if parameter.default is parameter.empty else f"{parameter.name}={parameter.default!r}"
+        if parameter.kind is parameter.KEYWORD_ONLY and not any(p.startswith("*") for p in parameters) and "*" not in parameters:
+            parameters.append("*")
+        parameters.append(text)
+    return f"{dotted}({', '.join(parameters)})"
+
+
+@pytest.mark.parametrize("written", [pytest.param(text, id=name) for name, text in SIGNATURES])
+def test_a_signature_on_a_page_is_the_codes(written):
+    assert written == signature_text(written.partition("(")[0])
 
 
 def needs_a_world(source: str) -> bool:
