@@ -109,9 +109,24 @@ def init_mesh(
     options = BuildOptions.check(given)
     _init_default_group_from_env(options.backend, options.timeout)
     span = check_ranks(ranks, dist.get_world_size())
+    config = MeshConfig(len(span or range(dist.get_world_size())), order=order, **sizes)
+    return build_mesh(config, options, ranks=span, etp_given=sizes.get("etp"))
+
+
+def build_mesh(
+    config: MeshConfig,
+    options: BuildOptions,
+    *,
+    ranks: range | tuple[int, ...] | None = None,
+    etp_given: int | None = None,
+) -> ParallelMesh | None:
+    """:func:`init_mesh` of a config and options already checked (a façade's, say):
+    ``config.world_size`` ranks, all of the world's or ``ranks``' (a checked span);
+    ``etp_given`` is ``etp`` as the caller gave it, which every rank agrees on."""
+    span = ranks
     world = span or range(dist.get_world_size())
     layout = ParallelLayout(
-        MeshConfig(len(world), order=order, **sizes),
+        config,
         rank_offset=world.start if isinstance(world, range) else 0,
         ranks=None if isinstance(world, range) else world,
     )
@@ -122,7 +137,7 @@ def init_mesh(
         _check_simulated(simulated, span)
     elif span is not None and dist.get_rank() not in span:
         return None
-    build_id = _agree(layout, sizes.get("etp"), options, span)
+    build_id = _agree(layout, etp_given, options, span)
     return _create_mesh(layout, kinds, declared, options_of_key, options, build_id, span, simulated)
 
 

@@ -24,7 +24,8 @@ from meshstate.core.errors import ConfigError
 from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.groups import GroupOptions
 from meshstate.core.layout import DerivedGroup, Key
-from meshstate.core.build import init_mesh
+from meshstate.core.arguments import BuildOptions
+from meshstate.core.build import build_mesh
 from meshstate.core.mesh import ParallelMesh, set_mesh
 from meshstate.megatron import buffers, getters, nccl
 from meshstate.megatron import derived as families
@@ -149,14 +150,16 @@ def _build_mesh(
     options: dict[Key, GroupOptions],
     agree_on: dict[str, Any],
 ) -> ParallelMesh:
-    """``init_mesh`` of megatron-core's layout, timeout and derived groups; every rank agrees."""
-    return init_mesh(
-        **config.arguments(),
-        timeout=_minutes(timeout_minutes),
-        derived=derived,
-        group_options=options,
-        agree_on=agree_on,
-    )
+    """The mesh of megatron-core's layout (``config``, checked already), timeout and derived
+    groups; every rank agrees."""
+    mesh = build_mesh(config, BuildOptions.check({
+        "timeout": _minutes(timeout_minutes),
+        "derived": derived,
+        "group_options": options,
+        "agree_on": agree_on,
+    }), etp_given=config.etp)
+    assert mesh is not None  # a mesh over the whole world: every rank has one
+    return mesh
 
 
 def _minutes(minutes: object) -> timedelta:
