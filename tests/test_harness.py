@@ -18,7 +18,7 @@ import pytest
 
 from meshstate.core.errors import MeshStateError
 from meshstate.testing import fork_server
-from meshstate.testing.launch import RankFailure, RankTimeout
+from meshstate.testing.report import RankFailure, RankTimeout
 from meshstate.testing import local_world
 from harness_bodies import (
     all_ranks_assert,
@@ -199,7 +199,7 @@ def test_a_script_without_a_main_guard_is_told_what_to_add(tmp_path):
 
 EOF_REQUEST = '''
 import multiprocessing.forkserver as forkserver, os, socket, time
-from meshstate.testing.launch import warm_up
+from meshstate.testing.fork_server import warm_up
 
 warm_up()
 server = forkserver._forkserver

@@ -7,7 +7,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from meshstate.testing.launch import LocalWorld, RankFailure, RankTimeout
+from meshstate.testing.launch import LocalWorld
+from meshstate.testing.report import RankFailure, RankTimeout
 from meshstate.testing import local_world
 
 

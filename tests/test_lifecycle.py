@@ -22,7 +22,7 @@ from meshstate.core.errors import (
 )
 from meshstate.megatron import parallel_state as mpu
 from meshstate.testing import fake_world, local_world
-from meshstate.testing.launch import RankFailure
+from meshstate.testing.report import RankFailure
 
 
 def _share(value, key):

@@ -21,7 +21,7 @@ from meshstate.core.arguments import (
     resolve_device_type,
     split_arguments,
 )
-from meshstate.core.config import DEFAULT_ORDER, MeshConfig
+from meshstate.core.config import DEFAULT_ORDER, MeshConfig, sizes_text
 from meshstate.core.errors import AxisError, ConfigError, MeshStateError
 from meshstate.core.groups import GroupSpec, create_process_groups
 from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Key, ParallelLayout
@@ -103,7 +103,7 @@ def _check_adopted(
     problem = next(
         (
             f"the adopted {key!r} group of rank {rank} holds ranks {given}, but the layout "
-            f"({layout.config.order}, {_sizes(layout.config)}) puts it with {list(members[key])}"
+            f"({layout.config.order}, {sizes_text(layout.config.sizes())}) puts it with {list(members[key])}"
             for key, group in adopted.items()
             if (given := dist.get_process_group_ranks(group)) != list(members[key])
         ),
@@ -117,5 +117,3 @@ def _check_adopted(
         raise ConfigError(found[0] + more)
 
 
-def _sizes(config: MeshConfig) -> str:
-    return " ".join(f"{name}={size}" for name, size in config.sizes().items())

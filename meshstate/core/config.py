@@ -70,6 +70,11 @@ def parse_order(order: object) -> tuple[str, ...]:
     return tokens + tuple(a for a in _MISSING_AXIS_APPEND_ORDER if a not in tokens)
 
 
+def sizes_text(sizes: Mapping[str, object]) -> str:
+    """Sizes for a message: ``{"tp": 2, "pp": 4}`` -> ``"tp=2 pp=4"``."""
+    return " ".join(f"{name}={size}" for name, size in sizes.items())
+
+
 class SizeArguments(TypedDict, total=False):
     """The axis sizes of a layout by keyword, as :func:`meshstate.init_mesh`,
     :func:`meshstate.adopt`, :class:`MeshConfig`, the command line and the bench take them.

@@ -24,7 +24,7 @@ import torch
 
 from meshstate.core.deprecation import Renamed
 from meshstate.core.errors import AxisError, ConfigError
-from meshstate.core.ranks import Ranks, listed_if_small
+from meshstate.core.ranks import Ranks, listed_if_small, ranks_text
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ class ListedGrid(Grid):
                 f"got {len(self.ranks)}"
             )
         if any(b <= a for a, b in zip(self.ranks, self.ranks[1:])) or self.ranks[0] < 0:
-            raise ConfigError(f"listed ranks must increase from >= 0, got {_shown(self.ranks)}")
+            raise ConfigError(f"listed ranks must increase from >= 0, got {ranks_text(self.ranks)}")
         object.__setattr__(self, "_plain", Grid(self.axes_fastest_first, self.sizes))
         object.__setattr__(self, "_position", {rank: i for i, rank in enumerate(self.ranks)})
 
@@ -271,12 +271,8 @@ class ListedGrid(Grid):
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise ConfigError(f"rank must be an integer, got {rank!r}")
         if rank not in self._position:
-            raise ConfigError(f"rank {rank} is not one of the grid's ranks {_shown(self.ranks)}")
+            raise ConfigError(f"rank {rank} is not one of the grid's ranks {ranks_text(self.ranks)}")
         return self._position[rank]
-
-
-def _shown(ranks: Sequence[int]) -> str:
-    return str(list(ranks)) if len(ranks) <= 16 else f"{list(ranks[:16])} ... ({len(ranks)} ranks)"
 
 
 def _prefix_products(sizes: Sequence[int]) -> list[int]:

@@ -32,7 +32,7 @@ from meshstate.core import compat as _compat
 from meshstate.core.agreement import leave_barrier, store_barrier
 from meshstate.core.errors import ConfigError, MeshStateError, MeshTimeoutError, SimulationError
 from meshstate.core.layout import Key
-from meshstate.core.ranks import identity
+from meshstate.core.ranks import identity, ranks_text
 from meshstate.core.simulation import process_rank, simulated_ranks
 
 _build_counter = itertools.count()
@@ -230,7 +230,7 @@ class _Builder:
             if backend != "fake":  # a simulated world has no connections to wait for
                 self._wait_for_members(group_name, len(members), backend)
         except RuntimeError as error:
-            what = f"the {str(name)!r} group of ranks {_short(members)} did not form"
+            what = f"the {str(name)!r} group of ranks {ranks_text(members)} did not form"
             if isinstance(error, dist.DistStoreError) or "timed out" in str(error).lower():
                 raise MeshTimeoutError(f"{what} within the timeout: {error}") from error
             raise MeshStateError(f"{what}: {error}") from error
@@ -304,10 +304,6 @@ def create_axis_set_group(
             backend = builder.backend or builder.default_backend
             owner.by_name[axes] = builder._member_group(members, f"axes:{axes}", backend, None)
     return owner.by_name[axes]
-
-
-def _short(ranks: Sequence[int]) -> str:
-    return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
 
 
 def create_group_family(

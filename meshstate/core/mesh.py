@@ -21,12 +21,13 @@ import threading
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
+from meshstate.core.config import sizes_text
 from meshstate.core.deprecation import Renamed, warn_deprecated
 from meshstate.core.errors import AxisError, MeshStateError, NotInitializedError, WrongMeshError
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
@@ -440,7 +441,7 @@ class ParallelMesh:
             _current.entered = entered[:-1]
 
     def __repr__(self) -> str:
-        sizes = " ".join(f"{name}={size}" for name, size in self.config.sizes().items())
+        sizes = sizes_text(self.config.sizes())
         return (
             f"ParallelMesh(rank {self.global_rank} of {self.config.world_size}, "
             f"order={self.config.order!r}, {sizes})"

@@ -30,6 +30,7 @@ from typing import Any, cast, overload
 import torch
 from torch.distributed import ProcessGroup
 
+from meshstate.core.ranks import ranks_text
 from meshstate.core import local_compat
 from meshstate.core.errors import SimulationError
 
@@ -393,8 +394,7 @@ def tiling_mismatch(
 def _short(group: ProcessGroup) -> str:
     from torch.distributed import get_process_group_ranks
 
-    ranks = get_process_group_ranks(group)
-    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, …, {ranks[-1]}]"
+    return ranks_text(get_process_group_ranks(group))
 
 
 def value_on(value: Any, rank: int) -> Any:

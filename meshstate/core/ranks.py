@@ -215,3 +215,14 @@ def identity(ranks: Sequence[int]) -> object:
     if isinstance(ranks, Ranks) and len(ranks) > LISTED_UP_TO:
         return (ranks.base, ranks.steps)
     return tuple(ranks)
+
+
+def ranks_text(ranks: Sequence[int], total: int | None = None) -> str:
+    """``ranks`` as a list for a message: at most the first 16, and ``…`` where ``total``
+    (default: their number) is more than that.
+
+    Example: ``ranks_text([0, 8], 4) == "[0, 8, …]"``, ``ranks_text(range(3)) == "[0, 1, 2]"``.
+    """
+    count = len(ranks) if total is None else total
+    shown = [int(rank) for rank in ranks[:16]]
+    return f"[{', '.join(map(str, shown))}{', …' if count > len(shown) else ''}]"

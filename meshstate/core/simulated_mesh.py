@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
+from meshstate.core.config import sizes_text
 from meshstate.core.errors import SimulationError
 from meshstate.core.groups import ProcessGroupSet
 from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Key, ParallelLayout
@@ -190,7 +191,7 @@ class SimulatedMesh(ParallelMesh):
             return per_rank_int(dict(zip(copies.flatten().tolist(), position.flatten().tolist())))
 
     def __repr__(self) -> str:
-        sizes = " ".join(f"{name}={size}" for name, size in self.config.sizes().items())
+        sizes = sizes_text(self.config.sizes())
         return (
             f"ParallelMesh({len(self.simulated)} simulated ranks, "
             f"order={self.config.order!r}, {sizes})"

@@ -54,12 +54,9 @@ import torch
 
 from meshstate.core.errors import MeshStateError
 from meshstate.testing import torch_internals
-from meshstate.testing.fake import fake_world as fake_world
 from meshstate.testing.fork_server import _CONTEXT, STOP_SIGNALS, running_worlds
-from meshstate.testing.fork_server import warm_up as warm_up
+from meshstate.testing.fork_server import warm_up
 from meshstate.testing.relay import _OutputRelay, _read_available
-from meshstate.testing.report import RankFailure as RankFailure
-from meshstate.testing.report import RankTimeout as RankTimeout
 from meshstate.testing.report import (
     _describe_ranks,
     _main_thread_stack,

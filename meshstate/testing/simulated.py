@@ -37,6 +37,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from meshstate.core.errors import MeshStateError, SimulationError
 from meshstate.core.mesh import destroy_every_mesh
+from meshstate.core.ranks import ranks_text
 from meshstate.testing import torch_internals
 
 _LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
@@ -169,7 +170,7 @@ def _new_group(ranks: Sequence[int] | None = None, *args: Any, **kwargs: Any) ->
     world_size = dist.get_world_size()
     if ranks is not None and sorted(ranks) != list(range(world_size)):
         raise SimulationError(
-            f"new_group(ranks={_shown(ranks)}) in a simulated world of {world_size} ranks: "
+            f"new_group(ranks={ranks_text(ranks)}) in a simulated world of {world_size} ranks: "
             "every simulated rank takes part in each collective over it, not only its "
             f"members; make groups with meshstate.init_mesh, or {_LOCAL_WORLD}"
         )
@@ -273,8 +274,3 @@ def _equal(first: torch.Tensor, second: torch.Tensor) -> bool:
             )
             for rank in range(dist.get_world_size())
         })
-
-
-def _shown(ranks: Sequence[int]) -> str:
-    listed = list(ranks)
-    return str(listed) if len(listed) <= 8 else f"[{listed[0]}, {listed[1]}, …, {listed[-1]}]"

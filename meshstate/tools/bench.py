@@ -59,7 +59,7 @@ from meshstate.tools.bench_simulated import (
     format_simulated_checks,
     measure_simulated_checks,
 )
-from meshstate.tools.cli_shared import sizes_text
+from meshstate.core.config import sizes_text
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from meshstate.tools.cli_shared import sizes_text
+from meshstate.core.config import sizes_text
 
 
 @dataclass(frozen=True)

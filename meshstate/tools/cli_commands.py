@@ -33,7 +33,9 @@ from meshstate.tools.cli_parser import (
     RANK_MEMORY_BYTES,
     RANKS_PER_CPU,
 )
-from meshstate.tools.cli_shared import EXIT_MISMATCH, Progress, ranks_text, sizes_text
+from meshstate.core.config import sizes_text
+from meshstate.core.ranks import ranks_text
+from meshstate.tools.cli_shared import EXIT_MISMATCH, Progress
 from meshstate.tools.svg import layout_svg
 from meshstate.core.topology import (
     LocalityReport,

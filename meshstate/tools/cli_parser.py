@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from meshstate.core.config import DEFAULT_ORDER
+from meshstate.core.config import DEFAULT_ORDER, MAX_WORLD_SIZE
 from meshstate.tools.bench_settings import (
     MAX_SIMULATED_CHECK,
     MAX_SIMULATED_WORLD,
@@ -25,10 +25,9 @@ from meshstate.tools.bench_settings import (
     SIMULATED_CHECK_SIZES,
     SIMULATED_CHECK_WORLDS,
 )
-from meshstate.tools.cli_shared import EXIT_BAD_INPUT, sizes_text
+from meshstate.core.config import sizes_text
+from meshstate.tools.cli_shared import EXIT_BAD_INPUT
 
-MAX_WORLD_SIZE = 2**31 - 1
-"""The largest world c10d can address: ranks are 32-bit signed integers."""
 MAX_LISTED_WORLD = 2**20
 """The largest world whose every group ``plan --json`` or ``--gpus-per-node`` lists
 (about 120 MB of JSON, 1.3 GB of memory and 20 s); the table and ``--rank`` work at

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -51,16 +51,3 @@ class Progress:
             yield
         finally:
             timer.cancel()
-
-
-def sizes_text(sizes: Mapping[str, object]) -> str:
-    """``{"tp": 2, "pp": 4}`` -> ``"tp=2 pp=4"``."""
-    return " ".join(f"{name}={size}" for name, size in sizes.items())
-
-
-def ranks_text(first: Sequence[int], total: int) -> str:
-    """The first ranks of a group of ``total``, ``…`` where some are left out.
-
-    Example: ``ranks_text([0, 8], 4) == "[0, 8, …]"``, ``ranks_text([0, 8], 2) == "[0, 8]"``.
-    """
-    return f"[{', '.join(map(str, first))}{', …' if total > len(first) else ''}]"

@@ -18,7 +18,8 @@ from html import escape
 
 from meshstate.core.errors import ConfigError
 from meshstate.core.layout import ParallelLayout
-from meshstate.tools.cli_shared import ranks_text, sizes_text
+from meshstate.core.config import sizes_text
+from meshstate.core.ranks import ranks_text
 from meshstate.core.topology import check_ranks_per_node
 
 MAX_DRAWN_WORLD = 4096
