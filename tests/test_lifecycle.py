@@ -72,7 +72,7 @@ def test_1_a_mesh_destroyed_and_built_again_under_torchrun_keeps_its_default_gro
 def test_2_megatron_getters_stop_answering_once_their_mesh_is_destroyed():
     with fake_world(1, 8):
         mpu.initialize_model_parallel(tensor_model_parallel_size=2)
-        facts = mpu.get_mesh().facts
+        facts = mpu.get_mesh()._facts
         mpu.get_mesh().destroy(); line = sys._getframe().f_lineno  # noqa: E702
         where = f"destroyed at {__file__}:{line}"
         assert not mpu.is_initialized() and not mpu.model_parallel_is_initialized()

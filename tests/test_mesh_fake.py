@@ -256,11 +256,11 @@ def test_facts_are_the_tables_by_attribute_for_every_kind():
         try:
             for key in mesh.kinds:
                 name = key.replace("-", "_")
-                assert getattr(mesh.facts, f"{name}_rank") == mesh.rank(key)
-                assert getattr(mesh.facts, f"{name}_size") == mesh.size(key)
-                assert getattr(mesh.facts, f"{name}_group") is mesh.group(key)
-                assert getattr(mesh.facts, f"{name}_ranks") == mesh.ranks(key)
-            assert mesh.facts.dp_cp_size == mesh.size("cp-dp") == 16  # dp=8 x cp=2
+                assert getattr(mesh._facts, f"{name}_rank") == mesh.rank(key)
+                assert getattr(mesh._facts, f"{name}_size") == mesh.size(key)
+                assert getattr(mesh._facts, f"{name}_group") is mesh.group(key)
+                assert getattr(mesh._facts, f"{name}_ranks") == mesh.ranks(key)
+            assert mesh._facts.dp_cp_size == mesh.size("cp-dp") == 16  # dp=8 x cp=2
         finally:
             mesh.destroy()
 

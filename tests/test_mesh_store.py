@@ -15,7 +15,9 @@ import torch
 import meshstate
 from meshstate import NotInitializedError, P, reshard, shard_map
 from meshstate.jax import collectives as lax
-from meshstate.megatron import parallel_state as mpu
+from meshstate.core.facts import FIELDS
+from meshstate.megatron import getters, parallel_state as mpu
+from meshstate.megatron.facts import ServedFacts
 from meshstate.testing import distributed, fake_world
 from meshstate.titan import ParallelDims
 
@@ -64,6 +66,23 @@ def test_megatron_getters_refuse_after_destroy_and_let_the_mesh_go():
         mpu.destroy_model_parallel()
 
 
+def test_every_getter_reads_one_object_whose_answered_names_read_fastest():
+    """One ServedFacts per served mesh; a name the mesh answers has no class attribute (which
+    would cost CPython its specialised read), a name it lacks answers as megatron-core does."""
+    with fake_world(3, 8):
+        mpu.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
+        facts = getters._facts  # rank 3: a middle stage of pipeline (1, 3, 5, 7)
+        assert isinstance(facts, ServedFacts) and mpu.get_mesh().store[ServedFacts] is facts
+        answered = [name for name in vars(facts) if name.endswith(FIELDS)]
+        assert {"tp_rank", "pp_ranks", "dp_cp_group"} <= set(answered)
+        assert not [name for name in answered if hasattr(type(facts), name)]
+        assert facts.tp_rank == mpu.get_tensor_model_parallel_rank() == 1
+        assert "embedding_group" not in answered and facts.maybe.embedding_group is None
+        with pytest.raises(NotInitializedError, match="^embedding group is not initialized"):
+            facts.embedding_group
+        mpu.destroy_model_parallel()
+
+
 def test_a_hybrid_mesh_is_tracked_like_every_mesh():
     from meshstate.core.mesh import destroy_every_mesh
     from meshstate.core.hybrid_grid import HybridGrid
@@ -102,6 +121,8 @@ def test_one_public_way_to_ask_a_position_and_the_tables_stay_private():
         assert mesh.rank(("cp", "dp")) == 1 and mesh.rank(("dp", "tp")) == 3
         with pytest.warns(DeprecationWarning, match=r"ParallelMesh.rank_in is deprecated; use mesh.rank\(key\)"):
             assert mesh.rank_in["tp"] == 1
+        with pytest.warns(DeprecationWarning, match=r"ParallelMesh.facts is deprecated; use mesh.rank\(key\)"):
+            assert mesh.facts.tp_rank == 1
         with pytest.warns(DeprecationWarning, match="mesh.axis_group"):
             assert mesh.axis_group("tp").rank == 1
         with pytest.warns(DeprecationWarning, match="meshstate.AxisGroup is deprecated"):

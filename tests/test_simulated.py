@@ -39,7 +39,7 @@ CORE_VALUES = {
     "last_rank": lambda mesh: _by_key(mesh, mesh.last_rank),
     "is_first": lambda mesh: _by_key(mesh, mesh.is_first),
     "is_last": lambda mesh: _by_key(mesh, mesh.is_last),
-    "facts": lambda mesh: {key: getattr(mesh.facts, f"{key.replace('-', '_')}_rank") for key in mesh.kinds},
+    "facts": lambda mesh: {key: getattr(mesh._facts, f"{key.replace('-', '_')}_rank") for key in mesh.kinds},
     "ordered index": lambda mesh: {axes: mesh.ordered(axes).index for axes in ORDERED},
     "ordered ranks": lambda mesh: {axes: mesh.ordered(axes).ranks for axes in ORDERED},
     "axis_group": lambda mesh: _by_key(mesh, lambda key: mesh.axis_group(key).rank),

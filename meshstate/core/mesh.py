@@ -3,8 +3,8 @@ from them on first use, and the calling thread's current mesh.
 
 :func:`~meshstate.core.build.init_mesh` and :func:`~meshstate.core.adopt.adopt`
 create the groups of every declared key and hand them to a ``ParallelMesh``,
-which keeps them in tables (``rank_in``, ``size_of``, ``group_of``, ``ranks_of``;
-``facts`` by attribute). Everything else is made on first request and cached:
+which keeps them in private tables (answered by ``rank``, ``size``, ``group`` and
+``ranks``) and their facts (the same, by attribute). Everything else is made on first request and cached:
 the dense, expert and HSDP root DeviceMeshes (O(world) each, which the tables
 never need), their slices and flattened joint meshes (local work once the
 groups exist), and, by :meth:`ParallelMesh.ordered`, the group of an axis set no
@@ -34,7 +34,7 @@ from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
 from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Grid, Key, ParallelLayout, spellings, splits_dp
 from meshstate.core.simulation import process_rank
 from meshstate.core.ordered import AxisGroup, OrderedGroup
-from meshstate.core.tables import Facts, Table
+from meshstate.core.facts import Facts, Table
 from meshstate.core.views import build_root_mesh, flattened_mesh, sliced_mesh
 
 
@@ -148,14 +148,15 @@ class ParallelMesh:
                 self._size_of[spelling] = len(ranks)
                 self._group_of[spelling] = process_groups.by_name[key]
                 self._ranks_of[spelling] = ranks
-        self.facts = Facts(self.kinds, self._rank_in, self._size_of, self._group_of, self._ranks_of)
+        self._facts = Facts({key.replace("-", "_"): key for key in self.kinds}, self._tables())
         # The groups this process holds and their members, for making groups on first use:
         # the tables themselves here; rank 0's beside the per-rank tables of a simulated mesh.
         self._own_group_of, self._own_ranks_of = self._group_of, self._ranks_of
         self._device_meshes: dict[str | tuple[str, ...], DeviceMesh] = {}
         self.store: dict[Hashable, Any] = {}
-        """What the layers above compute from this mesh (shard_map and reshard plans), by a
-        key of their own; ``destroy()`` empties it."""
+        """What the layers above compute from this mesh (shard_map and reshard plans, the
+        Megatron façade's facts), by a key of their own; ``destroy()`` forgets the
+        :class:`~meshstate.core.facts.Facts` among them and empties it."""
         _live_meshes.add(self)
 
     @property
@@ -313,6 +314,7 @@ class ParallelMesh:
     size_of = Renamed[Table[int]]("_size_of", "mesh.size(key)")
     group_of = Renamed[Table[dist.ProcessGroup]]("_group_of", "mesh.group(key)")
     ranks_of = Renamed[Table[Sequence[int]]]("_ranks_of", "mesh.ranks(key)")
+    facts = Renamed[Facts]("_facts", "mesh.rank(key), mesh.size(key), mesh.group(key) or mesh.ranks(key)")
 
     def size(self, key: Key) -> int:
         """Number of ranks in a group of ``key``."""
@@ -394,6 +396,10 @@ class ParallelMesh:
         """The DeviceMesh already made for the request ``key``, if any (for the views)."""
         return self._device_meshes.get(key)
 
+    def _tables(self) -> tuple[Table[int], Table[int], Table[dist.ProcessGroup], Table[Sequence[int]]]:
+        """The four tables, in the order of ``Facts``' fields."""
+        return self._rank_in, self._size_of, self._group_of, self._ranks_of
+
     def keep_view(self, key: tuple[str, ...], view: DeviceMesh) -> None:
         """Keep ``view`` as the answer to the request ``key`` until ``destroy()``."""
         self._device_meshes[key] = view
@@ -401,11 +407,12 @@ class ParallelMesh:
     def destroy(self) -> None:
         """Destroy the process groups this mesh created; safe to call twice.
 
-        Every later use of the mesh, its tables and ``facts`` (so every Megatron
+        Every later use of the mesh, its tables and facts (so every Megatron
         getter served by it) raises :class:`~meshstate.core.errors.NotInitializedError`
         naming the line that destroyed it, as does :func:`current_mesh` inside its
-        ``with`` block; here it stops being what :func:`set_mesh` set. A default process group that :func:`init_mesh` initialised stays
-        (torch cannot form it again under torchrun) until exit or
+        ``with`` block; here it stops being what :func:`set_mesh` set. A default
+        process group that :func:`init_mesh` initialised stays (torch cannot
+        form it again under torchrun) until exit or
         ``torch.distributed.destroy_process_group()``.
         """
         if self.destroyed_at is not None:
@@ -419,14 +426,16 @@ class ParallelMesh:
             _compat.forget_sharding_decisions()
         self._device_meshes.clear()
         self._ordered_groups.clear()
+        destroyed = str(self._destroyed_error())
+        for facts in (self._facts, *self.store.values()):
+            if isinstance(facts, Facts):  # a façade's facts, kept here so that they die with the mesh
+                facts.forget(destroyed)
         self.store.clear()
         for name in roots:
             del self.__dict__[name]
-        tables = self._rank_in, self._size_of, self._group_of, self._ranks_of
-        for table in (*tables, self._own_group_of, self._own_ranks_of):
+        for table in (*self._tables(), self._own_group_of, self._own_ranks_of):
             table.clear()
-            table.destroyed = str(self._destroyed_error())
-        self.facts.forget(str(self._destroyed_error()))
+            table.destroyed = destroyed
         _live_meshes.discard(self)
 
     def __enter__(self) -> ParallelMesh:

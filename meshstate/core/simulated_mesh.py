@@ -44,7 +44,7 @@ from meshstate.core.per_rank import (
     tiling_mismatch,
 )
 from meshstate.core.simulation import outside_simulation
-from meshstate.core.tables import Facts, Table
+from meshstate.core.facts import Facts, Table
 
 V = TypeVar("V")
 
@@ -117,7 +117,7 @@ class SimulatedMesh(ParallelMesh):
                 if why is not None:
                     refused.update(dict.fromkeys(spellings, why))
                     refused_groups.update(dict.fromkeys(spellings, why))
-        self.facts = Facts(self.kinds, self._rank_in, self._size_of, self._group_of, self._ranks_of)
+        self._facts = Facts({key.replace("-", "_"): key for key in self.kinds}, self._tables())
 
     def _add_key(self, key: Key, spellings: list[Key]) -> str | None:
         """Enter ``key``'s per-rank answers under ``spellings``; else why it is refused."""

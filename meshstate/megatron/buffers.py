@@ -20,7 +20,7 @@ import torch.distributed as dist
 from meshstate.core import compat as _compat
 from meshstate.megatron.errors import ParallelStateError
 from meshstate.megatron.getters import get_tensor_model_parallel_group, served_mesh
-from meshstate.megatron.tables import not_initialized
+from meshstate.megatron.facts import not_initialized
 
 __all__ = [
     "GlobalMemoryBuffer",

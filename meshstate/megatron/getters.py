@@ -1,14 +1,14 @@
 """megatron-core's ``get_*`` and ``is_*`` functions, answered by the mesh served.
 
-Every getter is one attribute read: ``_facts.tp_rank`` for an axis or joint key
-(the mesh's own ``facts``, Python's fastest read) and ``_tables.<name>`` for the
-rest (a :class:`~meshstate.megatron.tables.TableFacts` over the same mesh's
-tables, derived groups included; ``_tables.maybe`` answers ``None`` where
-megatron-core's ``check_initialized=False`` does). Before init, and under a
-``set_*`` override, ``_facts`` is ``_tables``; once the mesh is destroyed its
-tables and facts raise, so no answer outlives its mesh. No getter calls into
-``torch.distributed``, except the answers megatron-core gives as 0 before it is
-initialized (``torch.distributed.is_initialized()``) and
+Every getter is one attribute read of ``_facts``, the served mesh's
+:class:`~meshstate.megatron.facts.ServedFacts` (``_facts.tp_rank``, Python's
+fastest read, for what the mesh answers; megatron-core's answer, read from the
+tables, for the rest; ``_facts.maybe`` answers ``None`` where megatron-core's
+``check_initialized=False`` does). Before init they answer as megatron-core
+does, under the ``set_*`` overrides; once the mesh is destroyed they raise, so
+no answer outlives its mesh. No getter calls into ``torch.distributed``, except
+the answers megatron-core gives as 0 before it is initialized
+(``torch.distributed.is_initialized()``) and
 ``is_rank_in_embedding_group(ignore_virtual=False)`` (``get_rank()``).
 
 Example, on rank 5 of 8 after ``initialize_model_parallel(tensor_model_parallel_size=2)``::
@@ -29,10 +29,9 @@ from meshstate.core.errors import AxisError, NotInitializedError
 from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.layout import Chunks, DerivedGroup, Key
 from meshstate.core.mesh import ParallelMesh
-from meshstate.core.tables import Facts
 from meshstate.megatron import derived as families
-from meshstate.megatron.tables import (
-    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, Answers, GetterFacts, TableFacts, checked_getter,
+from meshstate.megatron.facts import (
+    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, ServedFacts, checked_getter,
     not_initialized,
 )
 
@@ -72,12 +71,10 @@ __all__ = [
 ProcessGroup = dist.ProcessGroup
 
 
-# The mesh served (weakly: the façade keeps no destroyed mesh alive), its tables by
-# attribute, and what the hot getters read: rebound by serve().
+# The mesh served (weakly: the façade keeps no destroyed mesh alive) and the facts every
+# getter reads: rebound by serve().
 _mesh: Callable[[], ParallelMesh | None] = lambda: None
-_served_facts: Facts | None = None  # the served mesh's facts, which outlive it and say where it died
-_tables: Answers = cast(Answers, TableFacts(None, OVERRIDES))
-_facts: GetterFacts = _tables
+_facts = ServedFacts(None, OVERRIDES)
 # megatron-core's virtual pipeline stage and stage count, beside its groups.
 _vpp_rank: int | None = None
 _vpp_size: int | None = None
@@ -85,11 +82,11 @@ _vpp_size: int | None = None
 
 def serve(mesh: ParallelMesh | None) -> None:
     """Answer every getter from ``mesh`` (stand-ins when ``None``), under the overrides."""
-    global _mesh, _served_facts, _tables, _facts
+    global _mesh, _facts
     _mesh = (lambda: None) if mesh is None else weakref.ref(mesh)
-    _served_facts = None if mesh is None else mesh.facts
-    _tables = cast(Answers, TableFacts(mesh, OVERRIDES))
-    _facts = cast(GetterFacts, mesh.facts) if mesh is not None and not OVERRIDES.any() else _tables
+    _facts = ServedFacts(mesh, OVERRIDES)
+    if mesh is not None:
+        mesh.store[ServedFacts] = _facts  # forgotten by the mesh's destroy()
 
 
 OVERRIDES.changed = lambda: serve(_mesh())
@@ -109,8 +106,8 @@ def set_virtual_pipeline_stages(rank: int | None, size: int | None) -> None:
 def get_mesh() -> ParallelMesh:
     """The :class:`~meshstate.ParallelMesh` behind every getter."""
     mesh = _mesh()
-    if mesh is None and _served_facts is not None:  # destroyed, and collected since
-        raise NotInitializedError(f"model parallel state is gone: {_served_facts.destroyed}")
+    if mesh is None and _facts.destroyed is not None:  # destroyed, and collected since
+        raise NotInitializedError(f"model parallel state is gone: {_facts.destroyed}")
     if mesh is None or mesh.destroyed_at is not None:
         raise not_initialized("model parallel state", mesh)
     return mesh
@@ -150,7 +147,7 @@ def _partial_without_cp(table: Mapping[Key, int]) -> int:
 
 
 def _refuse_partial_without_cp(key: Key) -> None:
-    if key in _tables.group_of:
+    if key in _facts.group_of:
         raise ParallelStateError("Partial DP for Optimizer needs to include CP")
 
 
@@ -166,19 +163,19 @@ def _virtual_stage(vp_stage: int | None) -> int:
 @checked_getter
 def get_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The model-parallel (tensor + pipeline) group of the caller."""
-    return _facts.tp_pp_group if check_initialized else _tables.maybe.tp_pp_group
+    return _facts.tp_pp_group if check_initialized else _facts.maybe.tp_pp_group
 
 
 @checked_getter
 def get_tensor_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor-model-parallel group of the caller."""
-    return _facts.tp_group if check_initialized else _tables.maybe.tp_group
+    return _facts.tp_group if check_initialized else _facts.maybe.tp_group
 
 
 @checked_getter
 def get_pipeline_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The pipeline-model-parallel group of the caller."""
-    return _facts.pp_group if check_initialized else _tables.maybe.pp_group
+    return _facts.pp_group if check_initialized else _facts.maybe.pp_group
 
 
 def get_data_parallel_group(
@@ -194,16 +191,16 @@ def get_data_parallel_group(
     if not with_context_parallel:
         if partial_data_parallel:
             _refuse_partial_without_cp("dp")
-            return _tables.dp_group
+            return _facts.dp_group
         return _facts.dp_group
     if independent_all_gather and not partial_data_parallel:
-        return _tables.dp_cp_all_gather_group
-    return _tables.intra_dp_cp_group if partial_data_parallel else _facts.dp_cp_group
+        return _facts.dp_cp_all_gather_group
+    return _facts.intra_dp_cp_group if partial_data_parallel else _facts.dp_cp_group
 
 
 def has_separate_all_gather_group() -> bool:
     """Whether a separate data+context all-gather group was created."""
-    return _tables.maybe.dp_cp_all_gather_group is not None
+    return _facts.maybe.dp_cp_all_gather_group is not None
 
 
 def get_data_parallel_group_gloo(
@@ -211,22 +208,22 @@ def get_data_parallel_group_gloo(
 ) -> ProcessGroup:
     """The gloo twin of the caller's data-parallel group."""
     if with_context_parallel:
-        return _tables.intra_dp_cp_gloo_group if partial_data_parallel else _tables.dp_cp_gloo_group
+        return _facts.intra_dp_cp_gloo_group if partial_data_parallel else _facts.dp_cp_gloo_group
     if partial_data_parallel:
         _refuse_partial_without_cp(GLOO["dp"])
-    return _tables.dp_gloo_group
+    return _facts.dp_gloo_group
 
 
 @checked_getter
 def get_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The context-parallel group of the caller."""
-    return _facts.cp_group if check_initialized else _tables.maybe.cp_group
+    return _facts.cp_group if check_initialized else _facts.maybe.cp_group
 
 
 @checked_getter
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int] | None:
     """Global ranks of the caller's context-parallel group."""
-    ranks = _tables.maybe.cp_ranks
+    ranks = _facts.maybe.cp_ranks
     if ranks is None and check_initialized:
         raise not_initialized(WHAT["cp"], _mesh())
     return None if ranks is None else list(ranks)
@@ -237,7 +234,7 @@ def get_hierarchical_context_parallel_groups(
     check_initialized: bool = True,
 ) -> list[ProcessGroup] | None:
     """The caller's hierarchical context-parallel groups, innermost level first."""
-    groups = _tables.group_of
+    groups = _facts.group_of
     levels = [groups[level] for level in families.hierarchical_cp_levels(groups)]
     if not levels and check_initialized:
         raise not_initialized("hierarchical context parallel groups", _mesh())
@@ -249,7 +246,7 @@ def get_hybrid_data_context_parallel_groups(
 ) -> ProcessGroup | None:
     """The caller's hybrid data+context group of ``group_size`` ranks (dp-cp's own at its size)."""
     if _mesh() is not None and group_size == get_data_parallel_world_size(True):
-        return _tables.dp_cp_group if check_initialized else _tables.maybe.dp_cp_group
+        return _facts.dp_cp_group if check_initialized else _facts.maybe.dp_cp_group
     groups = hybrid_dp_cp_groups()
     if group_size not in groups and (check_initialized or _mesh() is not None):
         raise AxisError(
@@ -263,7 +260,7 @@ def hybrid_dp_cp_groups() -> dict[int, ProcessGroup]:
     """megatron-core's ``_HYBRID_DP_CP_GROUPS``: the caller's hybrid data+context groups by size."""
     return {
         key.split.size: group
-        for key, group in _tables.group_of.items()
+        for key, group in _facts.group_of.items()
         if isinstance(key, DerivedGroup) and key.base == DP_CP and isinstance(key.split, Chunks)
     }
 
@@ -271,15 +268,15 @@ def hybrid_dp_cp_groups() -> dict[int, ProcessGroup]:
 @checked_getter
 def get_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The caller's embedding group (first and last stages by default)."""
-    return _tables.embedding_group if check_initialized else _tables.maybe.embedding_group
+    return _facts.embedding_group if check_initialized else _facts.maybe.embedding_group
 
 
 @checked_getter
 def get_position_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The caller's position-embedding group (the first stage by default)."""
     if check_initialized:
-        return _tables.position_embedding_group
-    return _tables.maybe.position_embedding_group
+        return _facts.position_embedding_group
+    return _facts.maybe.position_embedding_group
 
 
 def get_amax_reduction_group(
@@ -287,8 +284,8 @@ def get_amax_reduction_group(
 ) -> ProcessGroup:
     """The FP8 amax reduction group: tensor(+context)(+data) parallel."""
     if tp_only_amax_red:
-        return _tables.tp_cp_group if with_context_parallel else _tables.tp_group
-    return _tables.tp_dp_cp_group if with_context_parallel else _tables.tp_dp_group
+        return _facts.tp_cp_group if with_context_parallel else _facts.tp_group
+    return _facts.tp_dp_cp_group if with_context_parallel else _facts.tp_dp_group
 
 
 @checked_getter
@@ -296,26 +293,26 @@ def get_tensor_and_data_parallel_group(
     check_initialized: bool = True, with_context_parallel: bool = False
 ) -> ProcessGroup | None:
     """The tensor+data (and context, if asked) parallel group of the caller."""
-    tables = _tables if check_initialized else _tables.maybe
-    return tables.tp_dp_cp_group if with_context_parallel else tables.tp_dp_group
+    facts = _facts if check_initialized else _facts.maybe
+    return facts.tp_dp_cp_group if with_context_parallel else facts.tp_dp_group
 
 
 @checked_getter
 def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor+context parallel group of the caller."""
-    return _facts.tp_cp_group if check_initialized else _tables.maybe.tp_cp_group
+    return _facts.tp_cp_group if check_initialized else _facts.maybe.tp_cp_group
 
 
 @checked_getter
 def get_expert_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-model-parallel group of the caller."""
-    return _facts.ep_group if check_initialized else _tables.maybe.ep_group
+    return _facts.ep_group if check_initialized else _facts.maybe.ep_group
 
 
 @checked_getter
 def get_expert_tensor_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The expert-tensor-parallel group of the caller."""
-    return _facts.etp_group if check_initialized else _tables.maybe.etp_group
+    return _facts.etp_group if check_initialized else _facts.maybe.etp_group
 
 
 @checked_getter
@@ -323,7 +320,7 @@ def get_expert_tensor_and_model_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The expert tensor+model parallel group of the caller."""
-    return _facts.etp_ep_group if check_initialized else _tables.maybe.etp_ep_group
+    return _facts.etp_ep_group if check_initialized else _facts.maybe.etp_ep_group
 
 
 @checked_getter
@@ -331,7 +328,7 @@ def get_expert_tensor_model_pipeline_parallel_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The expert tensor+model+pipeline parallel group of the caller."""
-    return _facts.etp_ep_pp_group if check_initialized else _tables.maybe.etp_ep_pp_group
+    return _facts.etp_ep_pp_group if check_initialized else _facts.maybe.etp_ep_pp_group
 
 
 @checked_getter
@@ -339,8 +336,8 @@ def get_expert_data_parallel_group(
     check_initialized: bool = True, partial_expert_data_parallel: bool = False
 ) -> ProcessGroup | None:
     """The expert data-parallel group of the caller (one optimizer instance's if partial)."""
-    tables = _tables if check_initialized else _tables.maybe
-    return tables.intra_edp_group if partial_expert_data_parallel else tables.edp_group
+    facts = _facts if check_initialized else _facts.maybe
+    return facts.intra_edp_group if partial_expert_data_parallel else facts.edp_group
 
 
 def get_data_modulo_expert_parallel_group(
@@ -362,7 +359,7 @@ def get_expert_data_parallel_group_gloo(
     partial_expert_data_parallel: bool = False,
 ) -> ProcessGroup:
     """The gloo twin of the caller's expert data-parallel group."""
-    return _tables.intra_edp_gloo_group if partial_expert_data_parallel else _tables.edp_gloo_group
+    return _facts.intra_edp_gloo_group if partial_expert_data_parallel else _facts.edp_gloo_group
 
 
 @checked_getter
@@ -370,7 +367,7 @@ def get_intra_distributed_optimizer_instance_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """All ranks of the caller's distributed-optimizer instance."""
-    return _tables.dist_opt_instance_group if check_initialized else _tables.maybe.dist_opt_instance_group
+    return _facts.dist_opt_instance_group if check_initialized else _facts.maybe.dist_opt_instance_group
 
 
 @checked_getter
@@ -378,7 +375,7 @@ def get_inter_distributed_optimizer_instance_group(
     check_initialized: bool = True,
 ) -> ProcessGroup | None:
     """The caller's peers in the other distributed-optimizer instances."""
-    return _tables.inter_edp_group if check_initialized else _tables.maybe.inter_edp_group
+    return _facts.inter_edp_group if check_initialized else _facts.maybe.inter_edp_group
 
 
 # -- sizes and ranks (the hot path: one global, one attribute) ---------------------------
@@ -423,8 +420,8 @@ def get_data_parallel_world_size(
 ) -> int:
     """Size of the caller's data-parallel group (0 without torch.distributed)."""
     if with_context_parallel:
-        return _tables.intra_dp_cp_size if partial_data_parallel else _facts.dp_cp_size
-    return _partial_without_cp(_tables.size_of) if partial_data_parallel else _facts.dp_size
+        return _facts.intra_dp_cp_size if partial_data_parallel else _facts.dp_cp_size
+    return _partial_without_cp(_facts.size_of) if partial_data_parallel else _facts.dp_size
 
 
 def get_data_parallel_rank(
@@ -432,8 +429,8 @@ def get_data_parallel_rank(
 ) -> int:
     """The caller's rank in its data-parallel group (0 without torch.distributed)."""
     if with_context_parallel:
-        return _tables.intra_dp_cp_rank if partial_data_parallel else _facts.dp_cp_rank
-    return _partial_without_cp(_tables.rank_in) if partial_data_parallel else _facts.dp_rank
+        return _facts.intra_dp_cp_rank if partial_data_parallel else _facts.dp_cp_rank
+    return _partial_without_cp(_facts.rank_in) if partial_data_parallel else _facts.dp_rank
 
 
 def get_context_parallel_world_size() -> int:
@@ -468,12 +465,12 @@ def get_expert_model_parallel_rank() -> int:
 
 def get_expert_tensor_parallel_world_size() -> int | None:
     """Size of the caller's expert-tensor group; before init, the tp override (maybe None)."""
-    return _tables.maybe.etp_size
+    return _facts.maybe.etp_size
 
 
 def get_expert_tensor_parallel_rank() -> int | None:
     """The caller's expert-tensor rank; before init, the tp rank override (maybe None)."""
-    return _tables.maybe.etp_rank
+    return _facts.maybe.etp_rank
 
 
 def get_expert_tensor_and_model_parallel_world_size() -> int:
@@ -488,12 +485,12 @@ def get_expert_tensor_and_model_parallel_rank() -> int:
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
     """Size of the caller's expert data-parallel group (0 without torch.distributed)."""
-    return _tables.intra_edp_size if partial_expert_data_parallel else _tables.edp_size
+    return _facts.intra_edp_size if partial_expert_data_parallel else _facts.edp_size
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
     """The caller's rank in its expert data-parallel group (0 without torch.distributed)."""
-    return _tables.intra_edp_rank if partial_expert_data_parallel else _tables.edp_rank
+    return _facts.intra_edp_rank if partial_expert_data_parallel else _facts.edp_rank
 
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
@@ -526,7 +523,7 @@ def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller holds word embeddings (at ``vp_stage`` if not ignoring virtual)."""
-    ranks = _tables.maybe.embedding_ranks
+    ranks = _facts.maybe.embedding_ranks
     if ranks is None or ignore_virtual or ranks[0] != dist.get_rank() != ranks[-1]:
         return ranks is not None
     if dist.get_rank() == ranks[0]:
@@ -536,7 +533,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
 
 def is_rank_in_position_embedding_group() -> bool:
     """Whether the caller holds position embeddings."""
-    return _tables.maybe.position_embedding_ranks is not None
+    return _facts.maybe.position_embedding_ranks is not None
 
 
 # -- global ranks ----------------------------------------------------------------------
@@ -554,7 +551,7 @@ def get_model_parallel_src_rank() -> int:
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """Global rank of the first member of the caller's data-parallel group."""
-    return (_tables.dp_cp_ranks if with_context_parallel else _tables.dp_ranks)[0]
+    return (_facts.dp_cp_ranks if with_context_parallel else _facts.dp_ranks)[0]
 
 
 def get_expert_model_parallel_src_rank() -> int:

@@ -29,7 +29,7 @@ from meshstate.core.build import build_mesh
 from meshstate.core.mesh import ParallelMesh, set_mesh
 from meshstate.megatron import buffers, getters, nccl
 from meshstate.megatron import derived as families
-from meshstate.megatron.tables import OVERRIDES
+from meshstate.megatron.facts import OVERRIDES
 
 logger = logging.getLogger("meshstate.megatron.parallel_state")
 

@@ -25,7 +25,7 @@ from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.groups import GroupOptions
 from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Key, Level
 from meshstate.megatron import derived as families
-from meshstate.megatron.tables import (
+from meshstate.megatron.facts import (
     DP_CP, ETP_EP, ETP_EP_PP, TP_CP, TP_DP, TP_DP_CP, TP_PP,
 )
 

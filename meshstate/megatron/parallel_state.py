@@ -16,17 +16,18 @@ by a module ``__getattr__`` that asks the mesh:
 - :mod:`~meshstate.megatron.getters`: the getters, ``get_mesh`` and ``is_initialized``;
 - :mod:`~meshstate.megatron.lifecycle`: ``initialize_model_parallel`` and
   ``destroy_model_parallel``;
-- :mod:`~meshstate.megatron.tables`: what the getters read, and the ``set_*`` overrides;
+- :mod:`~meshstate.megatron.facts`: what the getters read, and the ``set_*`` overrides;
 - :mod:`~meshstate.megatron.rank_groups`: ``RankGenerator`` and the ``create_*group*`` helpers;
 - :mod:`~meshstate.megatron.nccl`: NCCL communicator options;
 - :mod:`~meshstate.megatron.buffers`: the global memory buffers.
 
 ``initialize_model_parallel`` builds one :class:`~meshstate.ParallelMesh`
-(``get_mesh()``) and the getters keep references to it and its tables only,
-with the ``set_*`` overrides laid over them. Before init, and after
-``destroy_model_parallel``, the tables are stand-ins that raise megatron-core's
-errors; once the mesh is destroyed, by ``destroy_model_parallel`` or by
-``get_mesh().destroy()``, its own tables raise, so no answer outlives its mesh.
+(``get_mesh()``, held weakly) and the getters read its facts only, with the
+``set_*`` overrides laid over them. Before init, and after
+``destroy_model_parallel``, the facts give megatron-core's answers and errors;
+the mesh keeps the facts served from it, so once it is destroyed, by
+``destroy_model_parallel`` or by ``get_mesh().destroy()``, they raise, and no
+answer outlives its mesh.
 Only the values megatron-core itself keeps beside its groups live in the façade:
 the overrides, the virtual pipeline stage and the memory buffers.
 
@@ -54,7 +55,7 @@ from functools import partial
 from typing import Any
 
 from meshstate.core.layout import Key
-from meshstate.megatron import buffers, getters, lifecycle, rank_groups, tables
+from meshstate.megatron import buffers, facts, getters, lifecycle, rank_groups
 from meshstate.megatron import derived as families
 from meshstate.megatron.buffers import *  # noqa: F403
 from meshstate.megatron.buffers import _set_global_memory_buffer, _set_global_symmetric_memory_buffer
@@ -63,13 +64,13 @@ from meshstate.megatron.getters import *  # noqa: F403
 from meshstate.megatron.lifecycle import destroy_model_parallel, initialize_model_parallel, logger
 from meshstate.megatron.nccl import get_nccl_options, overwrite_nccl_comm_cfgs
 from meshstate.megatron.rank_groups import *  # noqa: F403
-from meshstate.megatron.tables import *  # noqa: F403
-from meshstate.megatron.tables import (
+from meshstate.megatron.facts import *  # noqa: F403
+from meshstate.megatron.facts import (
     DP_CP, ETP_EP, ETP_EP_PP, GLOO, OVERRIDES, TP_CP, TP_DP, TP_DP_CP, TP_PP,
 )
 
 __all__ = [
-    *buffers.__all__, *getters.__all__, *lifecycle.__all__, *rank_groups.__all__, *tables.__all__,
+    *buffers.__all__, *getters.__all__, *lifecycle.__all__, *rank_groups.__all__, *facts.__all__,
     "default_embedding_ranks", "default_position_embedding_ranks", "get_nccl_options", "logger",
     "overwrite_nccl_comm_cfgs",
 ]
@@ -128,10 +129,11 @@ _VALUE_NAMES: dict[str, Callable[[], Any]] = {
 
 def __getattr__(name: str) -> Any:
     """megatron-core's module-level state names, read from the mesh served."""
+    facts = getters._facts
     if name in _GROUP_NAMES:
-        return getters._tables.group_of.get(_GROUP_NAMES[name])
+        return None if facts.destroyed else facts.group_of.get(_GROUP_NAMES[name])
     if name in _RANKS_NAMES:
-        ranks = getters._tables.ranks_of.get(_RANKS_NAMES[name])
+        ranks = None if facts.destroyed else facts.ranks_of.get(_RANKS_NAMES[name])
         return None if ranks is None else list(ranks)
     if name in OVERRIDES.values:
         return OVERRIDES.values[name]
