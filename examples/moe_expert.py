@@ -38,7 +38,6 @@ NCCL on GPUs when there is one per rank, gloo on CPU otherwise (gloo supports
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import meshstate
-from fsdp2_tp import Result, checked_result
+from fsdp2_tp import Result, _device, checked_result, torchrun_main
 
 DIM = 16
 HIDDEN = 32
@@ -294,23 +293,5 @@ def _train(mesh: meshstate.ParallelMesh, steps: int) -> Result:
     ), losses, reference_losses, grad_diffs)
 
 
-def _device(mesh: meshstate.ParallelMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
-def main() -> None:
-    """Entry point under ``torchrun --nproc-per-node 8``: NCCL with a GPU per rank, else gloo."""
-    use_cuda = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    try:
-        train()
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    torchrun_main(train)
