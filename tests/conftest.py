@@ -1,5 +1,6 @@
 """Shared test helpers: megatron-core's RankGenerator as the layout oracle."""
 
+import signal
 import warnings
 
 import pytest
@@ -86,3 +87,9 @@ def close(got, want, tolerance=1e-9):
     return got.shape == want.shape and bool(
         ((got - want).abs() <= tolerance * (1 + want.abs())).all()
     )
+
+
+def heed_ctrl_c() -> None:
+    """In a child about to start: SIGINT as a terminal's Ctrl-C finds it (the default),
+    even when this test runs with SIGINT ignored, as a shell's background job does."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

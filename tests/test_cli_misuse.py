@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+from conftest import heed_ctrl_c
 import torch
 
 from meshstate.tools import bench_init, bench_processes, cli_commands, cli_parser, cli_shared
@@ -340,6 +341,8 @@ WITHOUT_TORCH = [
     ["--help"], ["plan", "--help"], ["check", "--help"], ["bench", "--help"], ["plan"],
     ["plan", "--world-size", "8", "--dp", "4"], ["launch"],
     ["check", "--simulate", "--backend", "gloo"], ["bench", "--simulated-checks", "x"],
+    ["plan", "--world-size", "12", "--tp", "8"], ["check", "--tp", "3"],
+    ["check", "--simulate", "--world-size", "1001", "--tp", "8"],
 ]
 IMPORTS_AFTER = """
 import sys
@@ -448,6 +451,7 @@ def test_signal_mid_check_stops_every_worker(signum, status, word):
     check = subprocess.Popen(
         [sys.executable, "-m", "meshstate", "check"], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=heed_ctrl_c,  # a shell's background job starts with SIGINT ignored
         env={**os.environ, name: value},
     )
     try:

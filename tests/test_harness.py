@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from conftest import heed_ctrl_c
 
 from meshstate.core.errors import MeshStateError
 from meshstate.testing import fork_server
@@ -137,6 +138,7 @@ def test_a_signalled_test_run_leaves_no_worker(tmp_path, how):
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sleeper.py"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=heed_ctrl_c,  # a shell's background job starts with SIGINT ignored
     )
     try:
         deadline = time.monotonic() + 120

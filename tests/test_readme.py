@@ -117,19 +117,37 @@ def test_the_pages_have_python_blocks():
     assert len(README.read_text().splitlines()) <= 200
 
 
+@pytest.fixture(scope="module")
+def test_file_outcomes(tmp_path_factory):
+    """Every block that defines a ``@distributed`` test, saved as a test file, and all of
+    them given to one pytest (one start of torch and of the workers, not one per block):
+    ``{block's source: (pytest's outcomes of its file, pytest's output)}``."""
+    folder = tmp_path_factory.mktemp("blocks")
+    files = {}
+    for number, (_, _, _, source) in enumerate(BLOCKS):
+        if defines_distributed_test(source):
+            files[source] = f"test_block_{number}.py"
+            (folder / files[source]).write_text(source)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *files.values()],
+        cwd=folder, capture_output=True, text=True, timeout=300,
+    )
+    output = result.stdout + result.stderr
+    outcomes = re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+?)::", output, re.MULTILINE)
+    return {
+        source: ([outcome for outcome, path in outcomes if path == name], output)
+        for source, name in files.items()
+    }
+
+
 @pytest.mark.parametrize(
     "page, source, first_line",
     [pytest.param(page, source, line, id=name) for page, name, line, source in BLOCKS],
 )
-def test_readme_block_runs_as_printed(page, source, first_line, tmp_path):
+def test_readme_block_runs_as_printed(page, source, first_line, request):
     if defines_distributed_test(source):
-        test_file = tmp_path / "test_readme_block.py"
-        test_file.write_text(source)
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
-            cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        )
-        assert result.returncode == 0, result.stdout + result.stderr
+        outcomes, output = request.getfixturevalue("test_file_outcomes")[source]
+        assert outcomes and set(outcomes) == {"PASSED"}, output
         return
     if not needs_a_world(source):
         run_block(source, first_line, page)  # pure layout or import switching: no ranks needed

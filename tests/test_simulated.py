@@ -251,6 +251,12 @@ def float_list_of_every_rank() -> None:
     torch.full((1,), dist.get_rank(), dtype=torch.float).tolist()
 
 
+def compile_a_shard_map_of_a_plain_tensor() -> None:
+    with meshstate.init_mesh(tp=2):
+        step = meshstate.shard_map(lambda x: x * 2, in_specs=meshstate.P("tp"), out_specs=meshstate.P("tp"))
+        torch.compile(step, fullgraph=True, backend="eager")(torch.arange(4.0))
+
+
 @pytest.mark.parametrize(("body", "says"), [
     (branch_on_rank, "a Python branch on a value that differs between the simulated ranks (True on ranks 0, 2"),
     (int_of_rank, "int() or bool() of a value that differs between the simulated ranks (0 on ranks 0, 2"),
@@ -265,6 +271,7 @@ def float_list_of_every_rank() -> None:
     (adopt_groups, "adopt() cannot run in a simulated world"),
     (assert_equal_on_some_ranks, "a Python branch on a value that differs between the simulated ranks (True on rank 0; False on ranks 1, 2, 3, 4, …)"),
     (float_list_of_every_rank, "cannot run this (RuntimeError: Cannot convert local tensor to list)"),
+    (compile_a_shard_map_of_a_plain_tensor, "torch.compile cannot trace this with every rank's values in one process (InternalTorchDynamoError"),
 ])
 def test_what_the_simulation_cannot_do_says_so(body: Any, says: str) -> None:
     with pytest.raises(SimulationError, match="local_world") as raised:

@@ -131,6 +131,14 @@ def raised_inside(error: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.startswith(os.path.dirname(_simulation.__file__))
 
 
+def failed_compiling(error: BaseException) -> bool:
+    """Whether ``error`` is ``torch.compile`` failing inside itself
+    (``torch._dynamo.exc.InternalTorchDynamoError``), as it does on a simulated world's
+    per-rank sizes (dynamo reads ``has_hint`` of every symbolic integer's node)."""
+    dynamo_errors = sys.modules.get("torch._dynamo.exc")
+    return dynamo_errors is not None and isinstance(error, dynamo_errors.InternalTorchDynamoError)
+
+
 def ints_made_as(combine: Callable[[dict[int, int]], Any]) -> contextlib.AbstractContextManager[Any]:
     """A block in which every per-rank integer torch's simulation makes from an op's
     results (``.item()``, a size) is ``combine(values by rank)`` instead of its own.

@@ -89,7 +89,14 @@ class SimulatedWorld:
             with local_compat.local_tensor_mode(ranks), _per_rank_torch():
                 result = fn(*args, **kwargs)
         except (AssertionError, AttributeError, NotImplementedError, RuntimeError) as error:
-            if isinstance(error, MeshStateError) or not local_compat.raised_inside(error):
+            if isinstance(error, MeshStateError):
+                raise
+            if local_compat.failed_compiling(error):
+                raise SimulationError(
+                    f"torch.compile cannot trace this with every rank's values in one process "
+                    f"({type(error).__name__}: {str(error).splitlines()[0]}); {_LOCAL_WORLD}"
+                ) from error
+            if not local_compat.raised_inside(error):
                 raise
             raise SimulationError(
                 f"torch's simulation of every rank in one process cannot run this "

@@ -9,8 +9,8 @@ real collectives; it refuses to start more local ranks than the machine holds
 unless told ``--force``. ``meshstate bench`` measures meshstate beside
 megatron-core and plain DeviceMesh.
 
-``--help`` and argument errors come from :mod:`meshstate.tools.cli_parser`
-without importing torch; a command that runs loads
+``--help``, argument errors and layout mistakes come from
+:mod:`meshstate.tools.cli_parser` without importing torch; a command that runs loads
 :mod:`meshstate.tools.cli_commands`; both take the exit codes and
 :class:`Progress` from :mod:`meshstate.tools.cli_shared`. A mistake in the input
 exits with status 2 and one line on stderr; Ctrl-C exits 130, SIGTERM 143, a
@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from types import FrameType, ModuleType
 
 from meshstate.core.errors import MeshStateError
-from meshstate.tools.cli_parser import parse_args
+from meshstate.tools.cli_parser import layout_config, parse_args
 from meshstate.tools.cli_shared import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
@@ -113,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
         progress = Progress(args.command, args.verbose or sys.stderr.isatty())
         try:
+            if args.command != "bench":
+                layout_config(args)  # a layout mistake is told before torch loads (seconds)
             commands = _load_commands(progress)
             status, output = getattr(commands, f"run_{args.command}")(args, progress)
             if output and not _print_output(output):

@@ -15,12 +15,12 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshstate.core.config import MeshArguments, MeshConfig
+from meshstate.core.config import MeshConfig
 from meshstate.core.errors import ConfigError, MeshStateError
 from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Grid, ParallelLayout
 from meshstate.core.build import init_mesh
@@ -28,10 +28,12 @@ from meshstate.testing.launch import default_backend, run_local
 from meshstate.tools import bench
 from meshstate.tools.bench_settings import MAX_SIMULATED_CHECK
 from meshstate.tools.cli_parser import (
-    DEFAULT_CHECK_WORLD,
     MAX_LISTED_WORLD,
     RANK_MEMORY_BYTES,
     RANKS_PER_CPU,
+    layout_arguments,
+    layout_config,
+    under_torchrun,
 )
 from meshstate.core.config import sizes_text
 from meshstate.core.ranks import ranks_text
@@ -133,17 +135,6 @@ def _require_gpus(backend: str, local_ranks: int) -> None:
         )
     if not dist.is_nccl_available():
         raise MeshStateError("--backend nccl: this torch build has no NCCL; use --backend gloo")
-
-
-def _layout_arguments(args: argparse.Namespace) -> MeshArguments:
-    """The layout the command line gives: every init_mesh layout argument its parser has."""
-    given = vars(args)
-    layout = {name: given[name] for name in MeshArguments.__annotations__ if name in given}
-    return cast(MeshArguments, layout)
-
-
-def _config(args: argparse.Namespace, world_size: int) -> MeshConfig:
-    return MeshConfig(world_size, **_layout_arguments(args))
 
 
 def _describe(config: MeshConfig) -> str:
@@ -301,7 +292,7 @@ def _write_svg(layout: ParallelLayout, args: argparse.Namespace, progress: Progr
 
 def run_plan(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     """``meshstate plan``: the table (or ``--json``), and ``--svg``'s picture."""
-    layout = ParallelLayout(_config(args, args.world_size))
+    layout = ParallelLayout(layout_config(args))
     _check_plan_args(args)
     listed = args.json or args.gpus_per_node is not None
     if listed and args.world_size >= _SLOW_LISTING:
@@ -314,20 +305,12 @@ def run_plan(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     return 0, _plan_text(layout, args.rank, locality)
 
 
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
 def _check_launched(
     args: argparse.Namespace, progress: Progress, timeout: timedelta
 ) -> tuple[MeshConfig, str, list[Any], bool]:
     """``check`` on the ranks torchrun launched: the config, backend, checks and whether to report."""
-    world_size = int(os.environ["WORLD_SIZE"])
-    if args.world_size not in (None, world_size):
-        raise MeshStateError(
-            f"--world-size {args.world_size} differs from torchrun's WORLD_SIZE {world_size}"
-        )
-    config = _config(args, world_size)
+    config = layout_config(args)
+    world_size = config.world_size
     if args.backend is not None:
         _require_gpus(args.backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     is_reporter = os.environ["RANK"] == "0"
@@ -347,8 +330,8 @@ def _check_local(
     args: argparse.Namespace, progress: Progress, timeout: timedelta
 ) -> tuple[MeshConfig, str, list[Any]]:
     """``check`` on local ranks it starts: the config, backend and every rank's checks."""
-    world_size = args.world_size or DEFAULT_CHECK_WORLD
-    config = _config(args, world_size)
+    config = layout_config(args)
+    world_size = config.world_size
     backend = args.backend or default_backend(world_size)
     _require_gpus(backend, world_size)
     _require_capacity(
@@ -365,8 +348,8 @@ def _check_local(
 
 def _check_simulated(args: argparse.Namespace, progress: Progress) -> tuple[MeshConfig, list[KindSummary]]:
     """``check --simulate``: the config and the table's rows, every rank in this process."""
-    world_size = args.world_size or DEFAULT_CHECK_WORLD
-    config = _config(args, world_size)
+    config = layout_config(args)
+    world_size = config.world_size
     if world_size > MAX_SIMULATED_CHECK:
         raise ConfigError(
             f"--simulate builds at most {MAX_SIMULATED_CHECK} ranks in one process, got "
@@ -387,7 +370,7 @@ def run_check(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
         config, summaries = _check_simulated(args, progress)
         backend = "simulated"
     else:
-        if _under_torchrun():
+        if under_torchrun():
             config, backend, checks_by_rank, is_reporter = _check_launched(args, progress, timeout)
         else:
             config, backend, checks_by_rank = _check_local(args, progress, timeout)
@@ -405,7 +388,7 @@ def run_check(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
 
 def run_bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     """``meshstate bench``: time meshstate beside megatron-core, DeviceMesh and torchtitan."""
-    sizes: dict[str, Any] = dict(_layout_arguments(args))
+    sizes: dict[str, Any] = dict(layout_arguments(args))
     if args.processes:
         _require_capacity(
             max(args.processes), args.force, "pass smaller --processes (0 for none)"

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import textwrap
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
-from meshstate.core.config import DEFAULT_ORDER, MAX_WORLD_SIZE
+from meshstate.core.config import DEFAULT_ORDER, MAX_WORLD_SIZE, MeshArguments, MeshConfig, sizes_text
+from meshstate.core.errors import ConfigError
 from meshstate.tools.bench_settings import (
     MAX_SIMULATED_CHECK,
     MAX_SIMULATED_WORLD,
@@ -25,7 +27,6 @@ from meshstate.tools.bench_settings import (
     SIMULATED_CHECK_SIZES,
     SIMULATED_CHECK_WORLDS,
 )
-from meshstate.core.config import sizes_text
 from meshstate.tools.cli_shared import EXIT_BAD_INPUT
 
 MAX_LISTED_WORLD = 2**20
@@ -302,6 +303,34 @@ def inferred_size_hint(args: argparse.Namespace) -> str | None:
             f"--world-size {wanted * product} gives {name} {wanted}"
         )
     return None
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank torchrun launched (its environment says so)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def layout_arguments(args: argparse.Namespace) -> MeshArguments:
+    """The layout the command line gives: every init_mesh layout argument its parser has."""
+    given = vars(args)
+    return cast(MeshArguments, {name: given[name] for name in MeshArguments.__annotations__ if name in given})
+
+
+def layout_config(args: argparse.Namespace) -> MeshConfig:
+    """The layout ``plan`` or ``check`` lays out, checked without torch (a
+    :class:`ConfigError` names a mistake): over ``--world-size``; for ``check`` without
+    it, the ranks torchrun launched, else :data:`DEFAULT_CHECK_WORLD` local ones.
+
+    Example: ``meshstate check --world-size 1001 --tp 8`` gives "world size 1001 is
+    not divisible by tp*cp*pp = 8*1*1 = 8" before torch is imported.
+    """
+    world_size = args.world_size
+    if args.command == "check" and not args.simulate and under_torchrun():
+        launched = int(os.environ["WORLD_SIZE"])
+        if world_size not in (None, launched):
+            raise ConfigError(f"--world-size {world_size} differs from torchrun's WORLD_SIZE {launched}")
+        world_size = launched
+    return MeshConfig(world_size or DEFAULT_CHECK_WORLD, **layout_arguments(args))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
