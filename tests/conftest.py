@@ -51,7 +51,6 @@ def oracle():
 def in_both_worlds(world_size):
     """Run a test body on ``world_size`` local processes and simulated in this process
     (torch's LocalTensorMode): one test, parametrized ``world`` = processes | simulated."""
-    import functools
     import inspect
     import sys
 

@@ -1,7 +1,6 @@
 """The examples in examples/ train on 8 gloo ranks (the compiled block on 4) and match a single-process reference."""
 
 import importlib
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType

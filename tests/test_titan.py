@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch.distributed as dist
 
 from meshstate import ConfigError
 from meshstate.testing import fake_world
