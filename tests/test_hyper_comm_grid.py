@@ -357,7 +357,7 @@ def test_get_pg_before_create_pg(world_size_env):
 def test_create_pg_needs_an_initialised_world_that_fits_the_grid(world_size_env):
     world_size_env(16)
     grid = HyperCommGrid([16], ["dp"])
-    with pytest.raises(ConfigError, match="^torch.distributed is not initialized; call init_"):
+    with pytest.raises(ConfigError, match="^torch.distributed is not initialized; call torch.distributed.init_process_group first$"):
         grid.create_pg("dp")
     with fake_world(0, 8):  # WORLD_SIZE says 16, the world has 8
         with pytest.raises(

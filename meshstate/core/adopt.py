@@ -22,8 +22,8 @@ from meshstate.core.arguments import (
     split_arguments,
 )
 from meshstate.core.config import DEFAULT_ORDER, MeshConfig, sizes_text
-from meshstate.core.errors import AxisError, ConfigError, MeshStateError
-from meshstate.core.groups import GroupSpec, create_process_groups
+from meshstate.core.errors import AxisError, ConfigError
+from meshstate.core.groups import GroupSpec, create_process_groups, require_default_group
 from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Key, ParallelLayout
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.simulation import refuse_simulation
@@ -56,8 +56,7 @@ def adopt(
     refuse_simulation("adopt()")
     sizes, given = split_arguments("adopt()", arguments, GroupArguments)
     options = BuildOptions.check(given)
-    if not dist.is_initialized():
-        raise MeshStateError("torch.distributed is not initialized; call init_process_group first")
+    require_default_group()
     layout = ParallelLayout(MeshConfig(dist.get_world_size(), order=order, **sizes))
     kinds = GROUP_KINDS + (HSDP_KINDS if layout.config.dp_replicate > 1 else ())
     adopted: dict[str, dist.ProcessGroup] = {}

@@ -90,6 +90,19 @@ class ProcessGroupSet:
         self.by_name.clear()
 
 
+def require_default_group(error: type[MeshStateError] = MeshStateError) -> None:
+    """Refuse, with ``error``, where torch.distributed has no default process group yet.
+
+    Example: ``require_default_group(ConfigError)`` before ``init_process_group`` raises
+    ``ConfigError("torch.distributed is not initialized; call
+    torch.distributed.init_process_group first")``.
+    """
+    if not dist.is_initialized():
+        raise error(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group first"
+        )
+
+
 def create_process_groups(
     specs: Sequence[GroupSpec],
     *,
@@ -115,10 +128,7 @@ def create_process_groups(
         specs = [GroupSpec("tp", (0, 1), lambda: [[0, 1], [2, 3]])]
         create_process_groups(specs).by_name["tp"]  # the group of ranks 0 and 1
     """
-    if not dist.is_initialized():
-        raise MeshStateError(
-            "torch.distributed is not initialized; call init_process_group first"
-        )
+    require_default_group()
     if group_creation not in (None, "split", "local"):
         raise ConfigError(
             f"group_creation must be 'split', 'local' or None (choose), got {group_creation!r}"
@@ -330,10 +340,7 @@ def create_group_family(
         tp_group = create_group_family([[0, 1], [2, 3]], description="tp")
         # on rank 2: the group of ranks 2 and 3
     """
-    if not dist.is_initialized():
-        raise MeshStateError(
-            "torch.distributed is not initialized; call init_process_group first"
-        )
+    require_default_group()
     rank = process_rank()
     family = [sorted(ranks) for ranks in rank_lists]
     members = next((tuple(ranks) for ranks in family if rank in ranks), None)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core.arguments import resolve_device_type
-from meshstate.core.errors import ConfigError, MeshStateError
-from meshstate.core.groups import GroupSpec, ProcessGroupSet, create_process_groups
+from meshstate.core.errors import ConfigError
+from meshstate.core.groups import GroupSpec, ProcessGroupSet, create_process_groups, require_default_group
 from meshstate.core.hybrid_grid import HybridGrid
 from meshstate.core.mesh import track_mesh
 from meshstate.core.simulation import refuse_simulation
@@ -60,8 +60,7 @@ def init_hybrid_mesh(
         hybrid.device_mesh.get_coordinate()      # (0, 3): tp=0, dp=3
         hybrid.destroy()
     """
-    if not dist.is_initialized():
-        raise MeshStateError("torch.distributed is not initialized; call init_process_group first")
+    require_default_group()
     refuse_simulation("init_hybrid_mesh()")
     if dist.get_world_size() != grid.world_size:
         raise ConfigError(

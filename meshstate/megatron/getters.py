@@ -21,7 +21,6 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from typing import cast
 
 import torch.distributed as dist
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate.core.errors import AxisError, ConfigError, MeshStateError
-from meshstate.core.groups import create_group_family
+from meshstate.core.groups import create_group_family, require_default_group
 from meshstate.core.layout import Grid
 
 __all__ = ["DimError", "GridSizeError", "GroupKeyError", "HyperCommGrid"]
@@ -263,10 +263,7 @@ class HyperCommGrid:
         return names
 
     def _check_world(self) -> None:
-        if not dist.is_initialized():
-            raise ConfigError(
-                "torch.distributed is not initialized; call init_process_group before create_pg"
-            )
+        require_default_group(ConfigError)
         world_size = dist.get_world_size()
         if self.rank_offset + self.size > world_size:
             raise ConfigError(

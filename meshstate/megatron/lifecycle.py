@@ -22,7 +22,7 @@ import torch.distributed as dist
 from meshstate.core.config import DEFAULT_ORDER, MeshConfig
 from meshstate.core.errors import ConfigError
 from meshstate.megatron.errors import ParallelStateError
-from meshstate.core.groups import GroupOptions
+from meshstate.core.groups import GroupOptions, require_default_group
 from meshstate.core.layout import DerivedGroup, Key
 from meshstate.core.arguments import BuildOptions
 from meshstate.core.build import build_mesh
@@ -120,10 +120,7 @@ def _start_afresh() -> None:
         )
     if getters.served_mesh() is not None:
         destroy_model_parallel()
-    if not dist.is_initialized():
-        raise ParallelStateError(
-            "torch.distributed is not initialized; call torch.distributed.init_process_group first"
-        )
+    require_default_group(ParallelStateError)
 
 
 def _config(
