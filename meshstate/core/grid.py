@@ -163,13 +163,12 @@ class Grid:
         is ``(2, 3)``.
         """
         major_to_minor = self._distinct(major_to_minor)
-        taken = self.lattice_of(rank, major_to_minor).take(positions)
+        group = self.lattice_of(rank, major_to_minor)
+        taken = group.take(positions)
         if taken is not None:
             return listed_if_small(taken.sorted())
-        coordinate = self.coordinate(rank)
-        base = rank - sum(coordinate[a] * self._strides[a] for a in major_to_minor)
         remaining = torch.arange(positions.start, positions.stop, positions.step)
-        members = torch.full_like(remaining, base)
+        members = torch.full_like(remaining, group.base)
         for axis in reversed(major_to_minor):
             members += remaining % self.size(axis) * self._strides[axis]
             remaining //= self.size(axis)

@@ -214,11 +214,8 @@ def _rank_group(
 ) -> tuple[int, int, list[int]]:
     """``rank``'s index in its group of ``kind``, the group's size and its first members."""
     _, grid, axes = layout.resolve(kind)
-    coordinate = grid.coordinate(rank)
-    first_rank = rank - sum(coordinate[axis] * grid.stride(axis) for axis in axes)
-    size = math.prod(grid.size(axis) for axis in axes)
-    shown = [first_rank + _step(grid, axes, i) for i in range(min(size, members))]
-    return grid.index_in_group(rank, axes), size, shown
+    group = grid.lattice_of(rank, axes)  # strides: no list of a million members
+    return group.index(rank), len(group), [group[i] for i in range(min(len(group), members))]
 
 
 def _nodes(count: int) -> str:
