@@ -248,3 +248,19 @@ def test_shard_map_pipeline_ring(check_vma):
             assert math.isfinite(unchecked(stages).to_local().sum().item())
     assert rank in mesh.ranks("pp")
     mesh.destroy()
+
+
+def test_a_spec_tree_that_does_not_fit_is_named_by_its_path():
+    from meshstate.core.errors import ConfigError
+    from meshstate.testing import fake_world
+
+    with pytest.raises(ConfigError, match=r"^in_specs\[1\]\['a'\]: a spec tree holds P, None, .* not int$"):
+        shard_map(lambda x, y: x, in_specs=(P("tp"), {"a": 3}), out_specs=P())
+    with fake_world(0, 4), meshstate.init_mesh(tp=2):
+        pair = shard_map(lambda x: x, in_specs=((P("tp"), P()),), out_specs=(P("tp"), P()))
+        with pytest.raises(ConfigError, match=r"^in_specs\[0\] has 2 entries, the value is a tuple of 3$"):
+            pair((torch.ones(4),) * 3)
+        named = shard_map(lambda x: x, in_specs=({"a": P("tp")},), out_specs={"a": P("tp")})
+        with pytest.raises(ConfigError, match=r"^in_specs\[0\] is a dict with keys \['a'\], the value is a dict with keys \['b'\]$"):
+            named({"b": torch.ones(4)})
+        assert named({"a": torch.arange(4.0)})["a"].to_local().tolist() == [0.0, 1.0]

@@ -229,18 +229,31 @@ class Plan:
         return shapes
 
 
-def spec_leaves(tree: SpecTree) -> list[P]:
-    if isinstance(tree, P):
-        return [tree]
+def spec_branches(tree: SpecTree, path: str) -> dict[Any, tuple[SpecTree, str]]:
+    """The branches of a spec tree's inner node, each with its path as JAX words it
+    (``out_specs['a'][1]``): a dict's items, a tuple's or list's entries by number.
+
+    The one rule of what a tree holds (P, None, tuples, lists and dicts); anything
+    else is a :class:`ConfigError`. Example: ``spec_branches((P("tp"), None), "in_specs")
+    == {0: (P("tp"), "in_specs[0]"), 1: (None, "in_specs[1]")}``.
+    """
     if isinstance(tree, dict):
-        return [spec for value in tree.values() for spec in spec_leaves(value)]
+        return {key: (branch, f"{path}[{key!r}]") for key, branch in tree.items()}
     if isinstance(tree, (tuple, list)):
-        return [spec for value in tree for spec in spec_leaves(value)]
+        return {number: (branch, f"{path}[{number}]") for number, branch in enumerate(tree)}
+    raise ConfigError(
+        f"{path}: a spec tree holds P, None, tuples, lists and dicts, not {type(tree).__name__}"
+    )
+
+
+def spec_leaves(tree: SpecTree, path: str = "specs") -> list[P]:
+    """Every P of ``tree``, in order."""
     if tree is None:
         return []
-    raise ConfigError(
-        f"a spec tree holds P, None, tuples, lists and dicts, not {type(tree).__name__}"
-    )
+    if isinstance(tree, P):
+        return [tree]
+    branches = spec_branches(tree, path).values()
+    return [spec for branch, where in branches for spec in spec_leaves(branch, where)]
 
 
 def _view(parallel_mesh: ParallelMesh, specs: Sequence[P]) -> DeviceMesh:

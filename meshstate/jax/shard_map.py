@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.jax.collectives import pvary_over
-from meshstate.jax.plan import Plan, SpecTree, plan_on, spec_key, spec_leaves
+from meshstate.jax.plan import Plan, SpecTree, plan_on, spec_branches, spec_key, spec_leaves
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
 from meshstate.jax.vma import VaryingAxesError, VaryingTypes, axes_text, body, typed, vma
@@ -98,7 +98,8 @@ def shard_map(
             out-spec leaves out (JAX's ``ValueError``), or ``f`` mixes types
             the rules refuse (see :mod:`meshstate.jax.vma`).
     """
-    keys = tuple(spec_key(spec) for spec in [*spec_leaves(in_specs), *spec_leaves(out_specs)])
+    leaves = [*spec_leaves(in_specs, "in_specs"), *spec_leaves(out_specs, "out_specs")]
+    keys = tuple(spec_key(spec) for spec in leaves)
     name = getattr(f, "__name__", type(f).__name__)
 
     def mapped(*args: Any) -> Any:
@@ -211,20 +212,20 @@ def _map(tree: SpecTree, values: Any, path: str, apply: Callable[[P, Any, str], 
         if isinstance(values, (tuple, list)):
             return type(values)(_map(tree, value, path, apply) for value in values)
         return values
+    branches = spec_branches(tree, path)
     if isinstance(tree, dict):
         if not isinstance(values, dict) or set(values) != set(tree):
             raise ConfigError(
                 f"{path} is a dict with keys {sorted(map(str, tree))}, "
                 f"the value is {_describe(values)}"
             )
-        return {
-            key: _map(tree[key], value, f"{path}[{key!r}]", apply) for key, value in values.items()
-        }
-    if not isinstance(values, (tuple, list)) or len(values) != len(tree):
-        raise ConfigError(f"{path} has {len(tree)} entries, the value is {_describe(values)}")
+        return {key: _map(branches[key][0], value, branches[key][1], apply)
+                for key, value in values.items()}
+    if not isinstance(values, (tuple, list)) or len(values) != len(branches):
+        raise ConfigError(f"{path} has {len(branches)} entries, the value is {_describe(values)}")
     return type(values)(
-        _map(spec, value, f"{path}[{number}]", apply)
-        for number, (spec, value) in enumerate(zip(tree, values))
+        _map(branches[number][0], value, branches[number][1], apply)
+        for number, value in enumerate(values)
     )
 
 
