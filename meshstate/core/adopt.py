@@ -24,7 +24,7 @@ from meshstate.core.arguments import (
 from meshstate.core.config import DEFAULT_ORDER, MeshConfig, sizes_text
 from meshstate.core.errors import AxisError, ConfigError
 from meshstate.core.groups import GroupSpec, create_process_groups, require_default_group
-from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Key, ParallelLayout
+from meshstate.core.layout import Key, ParallelLayout
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.simulation import refuse_simulation
 
@@ -58,7 +58,7 @@ def adopt(
     options = BuildOptions.check(given)
     require_default_group()
     layout = ParallelLayout(MeshConfig(dist.get_world_size(), order=order, **sizes))
-    kinds = GROUP_KINDS + (HSDP_KINDS if layout.config.dp_replicate > 1 else ())
+    kinds = layout.kinds
     adopted: dict[str, dist.ProcessGroup] = {}
     for key, group in groups.items():
         canonical = layout.canonical(key)

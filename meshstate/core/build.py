@@ -35,8 +35,6 @@ from meshstate.core.config import DEFAULT_ORDER, MeshConfig
 from meshstate.core.errors import ConfigError, MeshStateError, SimulationError
 from meshstate.core.groups import GroupOptions, GroupSpec, create_process_groups
 from meshstate.core.layout import (
-    GROUP_KINDS,
-    HSDP_KINDS,
     DerivedGroup,
     Key,
     ParallelLayout,
@@ -213,7 +211,7 @@ def _declared_keys(
 ) -> tuple[tuple[str, ...], tuple[DerivedGroup, ...]]:
     """The kinds with the joint groups, and the derived groups, spelled canonically."""
     joints = dict.fromkeys(map(layout.canonical, joint_groups))
-    base_kinds = GROUP_KINDS + (HSDP_KINDS if layout.config.dp_replicate > 1 else ())
+    base_kinds = layout.kinds
     kinds = base_kinds + tuple(key for key in joints if key not in base_kinds)
     declared: list[DerivedGroup] = []
     for spec in derived:

@@ -171,6 +171,13 @@ class ParallelLayout:
             grid = view(self.config, self.rank_offset)
             object.__setattr__(self, name, _listed(grid, self.ranks))
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The group kinds every mesh of this layout has: Megatron's, and HSDP's where
+        ``dp_replicate > 1``. Example: ``ParallelLayout(MeshConfig(8, tp=2)).kinds ==
+        GROUP_KINDS``."""
+        return GROUP_KINDS + (HSDP_KINDS if self.config.dp_replicate > 1 else ())
+
     def resolve(self, key: str, view: Grid | None = None) -> tuple[str, Grid, tuple[str, ...]]:
         """Canonical key, view and mesh-ordered axes of ``key``.
 

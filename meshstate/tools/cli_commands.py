@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from meshstate.core.config import MeshConfig
 from meshstate.core.errors import ConfigError, MeshStateError
-from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, Grid, ParallelLayout
+from meshstate.core.layout import Grid, ParallelLayout
 from meshstate.core.build import init_mesh
 from meshstate.testing.launch import default_backend, run_local
 from meshstate.tools import bench
@@ -141,16 +141,11 @@ def _describe(config: MeshConfig) -> str:
     return f"order {config.order}, {sizes_text(config.sizes())}"
 
 
-def _kinds(config: MeshConfig) -> tuple[str, ...]:
-    """The group kinds ``plan`` lists: Megatron's, and HSDP's where ``dp_replicate > 1``."""
-    return GROUP_KINDS + (HSDP_KINDS if config.dp_replicate > 1 else ())
-
-
 def _plan_json(
     layout: ParallelLayout, rank: int | None, locality: LocalityReport | None
 ) -> dict[str, Any]:
     config = layout.config
-    kinds = _kinds(config)
+    kinds = layout.kinds
     plan: dict[str, Any] = {
         "world_size": config.world_size,
         "order": config.order,
@@ -231,7 +226,7 @@ def _plan_text(
         node_count = config.world_size // locality.ranks_per_node
         lines.append(f"nodes: {node_count} of {locality.ranks_per_node} ranks each")
     lines.append("")
-    kinds = _kinds(config)
+    kinds = layout.kinds
     width = max(10, *map(len, kinds))
     locality_header = "" if locality is None else f" {'locality':>9}"
     lines.append(f"{'kind':<{width}} {'size':>6} {'groups':>7}{locality_header}  first groups")
@@ -273,7 +268,7 @@ def _locality(layout: ParallelLayout, ranks_per_node: int) -> LocalityReport:
         warnings.simplefilter("ignore", NodeCrossingWarning)
         report = locality_report(layout, ranks_per_node)
     spans = {kind: nodes_spanned(layout.groups(kind), ranks_per_node)
-             for kind in _kinds(layout.config) if kind not in report.nodes_spanned}
+             for kind in layout.kinds if kind not in report.nodes_spanned}
     return replace(report, nodes_spanned={**report.nodes_spanned, **spans})
 
 
