@@ -281,6 +281,17 @@ def test_bench_measures_worlds_of_one_and_two_ranks(capsys):
     assert {row["world_size"] for row in json.loads(out)["rows"]} == {1, 2}
 
 
+def test_a_world_size_torchrun_did_not_launch_is_refused_at_once(capsys, monkeypatch):
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    status, out, err = run_main(capsys, "check", "--world-size", "16", "--tp", "2")
+    assert (status, out) == (2, "")
+    assert err == "meshstate check: error: --world-size 16 differs from torchrun's WORLD_SIZE 8\n"
+    status, out, err = run_main(capsys, "check", "--tp", "3")  # the launched 8 ranks' layout
+    assert (status, out) == (2, "")
+    assert err == "meshstate check: error: world size 8 is not divisible by tp*cp*pp = 3*1*1 = 3\n"
+
+
 def test_plan_says_when_it_lists_a_large_world(capsys):
     status, out, err = run_main(capsys, "plan", "--world-size", "65536", "--json", "--verbose")
     assert status == 0 and json.loads(out)["world_size"] == 65536
