@@ -188,6 +188,16 @@ def needs_a_world(source: str) -> bool:
 # The harness itself: a block that breaks, or shows a wrong value, fails.
 
 
+def test_every_link_between_pages_resolves():
+    broken = [
+        f"{page.relative_to(ROOT)}: {target}"
+        for page in PAGES
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+        if "://" not in target and not (page.parent / target).exists()
+    ]
+    assert broken == []
+
+
 def test_a_block_that_raises_fails():
     with pytest.raises(NameError):
         run_block("undefined_name\n")
