@@ -137,3 +137,15 @@ def test_runtime_table_has_every_call_traced_as_one_graph(monkeypatch):
     table = bench_runtime.format_runtime(rows)
     assert "  psum(x, 'tp')                            2.0 all_reduce(x.clone())" in table
     assert " 1.00     2.0      3.0      1      0" in table
+
+
+def test_a_simulated_check_counts_its_own_memory_not_its_parents():
+    """The row's process starts fresh: a parent holding a gigabyte does not raise its peak
+    (Linux keeps ``ru_maxrss`` across exec)."""
+    from meshstate.tools.bench_simulated import time_simulated_check
+
+    held = bytearray(2**30)
+    held[::4096] = b"x" * len(held[::4096])  # touch every page: resident
+    row = time_simulated_check(8, dict(tp=2, cp=2, pp=2))
+    del held
+    assert row.verified and 0 < row.before_rss_mib <= row.peak_rss_mib < 1024
