@@ -190,7 +190,6 @@ def get_data_parallel_group(
     if not with_context_parallel:
         if partial_data_parallel:
             _refuse_partial_without_cp("dp")
-            return _facts.dp_group
         return _facts.dp_group
     if independent_all_gather and not partial_data_parallel:
         return _facts.dp_cp_all_gather_group
@@ -244,10 +243,11 @@ def get_hybrid_data_context_parallel_groups(
     check_initialized: bool = True, group_size: int | None = None
 ) -> ProcessGroup | None:
     """The caller's hybrid data+context group of ``group_size`` ranks (dp-cp's own at its size)."""
-    if _mesh() is not None and group_size == get_data_parallel_world_size(True):
+    served = _mesh() is not None
+    if served and group_size == get_data_parallel_world_size(True):
         return _facts.dp_cp_group if check_initialized else _facts.maybe.dp_cp_group
     groups = hybrid_dp_cp_groups()
-    if group_size not in groups and (check_initialized or _mesh() is not None):
+    if group_size not in groups and (check_initialized or served):
         raise AxisError(
             f"no hybrid data+context group of {group_size} ranks; sizes are {sorted(groups)} "
             "(initialize with hybrid_context_parallel=True)"

@@ -113,8 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
         progress = Progress(args.command, args.verbose or sys.stderr.isatty())
         try:
-            if args.command != "bench":
-                layout_config(args)  # a layout mistake is told before torch loads (seconds)
+            if args.command != "bench":  # checked before torch loads (seconds): args.layout
+                args.layout = layout_config(args)
             commands = _load_commands(progress)
             status, output = getattr(commands, f"run_{args.command}")(args, progress)
             if output and not _print_output(output):

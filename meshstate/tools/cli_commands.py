@@ -1,8 +1,9 @@
 """What ``meshstate plan``, ``check`` and ``bench`` do once their arguments are parsed.
 
 Imports torch: :mod:`meshstate.tools.cli` loads this module only for a command
-that runs. Each ``run_*`` takes the parsed arguments and a progress reporter and
-returns the exit status and what to print on stdout.
+that runs. Each ``run_*`` takes the parsed arguments (for ``plan`` and ``check``
+with ``layout``, the :class:`MeshConfig` the entry point checked before importing
+torch) and a progress reporter, and returns the exit status and what to print on stdout.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from meshstate.tools.cli_parser import (
     RANK_MEMORY_BYTES,
     RANKS_PER_CPU,
     layout_arguments,
-    layout_config,
     under_torchrun,
 )
 from meshstate.core.config import sizes_text
@@ -284,7 +284,7 @@ def _write_svg(layout: ParallelLayout, args: argparse.Namespace, progress: Progr
 
 def run_plan(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     """``meshstate plan``: the table (or ``--json``), and ``--svg``'s picture."""
-    layout = ParallelLayout(layout_config(args))
+    layout = ParallelLayout(args.layout)
     _check_plan_args(args)
     listed = args.json or args.gpus_per_node is not None
     if listed and args.world_size >= _SLOW_LISTING:
@@ -301,7 +301,7 @@ def _check_launched(
     args: argparse.Namespace, progress: Progress, timeout: timedelta
 ) -> tuple[MeshConfig, str, list[Any], bool]:
     """``check`` on the ranks torchrun launched: the config, backend, checks and whether to report."""
-    config = layout_config(args)
+    config: MeshConfig = args.layout
     world_size = config.world_size
     if args.backend is not None:
         _require_gpus(args.backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -322,7 +322,7 @@ def _check_local(
     args: argparse.Namespace, progress: Progress, timeout: timedelta
 ) -> tuple[MeshConfig, str, list[Any]]:
     """``check`` on local ranks it starts: the config, backend and every rank's checks."""
-    config = layout_config(args)
+    config: MeshConfig = args.layout
     world_size = config.world_size
     backend = args.backend or default_backend(world_size)
     _require_gpus(backend, world_size)
@@ -340,7 +340,7 @@ def _check_local(
 
 def _check_simulated(args: argparse.Namespace, progress: Progress) -> tuple[MeshConfig, list[KindSummary]]:
     """``check --simulate``: the config and the table's rows, every rank in this process."""
-    config = layout_config(args)
+    config: MeshConfig = args.layout
     world_size = config.world_size
     if world_size > MAX_SIMULATED_CHECK:
         raise ConfigError(
