@@ -21,12 +21,12 @@ if TYPE_CHECKING:
     from meshstate.jax.vma import VaryingAxesError, vma
     from meshstate.core.adopt import adopt
     from meshstate.core.config import DEFAULT_ORDER, MeshConfig
-    from meshstate.core.errors import AxisError, ConfigError, MeshStateError, NotInitializedError, SimulationError, WrongMeshError
+    from meshstate.core.errors import ArgumentTypeError, AxisError, ConfigError, MeshStateError, NotInitializedError, SimulationError, WrongMeshError
     from meshstate.megatron.errors import ParallelStateError
     from meshstate.core.groups import GroupOptions
     from meshstate.megatron.hyper_comm_grid import HyperCommGrid
     from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Grid, Instances, Level, ParallelLayout, Pick
-    from meshstate.core.build import init_mesh
+    from meshstate.core.build import init_mesh, make_mesh
     from meshstate.core.mesh import ParallelMesh, current_mesh, set_mesh
     from meshstate.core.ordered import AxisGroup, OrderedGroup
     from meshstate.core.hybrid_grid import HybridGrid
@@ -44,12 +44,12 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('VaryingAxesError', 'vma'), "meshstate.jax.vma"),
     **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
     **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.core.config"),
-    **dict.fromkeys(('AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'SimulationError', 'WrongMeshError'), "meshstate.core.errors"),
+    **dict.fromkeys(('ArgumentTypeError', 'AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'SimulationError', 'WrongMeshError'), "meshstate.core.errors"),
     **dict.fromkeys(('ParallelStateError',), "meshstate.megatron.errors"),
     **dict.fromkeys(('GroupOptions',), "meshstate.core.groups"),
     **dict.fromkeys(('HyperCommGrid',), "meshstate.megatron.hyper_comm_grid"),
     **dict.fromkeys(('GROUP_KINDS', 'Chunks', 'DerivedGroup', 'Grid', 'Instances', 'Level', 'ParallelLayout', 'Pick'), "meshstate.core.layout"),
-    **dict.fromkeys(('init_mesh',), "meshstate.core.build"),
+    **dict.fromkeys(('init_mesh', 'make_mesh'), "meshstate.core.build"),
     **dict.fromkeys(('ParallelMesh', 'current_mesh', 'set_mesh'), "meshstate.core.mesh"),
     **dict.fromkeys(('AxisGroup', 'OrderedGroup'), "meshstate.core.ordered"),
     **dict.fromkeys(('HybridGrid',), "meshstate.core.hybrid_grid"),
@@ -88,4 +88,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']
+__all__ = ['ArgumentTypeError', 'AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']

@@ -9,6 +9,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.parallel_state import RankGenerator
 
+# The scripts that recorded JAX's answers run with JAX, in a virtual environment of their own.
+collect_ignore_glob = ["jax_records/*"]
+
 # meshstate kind -> (view, megatron-core RankGenerator token)
 MEGATRON_TOKENS = {
     "tp": ("dense", "tp"),

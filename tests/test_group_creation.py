@@ -1,5 +1,7 @@
 """Group creation chosen once: split where the backend can, member-local where its split raises."""
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -59,3 +61,25 @@ def test_no_split_gloo_world_builds_and_verifies_every_group():
         failed = [(check.key, check.problems) for check in verify_mesh(mesh) if not check.ok]
         assert not failed, failed
         mesh.destroy()
+
+
+@distributed(world_size=8, timeout=timedelta(seconds=30))
+def test_a_group_only_some_ranks_made_leaves_later_groups_agreeing():
+    """A joint group made on first use by the members of a sub-mesh only must not shift
+    what the next collectively made group is called on those ranks (it used to: they
+    then waited for each other under different names until the timeout)."""
+    from meshstate.core.groups import create_group_family
+    from meshstate.jax import collectives as lax
+
+    rank = dist.get_rank()
+    odd = meshstate.make_mesh((2, 2), ("x", "y"), ranks=[1, 3, 5, 7])
+    if odd is not None:
+        with odd:
+            assert lax.psum(torch.ones(1), "x-y").item() == 4  # an undeclared axis set
+        odd.destroy()
+    family = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    group = create_group_family(family, description="after")
+    total = torch.ones(1)
+    dist.all_reduce(total, group=group)
+    assert total.item() == 4 and dist.get_process_group_ranks(group) == family[rank // 4]
+    dist.destroy_process_group(group)

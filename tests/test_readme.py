@@ -182,7 +182,7 @@ def test_a_signature_on_a_page_is_the_codes(written):
 
 def needs_a_world(source: str) -> bool:
     """Whether a block uses process groups (a mesh, Megatron's state, torch.distributed)."""
-    return re.search(r"init_mesh|initialize_model_parallel|ParallelDims|adopt\(|\bdist\.", source) is not None
+    return re.search(r"init_mesh|make_mesh|initialize_model_parallel|ParallelDims|adopt\(|\bdist\.", source) is not None
 
 
 # The harness itself: a block that breaks, or shows a wrong value, fails.

@@ -11,12 +11,13 @@ not made here: the mesh builds them on first use.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
-from typing import Unpack, overload
+from typing import Unpack, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -26,21 +27,24 @@ from meshstate.core.agreement import agree
 from meshstate.core.arguments import (
     BuildArguments,
     BuildOptions,
+    GroupArguments,
     InitMeshArguments,
     check_ranks,
     resolve_device_type,
     split_arguments,
 )
-from meshstate.core.config import DEFAULT_ORDER, MeshConfig
+from meshstate.core.config import DEFAULT_ORDER, MeshConfig, reject_unknown
 from meshstate.core.errors import ConfigError, MeshStateError, SimulationError
 from meshstate.core.groups import GroupOptions, GroupSpec, create_process_groups
 from meshstate.core.layout import (
     DerivedGroup,
     Key,
+    MeshLayout,
     ParallelLayout,
     spellings,
     splits_dp,
 )
+from meshstate.core.named_layout import NamedLayout, check_axes
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.simulation import process_rank, simulated_ranks
 
@@ -121,31 +125,95 @@ def build_mesh(
     """:func:`init_mesh` of a config and options already checked (a façade's, say):
     ``config.world_size`` ranks, all of the world's or ``ranks``' (a checked span);
     ``etp_given`` is ``etp`` as the caller gave it, which every rank agrees on."""
-    span = ranks
-    world = span or range(dist.get_world_size())
+    world = ranks or range(dist.get_world_size())
     layout = ParallelLayout(
         config,
         rank_offset=world.start if isinstance(world, range) else 0,
         ranks=None if isinstance(world, range) else world,
     )
+    etp = None if etp_given is None else config.etp
+    return _build(layout, options, ranks, {**layout.arguments(), "etp": etp}, "init_mesh(ranks=...)")
+
+
+def make_mesh(
+    axis_shapes: Sequence[int],
+    axis_names: Sequence[str],
+    *,
+    ranks: Sequence[int] | None = None,
+    **arguments: Unpack[GroupArguments],
+) -> ParallelMesh | None:
+    """A mesh with the caller's axis names: JAX's ``jax.make_mesh``; every rank calls it.
+
+    ``axis_shapes`` and ``axis_names`` run in mesh order, outer first; the last axis
+    varies fastest, as JAX numbers devices. The mesh covers the first
+    ``prod(axis_shapes)`` ranks of the world (JAX's first devices), or ``ranks``;
+    a rank outside it gets ``None``. On it ``P``, every collective (one axis, a
+    joint key ``"x-y"``, an axis tuple), ``shard_map``, ``reshard``, ``vma`` and the
+    harness work as on :func:`init_mesh`'s mesh; its one DeviceMesh is
+    ``mesh.dense`` (dims in mesh order). A size-1 axis is a group of one rank.
+    ``backend``, ``timeout`` and ``device_type`` are :func:`init_mesh`'s. The
+    Megatron and torchtitan façades take ``init_mesh``'s meshes only.
+
+    Example (8 ranks)::
+
+        mesh = meshstate.make_mesh((2, 4), ("batch", "feats"))
+        mesh.ranks("feats"), mesh.rank(("feats", "batch"))   # on rank 5: (4, 5, 6, 7), 2
+        ring = meshstate.make_mesh((4,), ("i",))               # None on ranks 4..7
+    """
+    reject_unknown("make_mesh()", arguments, GroupArguments.__annotations__)
+    options = BuildOptions.check(cast(BuildArguments, arguments))
+    names, shapes = check_axes(axis_shapes, axis_names)
+    _init_default_group_from_env(options.backend, options.timeout)
+    world_size = dist.get_world_size()
+    span = check_ranks(ranks, world_size)
+    size = math.prod(shapes)
+    if span is None and size != world_size:
+        if size > world_size:
+            raise ConfigError(
+                f"axis_shapes {shapes} hold {size} ranks, more than the world's {world_size}"
+            )
+        span = range(size)
+    if span is not None and len(span) != size:
+        raise ConfigError(f"axis_shapes {shapes} hold {size} ranks, but ranks lists {len(span)}")
+    layout = NamedLayout(
+        names, shapes,
+        rank_offset=span.start if isinstance(span, range) else 0,
+        ranks=span if isinstance(span, tuple) else None,
+    )
+    where = "make_mesh(ranks=...)" if ranks is not None else f"make_mesh({shapes}, ...)"
+    return _build(layout, options, span, layout.arguments(), where)
+
+
+def _build(
+    layout: MeshLayout,
+    options: BuildOptions,
+    span: range | tuple[int, ...] | None,
+    agreed: dict[str, object],
+    where: str,
+) -> ParallelMesh | None:
+    """The calling rank's mesh of ``layout`` over the world or ``span``, after every rank
+    of it agreed on ``agreed`` and the options (``None`` outside ``span``); ``where``
+    names the call that asked for ``span`` in a refusal."""
     kinds, declared = _declared_keys(layout, options.joint_groups, options.derived)
     options_of_key = _options_by_key(layout, kinds + declared, options.group_options)
     simulated = simulated_ranks()
     if simulated is not None:
-        _check_simulated(simulated, span)
+        _check_simulated(simulated, span, where)
     elif span is not None and dist.get_rank() not in span:
         return None
-    build_id = _agree(layout, etp_given, options, span)
+    build_id = _agree(agreed, options, span)
     return _create_mesh(layout, kinds, declared, options_of_key, options, build_id, span, simulated)
 
 
-def _check_simulated(simulated: frozenset[int], span: range | tuple[int, ...] | None) -> None:
+def _check_simulated(
+    simulated: frozenset[int], span: range | tuple[int, ...] | None, where: str
+) -> None:
     """Refuse what a simulated world cannot build: a mesh over some ranks, or a simulation
     of only some ranks of the world."""
     world_size = dist.get_world_size()
     if span is not None:
         raise SimulationError(
-            f"init_mesh(ranks=...) over {len(span)} of {world_size} ranks in a simulated world: "
+            f"{where} over {len(span)} of {world_size} ranks in a simulated world: "
             "the other ranks would take part in its collectives; run it in processes with "
             "meshstate.testing.local_world"
         )
@@ -157,22 +225,20 @@ def _check_simulated(simulated: frozenset[int], span: range | tuple[int, ...] | 
 
 
 def _agree(
-    layout: ParallelLayout,
-    etp: int | None,
+    agreed: dict[str, object],
     options: BuildOptions,
     span: range | tuple[int, ...] | None,
 ) -> int | None:
-    """Agree with every rank of the build on its arguments (``etp`` as given); the build id."""
-    layout_fields = {**layout.config.arguments(), "etp": None if etp is None else layout.config.etp}
+    """Agree with every rank of the build on its layout's fields and options; the build id."""
     listed = None if span is None else (
         [span.start, span.stop] if isinstance(span, range) else list(span)
     )
-    fields = {**layout_fields, "ranks": listed, **options.agreed()}  # agree_on last, as given
+    fields = {**agreed, "ranks": listed, **options.agreed()}  # agree_on last, as given
     return agree(fields, timeout=options.timeout, ranks=span)
 
 
 def _create_mesh(
-    layout: ParallelLayout,
+    layout: MeshLayout,
     kinds: tuple[str, ...],
     declared: tuple[DerivedGroup, ...],
     options_of_key: Mapping[Key, GroupOptions],
@@ -207,7 +273,7 @@ def _create_mesh(
 
 
 def _declared_keys(
-    layout: ParallelLayout, joint_groups: Sequence[str], derived: Sequence[DerivedGroup]
+    layout: MeshLayout, joint_groups: Sequence[str], derived: Sequence[DerivedGroup]
 ) -> tuple[tuple[str, ...], tuple[DerivedGroup, ...]]:
     """The kinds with the joint groups, and the derived groups, spelled canonically."""
     joints = dict.fromkeys(map(layout.canonical, joint_groups))
@@ -225,7 +291,7 @@ def _declared_keys(
 
 
 def _options_by_key(
-    layout: ParallelLayout, keys: tuple[Key, ...], given: Mapping[Key, GroupOptions]
+    layout: MeshLayout, keys: tuple[Key, ...], given: Mapping[Key, GroupOptions]
 ) -> dict[Key, GroupOptions]:
     """Each key's group options: ``given`` (in any spelling) with a derived group's own backend."""
     split_dp = splits_dp(keys)

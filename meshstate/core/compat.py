@@ -439,3 +439,109 @@ def unflatten_with_groups(
         world._pg_registry[group.group_name] = group
     share_rank_map(unflattened, world)
     return unflattened
+
+
+class TransformHooks:
+    """What :func:`follow_functorch_transforms` calls around torch.func's transforms.
+
+    ``entered(sources, wrapped)``: the tensors a transform wrapped (BatchedTensors,
+    GradTrackingTensors) beside the values they wrap. ``left(wrapped, results)``: the
+    values a transform unwraps beside what it returns for them. ``forward_mode(name)``:
+    a forward-mode transform (jvp, and jacfwd, hessian, linearize through it) is about
+    to run; it may refuse.
+    """
+
+    def entered(self, sources: Sequence[Any], wrapped: Sequence[Any]) -> None: ...
+    def left(self, wrapped: Sequence[Any], results: Sequence[Any]) -> None: ...
+    def forward_mode(self, name: str) -> None: ...
+
+
+def follow_functorch_transforms(hooks: TransformHooks) -> None:
+    """Make torch.func's vmap, grad and vjp (jacrev, grad_and_value, hessian's inner part
+    through them) call ``hooks`` where they wrap and unwrap values; jvp calls
+    ``hooks.forward_mode`` first. Once per process; a second call changes nothing.
+
+    torch.func wraps a transform's inputs as new C++ tensors, so a Python attribute on
+    an input is not on what the function sees, nor on what it returns. Relies on
+    ``torch._functorch.vmap._flat_vmap`` and ``torch._functorch.eager_transforms``'
+    ``_wrap_all_tensors``, ``_undo_create_differentiable`` and ``_jvp_with_argnums``
+    (module globals, read at call time; spmd_types patches ``_flat_vmap`` the same way).
+    Under ``torch.compile`` the replacements are traced like the originals.
+    """
+    from torch._functorch import eager_transforms, vmap
+    from torch.utils._pytree import tree_flatten
+
+    if getattr(vmap._flat_vmap, "_meshstate_follows", False):
+        return
+    flat_vmap = vmap._flat_vmap
+    wrap_all = eager_transforms._wrap_all_tensors
+    undo_differentiable = eager_transforms._undo_create_differentiable
+    jvp_with_argnums = eager_transforms._jvp_with_argnums
+
+    def followed_flat_vmap(
+        func: Callable[..., Any], batch_size: int, flat_in_dims: Any, flat_args: list[Any],
+        args_spec: Any, out_dims: Any, randomness: str, **kwargs: Any,
+    ) -> Any:
+        batched_outputs: list[Any] = []
+
+        def batched_func(*args: Any, **func_kwargs: Any) -> Any:
+            hooks.entered(flat_args, tree_flatten(args)[0])
+            output = func(*args, **func_kwargs)
+            batched_outputs.extend(tree_flatten(output)[0])
+            return output
+
+        result = flat_vmap(batched_func, batch_size, flat_in_dims, flat_args, args_spec,
+                           out_dims, randomness, **kwargs)
+        hooks.left(batched_outputs, tree_flatten(result)[0])
+        return result
+
+    def followed_wrap_all(tensor_pytree: Any, level: int) -> Any:
+        wrapped = wrap_all(tensor_pytree, level)
+        hooks.entered(tree_flatten(tensor_pytree)[0], tree_flatten(wrapped)[0])
+        return wrapped
+
+    def followed_undo(inps: Any, level: int | None = None) -> Any:
+        results = undo_differentiable(inps, level)
+        hooks.left(tree_flatten(inps)[0], tree_flatten(results)[0])
+        return results
+
+    def followed_jvp(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        hooks.forward_mode("torch.func.jvp")
+        return jvp_with_argnums(func, *args, **kwargs)
+
+    followed_flat_vmap._meshstate_follows = True  # type: ignore[attr-defined]
+    vmap._flat_vmap = followed_flat_vmap
+    eager_transforms._wrap_all_tensors = followed_wrap_all
+    eager_transforms._undo_create_differentiable = followed_undo
+    eager_transforms._jvp_with_argnums = followed_jvp
+
+
+def transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, ...) is running in this thread: its
+    values are wrappers that only torch's functional ops handle. Uses
+    ``torch._C._are_functorch_transforms_active``."""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
+def follow_reentrant_checkpoint(
+    wrap: Callable[[Callable[..., Any], tuple[Any, ...]], Callable[..., Any]],
+) -> None:
+    """Make ``torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=True)`` call
+    ``wrap(f, args)`` in its forward and run what it returns there and again in the
+    backward, where it recomputes ``f`` on detached copies of ``args`` (new tensors)
+    after the forward's context is gone. Once per process. Relies on
+    ``torch.utils.checkpoint.CheckpointFunction.forward`` (the non-reentrant variant and
+    ``torch.compile``'s checkpointing run ``f`` in the caller's context)."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    forward: Callable[..., Any] = CheckpointFunction.forward
+    if getattr(forward, "_meshstate_follows", False):
+        return
+
+    def followed_forward(
+        ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any
+    ) -> Any:
+        return forward(ctx, wrap(run_function, args), preserve_rng_state, *args)
+
+    followed_forward._meshstate_follows = True  # type: ignore[attr-defined]
+    CheckpointFunction.forward = staticmethod(followed_forward)  # type: ignore[method-assign]

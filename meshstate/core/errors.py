@@ -24,6 +24,13 @@ class ConfigError(MeshStateError, ValueError):
     """
 
 
+class ArgumentTypeError(MeshStateError, TypeError):
+    """An argument of the wrong type: a string where a tensor belongs, an axis name that
+    is not a string. Python's ``TypeError``; the message names the parameter and
+    what was given.
+    """
+
+
 class AxisError(MeshStateError, KeyError):
     """An axis or joint-group name that the mesh or layout does not have.
 

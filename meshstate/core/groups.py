@@ -147,7 +147,7 @@ class _Builder:
         backend: str | None,
         timeout: timedelta | None,
         pg_options: Any,
-        build_id: int | None,
+        build_id: int | str | None,
         group_creation: GroupCreation | None,
     ) -> None:
         self.default_group = _compat.default_group()
@@ -309,8 +309,10 @@ def create_axis_set_group(
             owner.by_name[axes] = default_group
         else:
             fake = str(dist.get_backend(default_group)) == "fake"
-            builder = _Builder("fake" if fake else owner.backend, owner.timeout, None, None, "local")
-            builder.build_id, builder.result = owner.build_id, owner
+            builder = _Builder(
+                "fake" if fake else owner.backend, owner.timeout, None, owner.build_id, "local"
+            )
+            builder.result = owner
             backend = builder.backend or builder.default_backend
             owner.by_name[axes] = builder._member_group(members, f"axes:{axes}", backend, None)
     return owner.by_name[axes]

@@ -28,10 +28,11 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
-from meshstate.core.config import MeshConfig
+from meshstate.core.config import MeshConfig, sizes_text
 from meshstate.core.derived_groups import (
     Chunks,
     DerivedGroup,
@@ -47,6 +48,7 @@ from meshstate.core.grid import Grid, ListedGrid
 __all__ = [
     "DENSE_AXES", "DENSE_KINDS", "EXPERT_AXES", "EXPERT_KINDS", "GROUP_KINDS", "HSDP_AXES",
     "HSDP_KINDS", "Chunks", "DerivedGroup", "Grid", "Instances", "Key", "Level", "ListedGrid",
+    "MeshLayout",
     "ParallelLayout", "Pick", "Split", "hierarchical_levels", "spellings", "splits_dp",
 ]
 
@@ -101,6 +103,37 @@ def _expert_grid(config: MeshConfig, rank_offset: int = 0) -> Grid:
 
 Key = str | DerivedGroup
 """What names a group of a mesh: a key such as ``"dp-cp"``, or a :class:`DerivedGroup`."""
+
+
+class MeshLayout(Protocol):
+    """What a mesh asks of its layout: Megatron's :class:`ParallelLayout`, or the caller's
+    axes (:class:`~meshstate.core.named_layout.NamedLayout`, from ``make_mesh``)."""
+
+    @property
+    def config(self) -> MeshConfig: ...
+    @property
+    def dense(self) -> Grid: ...
+    @property
+    def expert(self) -> Grid: ...
+    @property
+    def hsdp(self) -> Grid: ...
+    @property
+    def kinds(self) -> tuple[str, ...]: ...
+    def view_name(self, grid: Grid) -> str: ...
+    def knows(self, axis: object) -> bool: ...
+    def axes_text(self) -> str: ...
+    def describe(self) -> str: ...
+    def arguments(self) -> dict[str, object]: ...
+    def resolve(self, key: str, view: Grid | None = None) -> tuple[str, Grid, tuple[str, ...]]: ...
+    def view_of(self, axes: Iterable[str], what: str = "axes") -> Grid: ...
+    def resolve_together(self, keys: Sequence[str]) -> list[tuple[str, Grid, tuple[str, ...]]]: ...
+    def canonical(self, key: str) -> str: ...
+    def groups(self, key: str) -> torch.Tensor: ...
+    def group_ranks(self, rank: int, key: str) -> tuple[int, ...]: ...
+    def coordinate(self, rank: int) -> dict[str, int]: ...
+    def resolve_base(self, base: str | tuple[str, ...]) -> tuple[Grid, tuple[str, ...]]: ...
+    def members(self, rank: int, key: Key) -> Sequence[int] | None: ...
+    def every_group(self, key: Key) -> list[list[int]]: ...
 
 
 def spellings(key: Key, *, split_dp: bool = False) -> list[Key]:
@@ -170,6 +203,30 @@ class ParallelLayout:
         for name, view in (("dense", _dense_grid), ("expert", _expert_grid), ("hsdp", _hsdp_grid)):
             grid = view(self.config, self.rank_offset)
             object.__setattr__(self, name, _listed(grid, self.ranks))
+
+    def view_name(self, grid: Grid) -> str:
+        """The name of the mesh attribute holding ``grid``'s root DeviceMesh: ``"dense"``,
+        ``"expert"`` or ``"hsdp"``."""
+        if grid is self.hsdp:
+            return "hsdp"
+        return "dense" if grid is self.dense else "expert"
+
+    def knows(self, axis: object) -> bool:
+        """Whether ``axis`` is an axis of one of the views."""
+        return axis in DENSE_AXES + EXPERT_AXES + HSDP_AXES
+
+    def axes_text(self) -> str:
+        """The valid axes of each view, for messages."""
+        text = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
+        return text + (f", HSDP axes {HSDP_AXES}" if self.config.dp_replicate > 1 else "")
+
+    def describe(self) -> str:
+        """The layout for a repr: ``order='tp-cp-ep-dp-pp', tp=2 cp=1 ...``."""
+        return f"order={self.config.order!r}, {sizes_text(self.config.sizes())}"
+
+    def arguments(self) -> dict[str, object]:
+        """What every rank of a build agrees on: the config's arguments."""
+        return dict(self.config.arguments())
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -27,11 +27,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
-from meshstate.core.config import sizes_text
+from meshstate.core.config import MeshConfig
 from meshstate.core.deprecation import Renamed, warn_deprecated
-from meshstate.core.errors import AxisError, MeshStateError, NotInitializedError, WrongMeshError
+from meshstate.core.errors import ArgumentTypeError, AxisError, MeshStateError, NotInitializedError, WrongMeshError
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
-from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Grid, Key, ParallelLayout, spellings, splits_dp
+from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Grid, Key, MeshLayout, spellings, splits_dp
 from meshstate.core.simulation import process_rank
 from meshstate.core.ordered import AxisGroup, OrderedGroup
 from meshstate.core.facts import Facts, Table
@@ -108,7 +108,7 @@ class ParallelMesh:
 
     def __init__(
         self,
-        layout: ParallelLayout,
+        layout: MeshLayout,
         process_groups: ProcessGroupSet,
         members: Mapping[Key, Sequence[int] | None],
         *,
@@ -117,7 +117,6 @@ class ParallelMesh:
         derived: tuple[DerivedGroup, ...] = (),
     ) -> None:
         self.destroyed_at: str | None = None
-        self.config = layout.config
         self.layout = layout
         self.device_type = device_type
         self._rank = process_rank()  # whose groups this process holds (rank 0 when simulating)
@@ -160,6 +159,11 @@ class ParallelMesh:
         _live_meshes.add(self)
 
     @property
+    def config(self) -> MeshConfig:
+        """The Megatron config of an ``init_mesh`` mesh (a ``make_mesh`` mesh has none)."""
+        return self.layout.config
+
+    @property
     def process_groups(self) -> ProcessGroupSet:
         """The groups this mesh's build made (``destroy()`` ends them)."""
         self._check_alive()
@@ -198,9 +202,8 @@ class ParallelMesh:
 
     def root_of(self, grid: Grid) -> DeviceMesh:
         """The root DeviceMesh of one of the layout's views: ``dense``, ``expert`` or ``hsdp``."""
-        if grid is self.layout.hsdp:
-            return self.hsdp
-        return self.dense if grid is self.layout.dense else self.expert
+        root: DeviceMesh = getattr(self, self.layout.view_name(grid))
+        return root
 
     def keys(self) -> tuple[Key, ...]:
         """Every group key: the kinds, the declared joint groups, then the derived groups."""
@@ -238,7 +241,7 @@ class ParallelMesh:
         first use (only its members take part, as they do in SPMD code), cached
         and destroyed with the mesh; the same axes in another order share it.
         """
-        key = axes if isinstance(axes, str) else tuple(axes)
+        key = axes if isinstance(axes, str) else _axis_tuple(axes)
         found = self._ordered_groups.get(key)
         if found is not None:
             return found
@@ -450,10 +453,9 @@ class ParallelMesh:
             _current.entered = entered[:-1]
 
     def __repr__(self) -> str:
-        sizes = sizes_text(self.config.sizes())
         return (
-            f"ParallelMesh(rank {self.global_rank} of {self.config.world_size}, "
-            f"order={self.config.order!r}, {sizes})"
+            f"ParallelMesh(rank {self.global_rank} of {self.layout.dense.world_size}, "
+            f"{self.layout.describe()})"
         )
 
     def _destroyed_error(self) -> NotInitializedError:
@@ -513,6 +515,15 @@ def destroy_every_mesh() -> None:
     for mesh in list(_live_meshes):
         mesh.destroy()
     _current.set_mesh, _current.entered = None, ()
+
+
+def _axis_tuple(axes: object) -> tuple[str, ...]:
+    """``axes`` (a sequence of axis names) as a tuple, else an ArgumentTypeError."""
+    if isinstance(axes, (tuple, list)) and all(isinstance(axis, str) for axis in axes):
+        return tuple(axes)
+    raise ArgumentTypeError(
+        f"axes must be an axis name or a tuple of axis names, got {axes!r}"
+    )
 
 
 def _inverse(permutation: tuple[int, ...]) -> tuple[int, ...]:

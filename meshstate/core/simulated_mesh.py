@@ -30,10 +30,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
-from meshstate.core.config import sizes_text
 from meshstate.core.errors import SimulationError
 from meshstate.core.groups import ProcessGroupSet
-from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Key, ParallelLayout
+from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Key, MeshLayout
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.per_rank import (
@@ -90,7 +89,7 @@ class SimulatedMesh(ParallelMesh):
 
     def __init__(
         self,
-        layout: ParallelLayout,
+        layout: MeshLayout,
         process_groups: ProcessGroupSet,
         members: Mapping[Key, Sequence[int] | None],
         *,
@@ -191,9 +190,5 @@ class SimulatedMesh(ParallelMesh):
             return per_rank_int(dict(zip(copies.flatten().tolist(), position.flatten().tolist())))
 
     def __repr__(self) -> str:
-        sizes = sizes_text(self.config.sizes())
-        return (
-            f"ParallelMesh({len(self.simulated)} simulated ranks, "
-            f"order={self.config.order!r}, {sizes})"
-        )
+        return f"ParallelMesh({len(self.simulated)} simulated ranks, {self.layout.describe()})"
 

@@ -15,9 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
-from meshstate.core.config import MeshConfig
 from meshstate.core.errors import AxisError, MeshStateError
-from meshstate.core.layout import DENSE_AXES, EXPERT_AXES, HSDP_AXES, Grid, Key, ParallelLayout
+from meshstate.core.layout import Grid, Key, MeshLayout
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.simulation import differs_anywhere, outside_simulation
 
@@ -25,8 +24,7 @@ from meshstate.core.simulation import differs_anywhere, outside_simulation
 class ParallelMesh(Protocol):
     """What the views need of a :class:`~meshstate.core.mesh.ParallelMesh`."""
 
-    config: MeshConfig
-    layout: ParallelLayout
+    layout: MeshLayout
     device_type: str
     global_rank: int
 
@@ -75,13 +73,9 @@ def flattened_mesh(mesh: ParallelMesh, key: str, view: Grid | None = None) -> De
 
 
 def sliced_mesh(mesh: ParallelMesh, names: tuple[str, ...]) -> DeviceMesh:
-    valid = f"dense axes {DENSE_AXES}, expert axes {EXPERT_AXES}"
-    if mesh.config.dp_replicate > 1:
-        valid += f", HSDP axes {HSDP_AXES}"
+    valid = mesh.layout.axes_text()
     for name in names:
-        known = isinstance(name, str) and (
-            "-" in name or name in DENSE_AXES + EXPERT_AXES + HSDP_AXES
-        )
+        known = isinstance(name, str) and ("-" in name or mesh.layout.knows(name))
         if not known:
             raise AxisError(f"mesh has no axis {name!r}; valid are {valid}")
     resolved = mesh.layout.resolve_together(names)

@@ -49,12 +49,12 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ConfigError
+from meshstate.core.errors import ArgumentTypeError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.jax.torch_calls import (
@@ -97,6 +97,26 @@ __all__ = [
 ]
 
 
+NUMBERS = (int, float)
+"""The Python numbers ``psum`` and ``pmean`` take as JAX does (``psum(1, "tp")``)."""
+
+Number = int | float
+
+
+def _spelled(axes: Axes | None, axis_name: Axes | None, name: str) -> Axes:
+    """The axes a collective was given, as ``axes`` or by JAX's keyword ``axis_name``."""
+    if axis_name is None:
+        if axes is None:
+            raise ArgumentTypeError(f"{name}() missing its axes: pass axes= (or JAX's axis_name=)")
+        return axes
+    if axes is not None:
+        raise ArgumentTypeError(
+            f"{name}() got axes={axes!r} and axis_name={axis_name!r}; they are one "
+            "argument, pass one of them"
+        )
+    return axis_name
+
+
 def _ordered(axes: Axes, mesh: ParallelMesh | None, name: str) -> OrderedGroup:
     if mesh is None:
         return _ordered_group(current_mesh(), axes)
@@ -131,7 +151,7 @@ def _typed_input(
     its type before: JAX's rule inside a typed body. A reduction (psum, pmean,
     psum_scatter) over axes of which ``x`` varies over some and not others is refused."""
     if not isinstance(x, torch.Tensor):
-        raise ConfigError(f"{name} takes a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name} takes a torch.Tensor, got {type(x).__name__}")
     names, before = _axis_names(axes), vma(x)
     varying = names & before
     if varying == names:
@@ -179,13 +199,17 @@ def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMes
     return typed(aliased, vma(x) | axes)
 
 
-def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> Any:
+def axis_index(
+    axes: Axes | None = None, *, axis_name: Axes | None = None, mesh: ParallelMesh | None = None
+) -> Any:
     """The caller's index along ``axes`` (row-major over a tuple, first axis major).
 
     An ``int``; inside a ``shard_map`` body with ``check_vma=True`` (the default)
     JAX's typed value instead: a 0-dim int64 tensor that varies over ``axes``, so
     what is computed from it is typed as varying too.
     """
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "axis_index")
     group = _ordered(axes, mesh, "axis_index")
     if body.types is None:
         return group.index
@@ -196,37 +220,108 @@ def axis_index(axes: Axes, *, mesh: ParallelMesh | None = None) -> Any:
         return typed(index, _axis_names(axes))
 
 
-def axis_size(axes: Axes, *, mesh: ParallelMesh | None = None) -> int:
+def axis_size(
+    axes: Axes | None = None, *, axis_name: Axes | None = None, mesh: ParallelMesh | None = None
+) -> int:
     """The number of ranks along ``axes``."""
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "axis_size")
     return len(_ordered(axes, mesh, "axis_size").ranks)
 
 
-def psum(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
+@overload
+def psum(
+    x: torch.Tensor, axes: Axes | None = None, *, axis_name: Axes | None = None,
+    mesh: ParallelMesh | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def psum(
+    x: Number, axes: Axes | None = None, *, axis_name: Axes | None = None,
+    mesh: ParallelMesh | None = None,
+) -> Number: ...
+
+
+def psum(
+    x: torch.Tensor | Number,
+    axes: Axes | None = None,
+    *,
+    axis_name: Axes | None = None,
+    mesh: ParallelMesh | None = None,
+) -> torch.Tensor | Number:
     """The sum of ``x`` over ``axes``, on every rank.
 
     Backward: the identity (JAX's default; megatron-core's
     ``reduce_from_tensor_model_parallel_region``); a ``psum`` inside a
-    ``shard_map(check_vma=False)`` body. Type: ``vma(x)`` without ``axes``.
+    ``shard_map(check_vma=False)`` body. Type: ``vma(x)`` without ``axes``. Of a
+    Python number, JAX's answer: ``x`` times the axis size (``psum(1, "tp")`` is tp's
+    size), a number.
     """
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "psum")
+    if isinstance(x, NUMBERS):
+        return x * axis_size(axes, mesh=mesh)
     return _collective(x, axes, mesh, "psum", lambda v, group: sum_over(v, group, "psum"),
                        reduces=True, keeps_axes=False)
 
 
-def pmean(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
-    """The mean of ``x`` over ``axes``, on every rank (``psum(x, axes) / axis_size(axes)``)."""
+@overload
+def pmean(
+    x: torch.Tensor, axes: Axes | None = None, *, axis_name: Axes | None = None,
+    mesh: ParallelMesh | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def pmean(
+    x: Number, axes: Axes | None = None, *, axis_name: Axes | None = None,
+    mesh: ParallelMesh | None = None,
+) -> Number: ...
+
+
+def pmean(
+    x: torch.Tensor | Number,
+    axes: Axes | None = None,
+    *,
+    axis_name: Axes | None = None,
+    mesh: ParallelMesh | None = None,
+) -> torch.Tensor | Number:
+    """The mean of ``x`` over ``axes``, on every rank (``psum(x, axes) / axis_size(axes)``);
+    of a Python number, that number as a float (JAX's answer)."""
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "pmean")
+    if isinstance(x, NUMBERS):
+        return x * axis_size(axes, mesh=mesh) / axis_size(axes, mesh=mesh)
     return _collective(
         x, axes, mesh, "pmean", lambda v, group: sum_over(v, group, "pmean") / len(group.ranks),
         reduces=True, keeps_axes=False,
     )
 
 
-def pmax(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
+def pmax(
+    x: torch.Tensor,
+    axes: Axes | None = None,
+    *,
+    axis_name: Axes | None = None,
+    mesh: ParallelMesh | None = None,
+) -> torch.Tensor:
     """The elementwise maximum of ``x`` over ``axes`` (not differentiable)."""
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "pmax")
     return _extreme(x, axes, mesh, "max", "pmax")
 
 
-def pmin(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
+def pmin(
+    x: torch.Tensor,
+    axes: Axes | None = None,
+    *,
+    axis_name: Axes | None = None,
+    mesh: ParallelMesh | None = None,
+) -> torch.Tensor:
     """The elementwise minimum of ``x`` over ``axes`` (not differentiable)."""
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "pmin")
     return _extreme(x, axes, mesh, "min", "pmin")
 
 
@@ -240,7 +335,13 @@ def _extreme(
         return typed(reduce(x, group, op, name), vma(x) - _axis_names(axes))
 
 
-def pvary(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> torch.Tensor:
+def pvary(
+    x: torch.Tensor,
+    axes: Axes | None = None,
+    *,
+    axis_name: Axes | None = None,
+    mesh: ParallelMesh | None = None,
+) -> torch.Tensor:
     """``x``, cast to vary over ``axes``: the identity forward, a ``psum`` backward.
 
     JAX's ``jax.lax.pcast(x, axes, to="varying")``; megatron-core's
@@ -254,9 +355,11 @@ def pvary(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> t
     after ``(pvary(x, "tp") * (axis_index("tp") + 1)).sum().backward()``,
     ``x.grad`` is 3 on every rank.
     """
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "pvary")
     group = _ordered(axes, mesh, "pvary")
     if not isinstance(x, torch.Tensor):
-        raise ConfigError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentTypeError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
     if body.legacy:
         return x
     if body.types is None:
@@ -276,8 +379,9 @@ def pvary(x: torch.Tensor, axes: Axes, *, mesh: ParallelMesh | None = None) -> t
 
 def all_gather(
     x: torch.Tensor,
-    axes: Axes,
+    axes: Axes | None = None,
     *,
+    axis_name: Axes | None = None,
     axis: int = 0,
     tiled: bool = False,
     mesh: ParallelMesh | None = None,
@@ -289,14 +393,17 @@ def all_gather(
     Type: ``vma(x)`` and ``axes`` (every rank holds the same values, typed varying;
     :func:`all_gather_invariant` gives them the invariant type).
     """
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "all_gather")
     return _collective(x, axes, mesh, "all_gather",
                        lambda v, group: all_gather_on(v, group, axis, tiled))
 
 
 def all_gather_invariant(
     x: torch.Tensor,
-    axes: Axes,
+    axes: Axes | None = None,
     *,
+    axis_name: Axes | None = None,
     axis: int = 0,
     tiled: bool = False,
     mesh: ParallelMesh | None = None,
@@ -308,14 +415,17 @@ def all_gather_invariant(
     Type: ``vma(x)`` without ``axes``, so the result may leave a ``shard_map``
     under an out-spec that leaves ``axes`` out.
     """
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "all_gather_invariant")
     return _collective(x, axes, mesh, "all_gather_invariant",
                        lambda v, group: gather_invariant(v, group, axis, tiled), keeps_axes=False)
 
 
 def psum_scatter(
     x: torch.Tensor,
-    axes: Axes,
+    axes: Axes | None = None,
     *,
+    axis_name: Axes | None = None,
     scatter_dimension: int = 0,
     tiled: bool = False,
     mesh: ParallelMesh | None = None,
@@ -327,16 +437,19 @@ def psum_scatter(
     Backward: ``all_gather`` (megatron-core's ``reduce_scatter_to_sequence_parallel_region``).
     Type: ``vma(x)`` and ``axes``.
     """
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "psum_scatter")
     return _collective(x, axes, mesh, "psum_scatter",
                        lambda v, group: scatter(v, group, scatter_dimension, tiled), reduces=True)
 
 
 def all_to_all(
     x: torch.Tensor,
-    axes: Axes,
-    split_axis: int,
-    concat_axis: int,
+    axes: Axes | None = None,
+    split_axis: int | None = None,
+    concat_axis: int | None = None,
     *,
+    axis_name: Axes | None = None,
     tiled: bool = False,
     mesh: ParallelMesh | None = None,
 ) -> torch.Tensor:
@@ -347,15 +460,22 @@ def all_to_all(
     dim of that size appears at ``concat_axis``; with ``tiled=True`` no dim is
     added or removed. Backward: the swapped ``all_to_all``. Type: ``vma(x)`` and ``axes``.
     """
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "all_to_all")
+    if split_axis is None or concat_axis is None:
+        missing = "split_axis" if split_axis is None else "concat_axis"
+        raise ArgumentTypeError(f"all_to_all() missing its argument {missing!r}")
+    split, concat = split_axis, concat_axis
     return _collective(x, axes, mesh, "all_to_all",
-                       lambda v, group: exchange(v, group, split_axis, concat_axis, tiled))
+                       lambda v, group: exchange(v, group, split, concat, tiled))
 
 
 def ppermute(
     x: torch.Tensor,
-    axes: Axes,
-    perm: Sequence[tuple[int, int]],
+    axes: Axes | None = None,
+    perm: Sequence[tuple[int, int]] | None = None,
     *,
+    axis_name: Axes | None = None,
     mesh: ParallelMesh | None = None,
 ) -> torch.Tensor:
     """Send ``x`` from axis index ``source`` to ``destination`` for each pair in ``perm``.
@@ -364,6 +484,10 @@ def ppermute(
     as a source and once as a destination. Backward: the inverse permutation.
     Type: ``vma(x)`` and ``axes``.
     """
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, "ppermute")
+    if perm is None:
+        raise ArgumentTypeError("ppermute() missing its argument 'perm'")
     pairs = check_perm(perm, axis_size(axes, mesh=mesh))
     return _collective(x, axes, mesh, "ppermute", lambda v, group: permute(v, group, pairs))
 

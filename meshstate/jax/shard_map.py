@@ -43,24 +43,52 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from meshstate.core import compat as _compat
 from meshstate.core.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.jax.collectives import pvary_over
 from meshstate.jax.plan import Plan, SpecTree, plan_on, spec_branches, spec_key, spec_leaves
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
-from meshstate.jax.vma import VaryingAxesError, VaryingTypes, axes_text, body, typed, vma
+from meshstate.jax.vma import NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, typed, vma
 
 __all__ = ["reshard", "shard_map"]
 
 
+@overload
 def shard_map(
     f: Callable[..., Any],
+    /,
+    *,
+    in_specs: SpecTree,
+    out_specs: SpecTree,
+    mesh: ParallelMesh | None = None,
+    check_vma: bool = True,
+    auto_pvary: bool = True,
+) -> Callable[..., Any]: ...
+
+
+@overload
+def shard_map(
+    f: None = None,
+    /,
+    *,
+    in_specs: SpecTree,
+    out_specs: SpecTree,
+    mesh: ParallelMesh | None = None,
+    check_vma: bool = True,
+    auto_pvary: bool = True,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+def shard_map(
+    f: Callable[..., Any] | None = None,
+    /,
     *,
     in_specs: SpecTree,
     out_specs: SpecTree,
@@ -69,6 +97,8 @@ def shard_map(
     auto_pvary: bool = True,
 ) -> Callable[..., Any]:
     """``f`` applied to each rank's blocks of the arguments; results as DTensors.
+
+    Without ``f``, a decorator (JAX's ``@shard_map(in_specs=..., out_specs=...)``).
 
     Each argument is a ``DTensor`` (redistributed to its in-spec if needed; one
     on a slice of the view, such as ``mesh["tp"]``, keeps its block) or a plain
@@ -98,6 +128,9 @@ def shard_map(
             out-spec leaves out (JAX's ``ValueError``), or ``f`` mixes types
             the rules refuse (see :mod:`meshstate.jax.vma`).
     """
+    if f is None:
+        return partial(shard_map, in_specs=in_specs, out_specs=out_specs, mesh=mesh,
+                       check_vma=check_vma, auto_pvary=auto_pvary)
     leaves = [*spec_leaves(in_specs, "in_specs"), *spec_leaves(out_specs, "out_specs")]
     keys = tuple(spec_key(spec) for spec in leaves)
     name = getattr(f, "__name__", type(f).__name__)
@@ -149,6 +182,31 @@ def _run(
             types.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         parallel_mesh.__exit__(None, None, None)
         body.types, body.legacy = outer
+
+
+def _rematerialized(run_function: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., Any]:
+    """``run_function`` as reentrant activation checkpointing runs it inside a typed body:
+    in the forward as it is; recomputed in the backward, after the body is gone, on
+    arguments typed as in the forward and with the body's mesh and types again (JAX's
+    ``remat`` keeps the types; without them the recompute would cast nothing up)."""
+    types = body.types
+    if types is None:
+        return run_function
+    parallel_mesh = current_mesh()
+    arg_types = [vma(arg) if isinstance(arg, torch.Tensor) else NO_AXES for arg in args]
+
+    def recomputed(*inputs: Any) -> Any:
+        if body.types is not None:
+            return run_function(*inputs)
+        typed_inputs = [
+            typed(value, axes) if axes else value for value, axes in zip(inputs, arg_types)
+        ]
+        return _run(run_function, typed_inputs, parallel_mesh, types)
+
+    return recomputed
+
+
+_compat.follow_reentrant_checkpoint(_rematerialized)
 
 
 def _block(

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ConfigError
+from meshstate.core.errors import ArgumentTypeError, ConfigError
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.simulation import each_rank
 from meshstate.jax.vma import body
@@ -30,13 +30,18 @@ from meshstate.jax.vma import body
 def use_functional(x: object, name: str) -> bool:
     """Whether ``x`` must go through torch's traceable collectives: torch.compile is
     tracing, ``x`` is a tensor subclass (a tracer's fake or functional tensor, a DTensor),
-    or autograd records ``x``. A ConfigError if ``x`` is not a tensor."""
+    autograd records ``x``, or a torch.func transform runs (its wrappers are plain tensors
+    to Python that only functional ops handle). A ConfigError if ``x`` is not a tensor."""
     kind = type(x)
     if kind is not torch.Tensor and kind is not torch.nn.Parameter:
         if not isinstance(x, torch.Tensor):
-            raise ConfigError(f"{name} takes a torch.Tensor, got {kind.__name__}")
+            raise ArgumentTypeError(f"{name} takes a torch.Tensor, got {kind.__name__}")
         return True
-    return recorded(cast(torch.Tensor, x)) or torch.compiler.is_compiling()
+    return (
+        recorded(cast(torch.Tensor, x))
+        or torch.compiler.is_compiling()
+        or _compat.transforms_active()
+    )
 
 
 def recorded(x: torch.Tensor) -> bool:
@@ -212,24 +217,32 @@ def _exchange_pieces(
 
 def sum_over(x: torch.Tensor, group: OrderedGroup, name: str) -> torch.Tensor:
     """``x`` summed over ``group``: backward the identity, or a sum in a legacy body."""
+    if not use_functional(x, name):
+        result: torch.Tensor = x.clone()
+        dist.all_reduce(result, group=group.group)
+        return result
     if recorded(x) and not body.legacy:
         return _sum_with_identity_gradient(x, group.group_name)
-    if use_functional(x, name):
-        return _compat.traced_all_reduce(x, "sum", group.group_name)
-    result: torch.Tensor = x.clone()
-    dist.all_reduce(result, group=group.group)
-    return result
+    return _compat.traced_all_reduce(x, "sum", group.group_name)
 
 
 class _SumWithIdentityGradient(torch.autograd.Function):
     """``psum`` with JAX's default transpose: the gradient passes through unchanged.
 
     Hand-written: torch's functional all-reduce has the legacy transpose (another
-    all-reduce) as its registered backward."""
+    all-reduce) as its registered backward. Each Function here sets up its context
+    apart from ``forward`` and has torch generate its vmap rule, so torch.func's
+    transforms (vmap, grad, vjp) run it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+    def forward(x: torch.Tensor, group_name: str) -> torch.Tensor:
         return _compat.traced_all_reduce(x, "sum", group_name)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        pass
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -241,10 +254,15 @@ class _SummedGradient(torch.autograd.Function):
 
     Hand-written: torch's functional collectives have no identity-forward op."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        ctx.group_name = group_name
+    def forward(x: torch.Tensor, group_name: str) -> torch.Tensor:
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.group_name = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -255,12 +273,16 @@ class _GatherKeepingSlice(torch.autograd.Function):
     """``all_gather_invariant``: gather forward; backward keeps the caller's slice of
     the gradient (every rank holds the whole gradient of an invariant value)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool
-    ) -> torch.Tensor:
-        ctx.group, ctx.axis, ctx.tiled, ctx.size = group, axis, tiled, x.shape[axis] if tiled else 1
+    def forward(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
         return gather(x, group, axis, tiled=tiled, traced=True)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, ctx.group, ctx.axis, ctx.tiled = inputs
+        ctx.size = x.shape[ctx.axis] if ctx.tiled else 1
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:

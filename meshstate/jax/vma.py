@@ -26,14 +26,17 @@ Example (inside ``shard_map(f, in_specs=P("tp"), out_specs=P("tp"))``)::
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from meshstate.core import compat as _compat
 from meshstate.core.errors import MeshStateError
+from meshstate.core.mesh import current_mesh
 
 __all__ = ["VaryingAxesError", "VaryingTypes", "vma"]
 
@@ -69,17 +72,35 @@ def vma(x: torch.Tensor) -> frozenset[str]:
 
 
 def typed(x: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
-    """``x`` with the type ``axes`` (set in place; returns ``x``)."""
+    """``x`` with the type ``axes``: set on ``x`` and ``x`` returned; under
+    ``torch.compile``, which lets a traced program set attributes only on tensors it
+    made in the same scope (not on an op's several results, nor on an autograd
+    Function's result inside activation checkpointing), set on a view of ``x``."""
+    if torch.compiler.is_compiling():
+        x = x.view_as(x)
     setattr(x, _ATTRIBUTE, axes)
     return x
 
 
 def type_text(x: torch.Tensor) -> str:
-    """``x``'s type as JAX prints it: ``float64[4,2]{V:cp,tp}``, ``float32[]``."""
+    """``x``'s type as JAX prints it: ``float64[4,2]{V:tp}``, ``float32[]``; several axes
+    in mesh order, ``{V:(cp,tp)}`` (sorted where no current mesh knows them)."""
     dtype = str(x.dtype).removeprefix("torch.")
     shape = ",".join(str(size) for size in x.shape)
-    axes = vma(x)
-    return f"{dtype}[{shape}]" + ("{V:" + ",".join(sorted(axes)) + "}" if axes else "")
+    axes = _in_mesh_order(vma(x))
+    if not axes:
+        return f"{dtype}[{shape}]"
+    return f"{dtype}[{shape}]{{V:{axes[0] if len(axes) == 1 else '(' + ','.join(axes) + ')'}}}"
+
+
+def _in_mesh_order(axes: frozenset[str]) -> tuple[str, ...]:
+    """``axes`` outer to inner in the current mesh, else sorted."""
+    if len(axes) < 2:
+        return tuple(axes)
+    try:
+        return current_mesh().layout.view_of(axes).mesh_order(axes)
+    except MeshStateError:
+        return tuple(sorted(axes))
 
 
 def axes_text(axes: Iterable[str]) -> str:
@@ -132,10 +153,14 @@ class VaryingTypes(TorchFunctionMode):
             union, mixed = _union(args)
         if func is torch.autograd.grad:
             return _typed_gradients(func, args, kwargs)
+        if isinstance(func, HigherOrderOperator) and _name_of(func) in _WITH_BODIES:
+            return self._higher_order(func, args, kwargs)
         if mixed:
             if not self.auto_pvary:
                 _refuse_mix(func, args, kwargs)
             args, kwargs = self._cast_up(func, args, kwargs, union)
+        if func in _NARROW and torch.compiler.is_compiling():
+            func, args, kwargs = _narrow_traceably(func, args, kwargs)
         result = func(*args, **kwargs)
         if union:
             if isinstance(result, torch.Tensor):  # an in-place op's result is the tensor it wrote
@@ -143,8 +168,32 @@ class VaryingTypes(TorchFunctionMode):
             elif result is None and func is _SETITEM:
                 setattr(args[0], _ATTRIBUTE, union)
             else:
-                _type_results(result, union)
+                return _typed_results(result, union)
         return result
+
+    def _higher_order(
+        self, func: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A higher-order op with a body, which ``torch.compile`` hands to the mode whole
+        (eagerly the body's ops come one by one). Activation checkpointing runs its body
+        typed, so each result leaves with the type the body gave it; control flow
+        (``cond``, ``while_loop``, ``scan``, ``map``), whose branches ``torch.compile``
+        traces without the mode, is refused. An op of tensors alone (flex attention) is
+        typed like any op."""
+        name = _name_of(func)
+        if name == "tag_activation_checkpoint":
+            body_function, *operands = args
+            return func(partial(self._run_typed, body_function), *operands, **kwargs)
+        raise VaryingAxesError(
+            f"torch.{name} inside a typed shard_map body under torch.compile: its "
+            "branches are traced without JAX's types, which would drop them; compute both "
+            "sides and pick with torch.where, or pass shard_map(check_vma=False)"
+        )
+
+    def _run_typed(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``function(*args, **kwargs)`` with this mode on again (a higher-order op's body)."""
+        with self:
+            return function(*args, **kwargs)
 
     def _cast_up(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -170,6 +219,24 @@ class VaryingTypes(TorchFunctionMode):
         first = 1 if _writes_first(func) else 0
         cast = (*args[:first], *(up(value) for value in args[first:]))
         return cast, {name: up(value) for name, value in kwargs.items()} if kwargs else kwargs
+
+
+_NARROW = frozenset({torch.Tensor.narrow, torch.narrow})
+
+
+def _narrow_traceably(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """``narrow(x, dim, start, length)`` with a tensor ``start`` (JAX's ``dynamic_slice``
+    at ``axis_index(...) * n``) as ``index_select`` of ``start + arange(length)``: the same
+    values and gradient, and no graph break (``torch.compile`` cannot narrow at a start
+    it reads from a tensor)."""
+    given = {**dict(zip(("input", "dim", "start", "length"), args)), **kwargs}
+    start = given.get("start")
+    if not isinstance(start, torch.Tensor):
+        return func, args, kwargs
+    indices = start + torch.arange(given["length"], device=start.device)
+    return torch.index_select, (given.get("input", given.get("self")), given["dim"], indices), {}
 
 
 def _union(values: tuple[Any, ...]) -> tuple[frozenset[str], bool]:
@@ -208,12 +275,14 @@ def _any_recorded(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 _SETITEM = torch.Tensor.__setitem__
 
 
-def _type_results(result: Any, axes: frozenset[str]) -> None:
-    """Type each tensor of a list or tuple result (``split``, ``max(dim)``; not ``shape``)."""
-    if isinstance(result, (list, tuple)) and result and isinstance(result[0], torch.Tensor):
-        for item in result:
-            if isinstance(item, torch.Tensor):
-                setattr(item, _ATTRIBUTE, axes)
+def _typed_results(result: Any, axes: frozenset[str]) -> Any:
+    """``result`` with each tensor of a list or tuple result typed (``split``, ``max(dim)``;
+    not ``shape``): the same list or tuple, or under ``torch.compile`` one of the same
+    kind holding the typed views (see :func:`typed`)."""
+    if not (isinstance(result, (list, tuple)) and result and isinstance(result[0], torch.Tensor)):
+        return result
+    items = [typed(item, axes) if isinstance(item, torch.Tensor) else item for item in result]
+    return type(result)(items) if torch.compiler.is_compiling() else result
 
 
 @_compat.constant_when_traced
@@ -241,10 +310,53 @@ def _typed_gradients(
     gradients = func(*args, **kwargs)
     inputs = args[1] if len(args) > 1 else kwargs["inputs"]
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    for gradient, source in zip(gradients, inputs):
-        if gradient is not None and vma(source):
-            typed(gradient, vma(source))
-    return gradients
+    return tuple(
+        typed(gradient, vma(source)) if gradient is not None and vma(source) else gradient
+        for gradient, source in zip(gradients, inputs)
+    )
+
+
+_WITH_BODIES = frozenset(
+    {"tag_activation_checkpoint", "cond", "while_loop", "scan", "map_impl", "associative_scan"}
+)
+"""The higher-order ops that run functions of their own: activation checkpointing and
+control flow (flex attention's score function runs on no typed value)."""
+
+
+@_compat.constant_when_traced
+def _name_of(operator: HigherOrderOperator) -> str:
+    """A higher-order op's name (``torch.compile`` reads it while tracing)."""
+    name: str = operator.name()  # type: ignore[no-untyped-call]
+    return name
+
+
+class _TypesThroughTransforms(_compat.TransformHooks):
+    """Inside a typed body, torch.func's vmap, grad and vjp (so jacrev) carry each value's
+    type in and out, as JAX's transforms do: a transform's batch or tangent dim is no
+    mesh axis. Forward mode (jvp, jacfwd, hessian, linearize) is refused there."""
+
+    def entered(self, sources: Sequence[Any], wrapped: Sequence[Any]) -> None:
+        if body.types is None:
+            return
+        for source, value in zip(sources, wrapped):
+            if value is not source and isinstance(value, torch.Tensor):
+                axes = getattr(source, _ATTRIBUTE, None)
+                if axes:
+                    setattr(value, _ATTRIBUTE, axes)
+
+    def left(self, wrapped: Sequence[Any], results: Sequence[Any]) -> None:
+        self.entered(wrapped, results)
+
+    def forward_mode(self, name: str) -> None:
+        if body.types is not None:
+            raise VaryingAxesError(
+                f"{name} (and jacfwd, hessian and linearize, which use it) inside a typed "
+                "shard_map body: forward-mode tangents do not carry JAX's types here, which "
+                "would drop them; use torch.func.vjp or jacrev, or shard_map(check_vma=False)"
+            )
+
+
+_compat.follow_functorch_transforms(_TypesThroughTransforms())
 
 
 def _refuse_mix(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
