@@ -20,16 +20,16 @@ if TYPE_CHECKING:
     from meshstate.jax.collectives import all_gather, all_gather_invariant, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary
     from meshstate.jax.vma import VaryingAxesError, vma
     from meshstate.core.adopt import adopt
-    from meshstate.core.config import DEFAULT_ORDER, MeshConfig
-    from meshstate.core.errors import ArgumentTypeError, AxisError, ConfigError, MeshStateError, NotInitializedError, SimulationError, WrongMeshError
+    from meshstate.layout.config import DEFAULT_ORDER, MeshConfig
+    from meshstate.errors import ArgumentTypeError, AxisError, ConfigError, MeshStateError, NotInitializedError, SimulationError, WrongMeshError
     from meshstate.megatron.errors import ParallelStateError
     from meshstate.core.groups import GroupOptions
     from meshstate.megatron.hyper_comm_grid import HyperCommGrid
-    from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Grid, Instances, Level, ParallelLayout, Pick
+    from meshstate.layout.layout import GROUP_KINDS, Chunks, DerivedGroup, Grid, Instances, Level, ParallelLayout, Pick
     from meshstate.core.build import init_mesh, make_mesh
     from meshstate.core.mesh import ParallelMesh, current_mesh, set_mesh
-    from meshstate.core.ordered import AxisGroup, OrderedGroup
-    from meshstate.core.hybrid_grid import HybridGrid
+    from meshstate.core.ordered import OrderedGroup
+    from meshstate.layout.hybrid_grid import HybridGrid
     from meshstate.core.hybrid_mesh import HybridMesh, init_hybrid_mesh
     from meshstate.megatron.process_groups import ProcessGroupCollection
     from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
@@ -43,16 +43,16 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary'), "meshstate.jax.collectives"),
     **dict.fromkeys(('VaryingAxesError', 'vma'), "meshstate.jax.vma"),
     **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
-    **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.core.config"),
-    **dict.fromkeys(('ArgumentTypeError', 'AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'SimulationError', 'WrongMeshError'), "meshstate.core.errors"),
+    **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.layout.config"),
+    **dict.fromkeys(('ArgumentTypeError', 'AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'SimulationError', 'WrongMeshError'), "meshstate.errors"),
     **dict.fromkeys(('ParallelStateError',), "meshstate.megatron.errors"),
     **dict.fromkeys(('GroupOptions',), "meshstate.core.groups"),
     **dict.fromkeys(('HyperCommGrid',), "meshstate.megatron.hyper_comm_grid"),
-    **dict.fromkeys(('GROUP_KINDS', 'Chunks', 'DerivedGroup', 'Grid', 'Instances', 'Level', 'ParallelLayout', 'Pick'), "meshstate.core.layout"),
+    **dict.fromkeys(('GROUP_KINDS', 'Chunks', 'DerivedGroup', 'Grid', 'Instances', 'Level', 'ParallelLayout', 'Pick'), "meshstate.layout.layout"),
     **dict.fromkeys(('init_mesh', 'make_mesh'), "meshstate.core.build"),
     **dict.fromkeys(('ParallelMesh', 'current_mesh', 'set_mesh'), "meshstate.core.mesh"),
-    **dict.fromkeys(('AxisGroup', 'OrderedGroup'), "meshstate.core.ordered"),
-    **dict.fromkeys(('HybridGrid',), "meshstate.core.hybrid_grid"),
+    **dict.fromkeys(('OrderedGroup',), "meshstate.core.ordered"),
+    **dict.fromkeys(('HybridGrid',), "meshstate.layout.hybrid_grid"),
     **dict.fromkeys(('HybridMesh', 'init_hybrid_mesh'), "meshstate.core.hybrid_mesh"),
     **dict.fromkeys(('ProcessGroupCollection',), "meshstate.megatron.process_groups"),
     **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
@@ -60,20 +60,11 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(("shard_map",), "meshstate.jax.shard_map"),
 }
 _SUBMODULES = frozenset(
-    {"core", "jax", "megatron", "testing", "titan", "tools", "parallel_state", "topology"}
+    {"core", "jax", "layout", "megatron", "simulation", "testing", "titan", "tools", "parallel_state"}
 )
 
 
-_DEPRECATED = {"AxisGroup": "mesh.ranks(key), mesh.rank(key) and mesh.group(key)"}
-
-
 def __getattr__(name: str) -> Any:
-    if name in _DEPRECATED:
-        import warnings
-
-        warnings.warn(f"meshstate.{name} is deprecated; use {_DEPRECATED[name]}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(_HOME[name]), name)
     if name in _HOME:
         value = getattr(importlib.import_module(_HOME[name]), name)
     elif name in _SUBMODULES:
@@ -88,4 +79,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['ArgumentTypeError', 'AxisError', 'AxisGroup', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']
+__all__ = ['ArgumentTypeError', 'AxisError', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']

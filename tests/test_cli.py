@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from meshstate.tools.cli import main
-from meshstate.core.config import MeshConfig
-from meshstate.core.layout import GROUP_KINDS, HSDP_KINDS, ParallelLayout
+from meshstate.layout.config import MeshConfig
+from meshstate.layout.layout import GROUP_KINDS, HSDP_KINDS, ParallelLayout
 from meshstate.tools.verify import KindCheck, format_summary, summarize
 
 from conftest import megatron_groups

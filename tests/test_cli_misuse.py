@@ -147,7 +147,7 @@ ABSURD = [
     (["bench", "--world-sizes", "1024,,16384"],
      "argument --world-sizes: expected a positive integer, got ''"),
     (["bench", "--world-sizes", str(2**23), "--processes", "0"],
-     "simulated world size 8388608 is above 4194304, the most one process can simulate "
+     "fake world size 8388608 is above 4194304, the most one process can stand a rank in for "
      "(DeviceMesh and megatron-core hold world-sized maps)"),
     (["bench", "--world-sizes", "1024", "--rank", "1024", "--processes", "0"],
      "rank 1024 is outside 0..1023"),

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import meshstate
 from meshstate.jax import collectives as lax
-from meshstate.core.errors import AxisError, ConfigError, NotInitializedError
+from meshstate.errors import AxisError, ConfigError, NotInitializedError
 from meshstate.testing import distributed, fake_world
 
 

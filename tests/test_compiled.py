@@ -1,6 +1,6 @@
 """The JAX layer under torch.compile: one graph, no break, and the eager values and gradients.
 
-Tracing is checked with ``torch._dynamo.explain`` on one simulated rank of 8
+Tracing is checked with ``torch._dynamo.explain`` on one rank of a fake world of 8
 (fake backend, ``init_mesh(tp=2, cp=2)``, so dp=2): one graph and no break for
 every collective over one axis, a joint key, a tuple in and against mesh order
 and an undeclared tuple, in plain code and inside a typed shard_map body, and
@@ -74,7 +74,7 @@ def explained(function, *args):
 
 
 @pytest.fixture(scope="module")
-def simulated_mesh():
+def fake_mesh():
     with fake_world(1, 8):
         mesh = meshstate.init_mesh(tp=2, cp=2)
         with mesh:
@@ -84,13 +84,13 @@ def simulated_mesh():
 
 @pytest.mark.parametrize("axes", AXES, ids=str)
 @pytest.mark.parametrize("name", [name for name in COLLECTIVES if name != "ppermute one way"])
-def test_each_collective_traces_as_one_graph(simulated_mesh, name, axes):
+def test_each_collective_traces_as_one_graph(fake_mesh, name, axes):
     x = torch.randn(2 * lax.axis_size(axes), 3, requires_grad=True)
     assert explained(lambda v: every_collective(v, axes, [name])[name] * 2, x) == (1, 0)
 
 
 @pytest.mark.parametrize("name", [name for name in COLLECTIVES if name != "ppermute one way"])
-def test_each_collective_inside_a_typed_body_traces_as_one_graph(simulated_mesh, name):
+def test_each_collective_inside_a_typed_body_traces_as_one_graph(fake_mesh, name):
     """Inside shard_map (check_vma=True), over an axis the block varies over (tp; not for
     pvary, which refuses it) and one it does not (cp, which the rules pvary first)."""
     over = ("cp",) if name == "pvary" else ("tp", "cp")
@@ -104,7 +104,7 @@ def test_each_collective_inside_a_typed_body_traces_as_one_graph(simulated_mesh,
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
-def test_shard_map_and_reshard_trace_as_one_graph(simulated_mesh, check_vma):
+def test_shard_map_and_reshard_trace_as_one_graph(fake_mesh, check_vma):
     mapped = shard_map(
         lambda a, b: {"y": lax.psum(a @ b, "tp"), "a": a},
         in_specs=(P(None, "tp"), P("tp", None)),
@@ -126,7 +126,7 @@ def row_parallel_built_inside(a, b, check_vma=True):
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
-def test_a_shard_map_built_inside_the_compiled_function_traces(simulated_mesh, check_vma):
+def test_a_shard_map_built_inside_the_compiled_function_traces(fake_mesh, check_vma):
     x, w = torch.randn(4, 6, requires_grad=True), torch.randn(6, 3, requires_grad=True)
     assert explained(lambda a, b: row_parallel_built_inside(a, b, check_vma)["y"].sum(), x, w) == (1, 0)
 
@@ -154,7 +154,7 @@ def collectives_in_graphs(function, *args):
     return counts
 
 
-def test_the_types_add_no_collective_to_the_graph(simulated_mesh):
+def test_the_types_add_no_collective_to_the_graph(fake_mesh):
     """A shard_map'd MLP (column-parallel up, gelu, row-parallel down) compiled in both
     modes: the typed graph holds no more collectives, forward and backward, than the
     legacy one."""

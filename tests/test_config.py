@@ -3,7 +3,7 @@
 import pytest
 
 from meshstate import ConfigError, MeshConfig
-from meshstate.core.config import parse_order
+from meshstate.layout.config import parse_order
 
 BAD_CONFIGS = [
     # (kwargs, exact message)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import meshstate
 from meshstate.core import compat
-from meshstate.core.errors import ConfigError, MeshStateError
+from meshstate.errors import ConfigError, MeshStateError
 from meshstate.testing import distributed, fake_world
 from meshstate.tools.verify import verify_mesh
 

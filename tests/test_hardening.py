@@ -18,7 +18,7 @@ from torch.distributed import distributed_c10d as c10d
 import meshstate
 from meshstate.megatron import parallel_state as mpu
 from meshstate.tools.cli import main
-from meshstate.core.errors import (
+from meshstate.errors import (
     ConfigError,
     ConfigMismatchError,
     MeshStateError,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import heed_ctrl_c
 
-from meshstate.core.errors import MeshStateError
+from meshstate.errors import MeshStateError
 from meshstate.testing import fork_server
 from meshstate.testing.report import RankFailure, RankTimeout
 from meshstate.testing import local_world
@@ -188,7 +188,7 @@ def test_a_script_without_a_main_guard_is_told_what_to_add(tmp_path):
                           timeout=120)
     assert done.returncode == 1
     assert done.stderr.splitlines()[-1] == (
-        f"meshstate.core.errors.MeshStateError: meshstate.testing: the script {script} starts a "
+        f"meshstate.errors.MeshStateError: meshstate.testing: the script {script} starts a "
         f'local world when imported; put the call under if __name__ == "__main__":'
     )
     assert done.stderr.count("Traceback") == 1, done.stderr  # the script's own, none from a worker

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import meshstate
 from meshstate import AxisError, ConfigError, MeshConfig, ParallelLayout
-from meshstate.core.layout import HSDP_KINDS, ListedGrid
+from meshstate.layout.layout import HSDP_KINDS, ListedGrid
 from meshstate.core.arguments import check_ranks
 from meshstate.testing import fake_world
 

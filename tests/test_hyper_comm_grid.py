@@ -18,7 +18,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from meshstate import AxisError, ConfigError, MeshConfig, MeshStateError, ParallelLayout
 from meshstate.megatron.hyper_comm_grid import DimError, GridSizeError, GroupKeyError, HyperCommGrid
-from meshstate.core.layout import DENSE_KINDS
+from meshstate.layout.layout import DENSE_KINDS
 from meshstate.testing import distributed, fake_world
 
 SEED_SHAPE = [2, 3, 4, 5]

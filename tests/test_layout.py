@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from meshstate import AxisError, ConfigError, Grid, MeshConfig, ParallelLayout
-from meshstate.core.layout import (
+from meshstate.layout.layout import (
     GROUP_KINDS,
     Chunks,
     DerivedGroup,

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 import meshstate
+from meshstate.megatron.facts import ServedFacts
 from meshstate.core import compat
 from meshstate.testing import torch_internals
-from meshstate.core.errors import (
+from meshstate.errors import (
     MeshStateError,
     NotInitializedError,
 )
@@ -72,7 +73,7 @@ def test_1_a_mesh_destroyed_and_built_again_under_torchrun_keeps_its_default_gro
 def test_2_megatron_getters_stop_answering_once_their_mesh_is_destroyed():
     with fake_world(1, 8):
         mpu.initialize_model_parallel(tensor_model_parallel_size=2)
-        facts = mpu.get_mesh()._facts
+        facts = mpu.get_mesh().store[ServedFacts]
         mpu.get_mesh().destroy(); line = sys._getframe().f_lineno  # noqa: E702
         where = f"destroyed at {__file__}:{line}"
         assert not mpu.is_initialized() and not mpu.model_parallel_is_initialized()
@@ -321,7 +322,7 @@ import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from meshstate.core.errors import ConfigError  # noqa: E402
+from meshstate.errors import ConfigError  # noqa: E402
 from meshstate.tools.cli import main  # noqa: E402
 
 ODD = st.one_of(

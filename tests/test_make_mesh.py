@@ -15,7 +15,7 @@ import meshstate
 from meshstate import (
     ArgumentTypeError, AxisError, ConfigError, MeshStateError, P, SimulationError, shard_map,
 )
-from meshstate.core.named_layout import NamedLayout
+from meshstate.layout.named_layout import NamedLayout
 from meshstate.jax import collectives as lax
 from meshstate.testing import distributed, fake_world, simulated_world
 from conftest import in_both_worlds

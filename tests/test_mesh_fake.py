@@ -1,4 +1,4 @@
-"""The mesh in simulated worlds of 16,384 ranks (torch's fake backend, one process)."""
+"""The mesh in fake worlds of up to 16,384 ranks (torch's fake backend, one process)."""
 
 from datetime import timedelta
 
@@ -8,7 +8,7 @@ from torch.distributed import distributed_c10d as c10d
 
 import meshstate
 from meshstate import AxisError, ConfigError, MeshConfig, MeshStateError
-from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Level, Pick
+from meshstate.layout.layout import GROUP_KINDS, Chunks, DerivedGroup, Level, Pick
 from meshstate.testing import fake_world
 
 from conftest import megatron_groups
@@ -250,17 +250,18 @@ def test_bad_derived_declarations_fail_before_any_group_exists(kwargs, message):
         assert live_group_count() == before
 
 
-def test_facts_are_the_tables_by_attribute_for_every_kind():
+def test_the_read_only_tables_answer_every_kind_as_the_queries_do():
     with fake_world(37, 64):
         mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, ep=2, etp=1, joint_groups=["cp-pp"])
         try:
             for key in mesh.kinds:
-                name = key.replace("-", "_")
-                assert getattr(mesh._facts, f"{name}_rank") == mesh.rank(key)
-                assert getattr(mesh._facts, f"{name}_size") == mesh.size(key)
-                assert getattr(mesh._facts, f"{name}_group") is mesh.group(key)
-                assert getattr(mesh._facts, f"{name}_ranks") == mesh.ranks(key)
-            assert mesh._facts.dp_cp_size == mesh.size("cp-dp") == 16  # dp=8 x cp=2
+                assert mesh.tables.rank[key] == mesh.rank(key)
+                assert mesh.tables.size[key] == mesh.size(key)
+                assert mesh.tables.group[key] is mesh.group(key)
+                assert mesh.tables.ranks[key] == mesh.ranks(key)
+            assert mesh.tables.size["cp-dp"] == mesh.size("dp-cp") == 16  # dp=8 x cp=2
+            with pytest.raises(TypeError):
+                mesh.tables.rank["tp"] = 0  # type: ignore[index]
         finally:
             mesh.destroy()
 
@@ -298,7 +299,7 @@ def test_every_layout_argument_is_a_field_of_mesh_config_and_init_mesh_takes_no_
     from dataclasses import fields
 
     from meshstate.core.arguments import BuildArguments, BuildOptions
-    from meshstate.core.config import SIZE_NAMES
+    from meshstate.layout.config import SIZE_NAMES
 
     assert [f.name for f in fields(MeshConfig)] == ["world_size", "order", *SIZE_NAMES]
     assert [f.name for f in fields(BuildOptions)] == list(BuildArguments.__annotations__)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import meshstate
-from meshstate.core.layout import GROUP_KINDS
+from meshstate.layout.layout import GROUP_KINDS
 from meshstate.testing import distributed
 from meshstate.tools.verify import verify_mesh
 

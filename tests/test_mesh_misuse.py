@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 import meshstate
 from meshstate import GROUP_KINDS, DerivedGroup, Pick
 from meshstate.megatron import parallel_state as mpu
-from meshstate.core.errors import NotInitializedError, WrongMeshError
+from meshstate.errors import NotInitializedError, WrongMeshError
 
 
 EMBEDDING = DerivedGroup("pp", Pick("embedding", list))
@@ -134,7 +134,7 @@ USES = {
     "last_rank": lambda m: m.last_rank("pp"),
     "is_first": lambda m: m.is_first("pp"),
     "is_last": lambda m: m.is_last("pp"),
-    "axis_group": lambda m: m.axis_group(EMBEDDING),
+    "tables": lambda m: m.tables.rank["tp"],
     "ordered": lambda m: m.ordered(("cp", "dp")),
     "has_group": lambda m: m.has_group("tp"),
     "coordinate": lambda m: m.coordinate,

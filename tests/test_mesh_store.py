@@ -85,7 +85,7 @@ def test_every_getter_reads_one_object_whose_answered_names_read_fastest():
 
 def test_a_hybrid_mesh_is_tracked_like_every_mesh():
     from meshstate.core.mesh import destroy_every_mesh
-    from meshstate.core.hybrid_grid import HybridGrid
+    from meshstate.layout.hybrid_grid import HybridGrid
     from meshstate.core.hybrid_mesh import init_hybrid_mesh
 
     with fake_world(0, 8):
@@ -114,17 +114,12 @@ def test_shard_map_over_dp_shard_on_an_hsdp_mesh_equals_psum():
     mesh.destroy()
 
 
-def test_one_public_way_to_ask_a_position_and_the_tables_stay_private():
+def test_one_public_way_to_ask_a_position_and_no_old_name_left():
     with fake_world(5, 8):
         mesh = meshstate.init_mesh(tp=2, cp=2)  # rank 5: tp=1 cp=0 dp=1
         assert mesh.rank("tp") == 1 and mesh.rank("dp-cp") == 2
         assert mesh.rank(("cp", "dp")) == 1 and mesh.rank(("dp", "tp")) == 3
-        with pytest.warns(DeprecationWarning, match=r"ParallelMesh.rank_in is deprecated; use mesh.rank\(key\)"):
-            assert mesh.rank_in["tp"] == 1
-        with pytest.warns(DeprecationWarning, match=r"ParallelMesh.facts is deprecated; use mesh.rank\(key\)"):
-            assert mesh.facts.tp_rank == 1
-        with pytest.warns(DeprecationWarning, match="mesh.axis_group"):
-            assert mesh.axis_group("tp").rank == 1
-        with pytest.warns(DeprecationWarning, match="meshstate.AxisGroup is deprecated"):
-            meshstate.AxisGroup
+        for old in ("rank_in", "size_of", "group_of", "ranks_of", "facts", "axis_group"):
+            assert not hasattr(mesh, old), old
+        assert not hasattr(meshstate, "AxisGroup") and not hasattr(mesh.layout.dense, "axes")
         mesh.destroy()

@@ -21,16 +21,10 @@ def test_submodules_load_on_first_use():
     assert result.stdout.splitlines() == ["[]", "meshstate.titan.parallel_dims"]
 
 
-def test_a_facade_error_lives_with_its_facade_and_its_old_address_warns():
-    import pytest
-
+def test_a_facade_error_lives_with_its_facade_alone():
     import meshstate
-    import meshstate.core.errors as core_errors
+    import meshstate.errors as errors
     from meshstate.megatron.errors import ParallelStateError
-    from meshstate.titan.parallel_dims import DimNameError
 
     assert meshstate.ParallelStateError is ParallelStateError
-    with pytest.warns(DeprecationWarning, match="moved to meshstate.megatron.errors"):
-        assert core_errors.ParallelStateError is ParallelStateError
-    with pytest.warns(DeprecationWarning, match="moved to meshstate.titan.parallel_dims"):
-        assert core_errors.DimNameError is DimNameError
+    assert not hasattr(errors, "ParallelStateError") and not hasattr(errors, "DimNameError")

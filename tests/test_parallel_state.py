@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from meshstate.megatron import parallel_state as ours
-from meshstate.core.errors import NotInitializedError
+from meshstate.errors import NotInitializedError
 from meshstate.megatron.errors import ParallelStateError
 from meshstate.testing import fake_world
 

@@ -15,8 +15,8 @@ import zlib
 
 import pytest
 
-from meshstate.core.config import MeshConfig
-from meshstate.core.layout import ParallelLayout
+from meshstate.layout.config import MeshConfig
+from meshstate.layout.layout import ParallelLayout
 from meshstate.tools.cli import main
 from meshstate.tools.svg import PALETTE, layout_svg
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import meshstate

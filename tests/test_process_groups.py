@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from meshstate.megatron import parallel_state as ours
-from meshstate.core.errors import ConfigError, WrongMeshError
+from meshstate.errors import ConfigError, WrongMeshError
 from meshstate.megatron.process_groups import ProcessGroupCollection
 from meshstate.testing import fake_world
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshstate.core.ranks import Ranks, identity
+from meshstate.layout.ranks import Ranks, identity
 from meshstate.testing import fake_world
 
 

@@ -2,7 +2,7 @@
 
 The arithmetic that finds a rank's part of a derived group directly agrees with every group.
 
-Counted, not timed: tracemalloc's peak while one simulated rank (fake backend) builds its
+Counted, not timed: tracemalloc's peak while one rank of a fake world builds its
 mesh. A sequence of the world's 4,194,304 ranks alone would take over 30 MB, a list of the
 largest group's 65,536 members 2.5 MB: groups are kept as strides (``Ranks``), and only a
 group that is not one progression is listed, for torch (the biggest here holds 1,024 ranks).
@@ -19,8 +19,8 @@ import pytest
 import meshstate
 from meshstate import DerivedGroup
 from meshstate.core import compat as _compat
-from meshstate.core.config import MeshConfig
-from meshstate.core.layout import Chunks, Instances, Level, ParallelLayout
+from meshstate.layout.config import MeshConfig
+from meshstate.layout.layout import Chunks, Instances, Level, ParallelLayout
 from meshstate.megatron import parallel_state
 from meshstate.testing import fake_world
 
@@ -66,7 +66,7 @@ def test_init_mesh_allocates_no_world_sized_sequence(rank):
         peak, mesh = _peak_while(lambda: meshstate.init_mesh(
             tp=64, cp=64, pp=64, ep=16, etp=4, derived=DERIVED))
         try:
-            assert max(mesh._size_of.values()) == 65536
+            assert max(mesh.tables.size.values()) == 65536
             assert [mesh.size(key) for key in DERIVED] == [256, 1024, 8]
             assert mesh.ranks("pp")[0] == rank % (WORLD // 64)
             assert peak < PEAK_BOUND, f"peak {peak / 2**20:.1f} MiB"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import meshstate
 from meshstate import P, reshard, shard_map
 from meshstate.testing.torch_internals import live_groups
-from meshstate.core.errors import AxisError
+from meshstate.errors import AxisError
 from meshstate.jax.vma import VaryingAxesError
 from meshstate.jax import collectives as lax
 from meshstate.jax.sharding import NamedSharding, distribute
@@ -251,7 +251,7 @@ def test_shard_map_pipeline_ring(check_vma):
 
 
 def test_a_spec_tree_that_does_not_fit_is_named_by_its_path():
-    from meshstate.core.errors import ConfigError
+    from meshstate.errors import ConfigError
     from meshstate.testing import fake_world
 
     with pytest.raises(ConfigError, match=r"^in_specs\[1\]\['a'\]: a spec tree holds P, None, .* not int$"):

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import meshstate
-from meshstate.core.errors import AxisError, ConfigError
+from meshstate.errors import AxisError, ConfigError
 from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
 from meshstate.testing import distributed, fake_world
 

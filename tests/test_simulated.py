@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import meshstate
-from meshstate.core.errors import SimulationError
+from meshstate.errors import SimulationError
 from meshstate.core.groups import create_group_family
 from meshstate.megatron import parallel_state as mpu
 from meshstate.testing import distributed, local_world, simulated_world
@@ -39,10 +39,9 @@ CORE_VALUES = {
     "last_rank": lambda mesh: _by_key(mesh, mesh.last_rank),
     "is_first": lambda mesh: _by_key(mesh, mesh.is_first),
     "is_last": lambda mesh: _by_key(mesh, mesh.is_last),
-    "facts": lambda mesh: {key: getattr(mesh._facts, f"{key.replace('-', '_')}_rank") for key in mesh.kinds},
     "ordered index": lambda mesh: {axes: mesh.ordered(axes).index for axes in ORDERED},
     "ordered ranks": lambda mesh: {axes: mesh.ordered(axes).ranks for axes in ORDERED},
-    "axis_group": lambda mesh: _by_key(mesh, lambda key: mesh.axis_group(key).rank),
+    "tables": lambda mesh: _by_key(mesh, lambda key: mesh.tables.rank[key]),
     "get_rank(group)": lambda mesh: _by_key(mesh, lambda key: dist.get_rank(mesh.group(key))),
     "DeviceMesh local rank": lambda mesh: {
         key: mesh[key].get_local_rank() for key in ("tp", "dp", "dp-cp", "tp-dp", "pp")

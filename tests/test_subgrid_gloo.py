@@ -5,8 +5,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import meshstate
-from meshstate.core.config import MeshConfig
-from meshstate.core.layout import ParallelLayout
+from meshstate.layout.config import MeshConfig
+from meshstate.layout.layout import ParallelLayout
 from meshstate.testing import distributed
 from meshstate.tools.verify import verify_mesh
 

@@ -14,10 +14,10 @@ from meshstate import AxisError, ConfigError, Grid, MeshConfig, MeshStateError, 
 from meshstate.core import compat
 from meshstate.testing import torch_internals
 from meshstate.tools.cli import main
-from meshstate.core.layout import GROUP_KINDS
+from meshstate.layout.layout import GROUP_KINDS
 from meshstate.testing import fake_world
 from meshstate import HybridGrid, init_hybrid_mesh
-from meshstate.core.topology import (
+from meshstate.layout.topology import (
     NodeCrossingWarning,
     check_ranks_per_node,
     locality_report,
@@ -397,9 +397,3 @@ def test_plan_bad_gpus_per_node_exits_2_with_one_line(capsys):
         "meshstate plan: error: argument --gpus-per-node: expected a positive integer, got 0"
     ]
 
-
-def test_the_hybrid_names_at_their_old_address_still_work_and_say_where_they_live():
-    import meshstate.topology
-
-    with pytest.warns(DeprecationWarning, match="HybridGrid moved to meshstate"):
-        assert meshstate.topology.HybridGrid is HybridGrid

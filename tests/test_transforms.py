@@ -12,7 +12,6 @@ silently wrong gradient: the pipeline below once got 4 of its 6 gradients wrong.
 import pytest
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import meshstate
@@ -26,7 +25,7 @@ NONE = frozenset()
 
 
 @pytest.fixture
-def simulated_mesh():
+def fake_mesh():
     with fake_world(1, 8):
         mesh = meshstate.init_mesh(tp=2, cp=2)
         with mesh:
@@ -41,7 +40,7 @@ def types_inside(body, *args, in_specs=P("tp"), out_specs=P(("dp", "cp", "tp")))
     return seen[0]
 
 
-def test_vmap_carries_types_in_and_out(simulated_mesh):
+def test_vmap_carries_types_in_and_out(fake_mesh):
     def body(x, w):
         inside = []
 
@@ -57,7 +56,7 @@ def test_vmap_carries_types_in_and_out(simulated_mesh):
     assert types == ((TP, NONE), TP, NONE)
 
 
-def test_reverse_mode_transforms_carry_types_and_forward_mode_is_refused(simulated_mesh):
+def test_reverse_mode_transforms_carry_types_and_forward_mode_is_refused(fake_mesh):
     def body(x):
         gradient = torch.func.grad(lambda v: (v * 2).sum())(x)
         out, vjp_of = torch.func.vjp(lambda v: v * 3, x)
@@ -71,7 +70,7 @@ def test_reverse_mode_transforms_carry_types_and_forward_mode_is_refused(simulat
                      torch.ones(8))
 
 
-def test_an_out_spec_a_vmap_result_varies_against_is_refused(simulated_mesh):
+def test_an_out_spec_a_vmap_result_varies_against_is_refused(fake_mesh):
     body = shard_map(lambda x: torch.func.vmap(lambda row: row * 2)(x), in_specs=P("tp"),
                      out_specs=P())
     with pytest.raises(VaryingAxesError, match=r"not \{tp\}"):
@@ -146,7 +145,7 @@ SEVERAL_RESULTS = {
 
 
 @pytest.mark.parametrize("name", SEVERAL_RESULTS)
-def test_ops_returning_several_tensors_compile_typed(simulated_mesh, name):
+def test_ops_returning_several_tensors_compile_typed(fake_mesh, name):
     body = SEVERAL_RESULTS[name]
     mapped = shard_map(lambda p: body(p) * 2, in_specs=P("tp"), out_specs=P("tp"))
     x = torch.arange(8.0).reshape(4, 2)
@@ -165,7 +164,7 @@ CHECKPOINTED = {
 
 @pytest.mark.parametrize("name", CHECKPOINTED)
 def test_collectives_inside_checkpoint_compile_with_eagers_values_and_gradients(
-    simulated_mesh, name
+    fake_mesh, name
 ):
     inner, out_spec = CHECKPOINTED[name]
     mapped = shard_map(lambda a, b: checkpoint(inner, a, b, use_reentrant=False),
@@ -209,7 +208,7 @@ def test_checkpoint_recomputes_with_the_bodys_types(reentrant):
     mesh.destroy()
 
 
-def test_narrow_at_an_axis_index_compiles(simulated_mesh):
+def test_narrow_at_an_axis_index_compiles(fake_mesh):
     mapped = shard_map(lambda p: p.narrow(0, lax.axis_index("tp") * 2, 2) * 2, in_specs=P(),
                        out_specs=P("tp"))
     x = torch.arange(4.0)
@@ -218,7 +217,7 @@ def test_narrow_at_an_axis_index_compiles(simulated_mesh):
     assert torch.equal(compiled(x), mapped(x).to_local())
 
 
-def test_control_flow_under_compile_is_refused_by_name(simulated_mesh):
+def test_control_flow_under_compile_is_refused_by_name(fake_mesh):
     mapped = shard_map(
         lambda p: torch.cond(p.sum() > 0, lambda q: q * 2, lambda q: q * 3, (p,)),
         in_specs=P("tp"), out_specs=P("tp"),

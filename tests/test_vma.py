@@ -8,7 +8,7 @@ all_gather keeps them, all_gather_invariant removes them, psum_scatter,
 all_to_all and ppermute keep them, axis_index varies over its axes, and a
 collective over an axis its input does not vary over pvarys it first.
 
-Types are checked on one simulated rank of 8 (fake backend: collectives move no
+Types are checked on one rank of a fake world of 8 (fake backend: collectives move no
 data, types do not depend on it). Gradients taken inside the body, in both modes,
 are checked on 4 ranks (``init_mesh(tp=2, cp=2)``), as gloo processes and simulated
 in one process, against the values JAX 0.10.2 gives for the same programs (x =
@@ -32,7 +32,7 @@ NONE = frozenset()
 
 
 @pytest.fixture
-def simulated_mesh():
+def fake_mesh():
     with fake_world(1, 8):
         mesh = meshstate.init_mesh(tp=2, cp=2)  # dp=2
         with mesh:
@@ -48,7 +48,7 @@ def types_inside(body, *args, in_specs=P("tp"), out_specs=P(("dp", "cp", "tp")),
     return seen[0]
 
 
-def test_arguments_constants_and_ops(simulated_mesh):
+def test_arguments_constants_and_ops(fake_mesh):
     closed_over = torch.ones(4)
 
     def body(x, w):
@@ -63,7 +63,7 @@ def test_arguments_constants_and_ops(simulated_mesh):
     assert types == [TP, frozenset({"cp"}), NONE, NONE, TP, TP, CP_TP, CP_TP, CP_TP, TP]
 
 
-def test_in_place_ops_and_setitem_type_what_they_write(simulated_mesh):
+def test_in_place_ops_and_setitem_type_what_they_write(fake_mesh):
     def body(x):
         buffer = torch.zeros(4)
         before = vma(buffer)
@@ -77,7 +77,7 @@ def test_in_place_ops_and_setitem_type_what_they_write(simulated_mesh):
     assert types_inside(body, torch.zeros(8)) == (NONE, TP, TP, TP)
 
 
-def test_each_collective_follows_its_rule(simulated_mesh):
+def test_each_collective_follows_its_rule(fake_mesh):
     def body(x):
         ring = [(0, 1), (1, 0)]
         invariant = torch.ones(4)
@@ -113,7 +113,7 @@ def test_each_collective_follows_its_rule(simulated_mesh):
     }
 
 
-def test_axis_index_is_a_typed_tensor_inside_and_an_int_outside(simulated_mesh):
+def test_axis_index_is_a_typed_tensor_inside_and_an_int_outside(fake_mesh):
     index = types_inside(lambda x: lax.axis_index(("cp", "tp")), torch.zeros(8))
     assert isinstance(index, torch.Tensor) and index.dtype == torch.int64 and index.item() == 1
     assert lax.axis_index(("cp", "tp")) == 1 and type(lax.axis_index("tp")) is int
@@ -121,7 +121,7 @@ def test_axis_index_is_a_typed_tensor_inside_and_an_int_outside(simulated_mesh):
     assert type(legacy) is int
 
 
-def test_nothing_is_typed_outside_a_body_or_with_check_vma_false(simulated_mesh):
+def test_nothing_is_typed_outside_a_body_or_with_check_vma_false(fake_mesh):
     x = torch.ones(4)
     assert vma(x) == NONE and vma(lax.psum(x, "tp")) == NONE
     assert types_inside(lambda b: vma(b * 2), torch.zeros(8), check_vma=False) == NONE
@@ -130,7 +130,7 @@ def test_nothing_is_typed_outside_a_body_or_with_check_vma_false(simulated_mesh)
     assert vma(out.to_local()) == NONE and vma(x) == NONE
 
 
-def test_autograd_grad_gives_each_gradient_its_inputs_type(simulated_mesh):
+def test_autograd_grad_gives_each_gradient_its_inputs_type(fake_mesh):
     def body(x):
         w = torch.ones(4, requires_grad=True)
         x = x.detach().requires_grad_()
@@ -155,12 +155,12 @@ def test_autograd_grad_gives_each_gradient_its_inputs_type(simulated_mesh):
     ],
     ids=["psum", "pmean", "psum_scatter", "pvary"],
 )
-def test_refused_collectives_name_the_types(simulated_mesh, call, message):
+def test_refused_collectives_name_the_types(fake_mesh, call, message):
     with pytest.raises(VaryingAxesError, match=message):
         types_inside(call, torch.zeros(8))
 
 
-def test_strict_mode_refuses_a_mix_and_names_the_pvary(simulated_mesh):
+def test_strict_mode_refuses_a_mix_and_names_the_pvary(fake_mesh):
     with pytest.raises(VaryingAxesError, match=(
         r"torch.Tensor.add mixes operands of types float32\[4\]\{V:tp\}, float32\[4\] and "
         r"shard_map\(auto_pvary=False\) casts none; write meshstate.pvary\(operand, \('tp',\)\) "
@@ -173,7 +173,7 @@ def test_strict_mode_refuses_a_mix_and_names_the_pvary(simulated_mesh):
     assert typed == TP
 
 
-def test_out_specs_are_checked_against_the_types(simulated_mesh):
+def test_out_specs_are_checked_against_the_types(fake_mesh):
     f = shard_map(lambda x: {"a": (x, lax.all_gather(x, "tp", tiled=True))}, in_specs=P("tp"),
                   out_specs={"a": (P("tp"), P())})
     with pytest.raises(VaryingAxesError) as refused:
@@ -193,7 +193,7 @@ def test_out_specs_are_checked_against_the_types(simulated_mesh):
     assert ok.shape == (8,)
 
 
-def test_out_spec_refusal_happens_while_tracing(simulated_mesh):
+def test_out_spec_refusal_happens_while_tracing(fake_mesh):
     def replicated_sum(x):
         return shard_map(lambda b: b * 2, in_specs=P("tp"), out_specs=P())(x).to_local()
 

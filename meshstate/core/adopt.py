@@ -21,12 +21,12 @@ from meshstate.core.arguments import (
     resolve_device_type,
     split_arguments,
 )
-from meshstate.core.config import DEFAULT_ORDER, MeshConfig, sizes_text
-from meshstate.core.errors import AxisError, ConfigError
+from meshstate.layout.config import DEFAULT_ORDER, MeshConfig, sizes_text
+from meshstate.errors import AxisError, ConfigError
 from meshstate.core.groups import GroupSpec, create_process_groups, require_default_group
-from meshstate.core.layout import Key, ParallelLayout
+from meshstate.layout.layout import Key, ParallelLayout
 from meshstate.core.mesh import ParallelMesh
-from meshstate.core.simulation import refuse_simulation
+from meshstate.core.world import refuse_simulation
 
 
 def adopt(

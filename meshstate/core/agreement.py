@@ -6,11 +6,11 @@ every mesh build: each rank posts its config to the default group's store under
 its own rank and its own build number (how many builds it has started in this
 scope), and waits, within the timeout, until every rank has posted to that
 build. Then either every rank holds the same config and the build goes on, or
-every rank raises the same :class:`~meshstate.core.errors.ConfigMismatchError`
+every rank raises the same :class:`~meshstate.errors.ConfigMismatchError`
 naming the ranks and fields that differ. A rank that times out writes the
 verdict for everyone, so ranks that never arrive (by rank, not by count: a rank
 that retries posts to its next build) end it on every rank that did with one
-:class:`~meshstate.core.errors.MeshTimeoutError` naming them. On either error,
+:class:`~meshstate.errors.MeshTimeoutError` naming them. On either error,
 each rank raises only once every rank that arrived has read the verdict, so a
 rank that hosts the store and exits at once leaves no one without it.
 
@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ConfigMismatchError, MeshStateError, MeshTimeoutError
+from meshstate.errors import ConfigMismatchError, MeshStateError, MeshTimeoutError
 
 _PREFIX = "meshstate/agree"
 _LISTED = 16  # ranks named in a message before "and N more"

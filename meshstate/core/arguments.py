@@ -1,10 +1,10 @@
-"""The keyword arguments of :func:`meshstate.init_mesh` and :func:`meshstate.adopt`:
-declared once (:class:`InitMeshArguments`, :class:`AdoptArguments`) and checked here.
+"""The build options of :func:`meshstate.init_mesh`, :func:`meshstate.make_mesh` and
+:func:`meshstate.adopt` (:class:`BuildArguments`, :class:`AdoptArguments`), checked here.
 
 Every check runs before ``init_mesh`` touches the store or creates a group, so
 a wrong type or value fails at once, on the rank that passed it, with a
-:class:`~meshstate.core.errors.ConfigError` naming the parameter. The layout
-itself (sizes, order, world) is :class:`~meshstate.core.config.MeshConfig`'s to check;
+:class:`~meshstate.errors.ConfigError` naming the parameter. The layout
+itself (sizes, order, world) is :class:`~meshstate.layout.config.MeshConfig`'s to check;
 the rest becomes one :class:`BuildOptions` value.
 """
 
@@ -18,10 +18,10 @@ from typing import Any, TypedDict, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from meshstate.core.config import SIZE_NAMES, SizeArguments, reject_unknown
-from meshstate.core.errors import ConfigError
+from meshstate.layout.config import SIZE_NAMES, SizeArguments, reject_unknown
+from meshstate.errors import ConfigError
 from meshstate.core.groups import GroupCreation, GroupOptions
-from meshstate.core.layout import DerivedGroup, Key
+from meshstate.layout.layout import DerivedGroup, Key
 
 T = TypeVar("T")
 
@@ -48,10 +48,6 @@ class BuildArguments(GroupArguments, total=False):
     group_options: Mapping[Key, GroupOptions] | None
     agree_on: Mapping[str, object] | None
     group_creation: GroupCreation | None
-
-
-class InitMeshArguments(SizeArguments, BuildArguments, total=False):
-    """Every keyword argument of :func:`~meshstate.init_mesh` but ``ranks``."""
 
 
 class AdoptArguments(SizeArguments, GroupArguments, total=False):

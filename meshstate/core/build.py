@@ -28,15 +28,13 @@ from meshstate.core.arguments import (
     BuildArguments,
     BuildOptions,
     GroupArguments,
-    InitMeshArguments,
     check_ranks,
     resolve_device_type,
-    split_arguments,
 )
-from meshstate.core.config import DEFAULT_ORDER, MeshConfig, reject_unknown
-from meshstate.core.errors import ConfigError, MeshStateError, SimulationError
-from meshstate.core.groups import GroupOptions, GroupSpec, create_process_groups
-from meshstate.core.layout import (
+from meshstate.layout.config import DEFAULT_ORDER, MeshConfig, reject_unknown
+from meshstate.errors import ConfigError, MeshStateError, SimulationError
+from meshstate.core.groups import GroupCreation, GroupOptions, GroupSpec, create_process_groups
+from meshstate.layout.layout import (
     DerivedGroup,
     Key,
     MeshLayout,
@@ -44,95 +42,93 @@ from meshstate.core.layout import (
     spellings,
     splits_dp,
 )
-from meshstate.core.named_layout import NamedLayout, check_axes
+from meshstate.layout.named_layout import NamedLayout, check_axes
 from meshstate.core.mesh import ParallelMesh
-from meshstate.core.simulation import process_rank, simulated_ranks
+from meshstate.core.world import process_rank, simulated_ranks
 
 
 @overload
 def init_mesh(
-    order: str = ..., *, ranks: None = ..., **arguments: Unpack[InitMeshArguments]
+    order: str = ..., *, tp: int = ..., cp: int = ..., ep: int = ..., etp: int | None = ...,
+    pp: int = ..., dp_replicate: int = ..., ranks: None = ..., backend: str | None = ...,
+    timeout: timedelta | None = ..., device_type: str | None = ...,
+    joint_groups: Sequence[str] = ..., derived: Sequence[DerivedGroup] = ...,
+    group_options: Mapping[Key, GroupOptions] | None = ...,
+    agree_on: Mapping[str, object] | None = ..., group_creation: GroupCreation | None = ...,
 ) -> ParallelMesh: ...
 
 
 @overload
 def init_mesh(
-    order: str = ..., *, ranks: Sequence[int], **arguments: Unpack[InitMeshArguments]
+    order: str = ..., *, tp: int = ..., cp: int = ..., ep: int = ..., etp: int | None = ...,
+    pp: int = ..., dp_replicate: int = ..., ranks: Sequence[int], backend: str | None = ...,
+    timeout: timedelta | None = ..., device_type: str | None = ...,
+    joint_groups: Sequence[str] = ..., derived: Sequence[DerivedGroup] = ...,
+    group_options: Mapping[Key, GroupOptions] | None = ...,
+    agree_on: Mapping[str, object] | None = ..., group_creation: GroupCreation | None = ...,
 ) -> ParallelMesh | None: ...
 
 
 def init_mesh(
-    order: str = DEFAULT_ORDER,
-    *,
-    ranks: Sequence[int] | None = None,
-    **arguments: Unpack[InitMeshArguments],
+    order: str = DEFAULT_ORDER, *, tp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None,
+    pp: int = 1, dp_replicate: int = 1, ranks: Sequence[int] | None = None,
+    backend: str | None = None, timeout: timedelta | None = None, device_type: str | None = None,
+    joint_groups: Sequence[str] = (), derived: Sequence[DerivedGroup] = (),
+    group_options: Mapping[Key, GroupOptions] | None = None,
+    agree_on: Mapping[str, object] | None = None, group_creation: GroupCreation | None = None,
 ) -> ParallelMesh | None:
     """Build the calling rank's :class:`ParallelMesh`; every rank must call it.
 
-    Takes ``tp``, ``cp``, ``ep``, ``etp``, ``pp``, ``dp_replicate`` (each 1 when
-    left out, ``etp`` then ``tp``; :class:`~meshstate.core.config.SizeArguments`)
-    and the build's options (:class:`~meshstate.core.arguments.BuildArguments`),
-    all by keyword. Uses the initialised default process group, or initialises one
-    from the torchrun environment (NCCL when CUDA is available, else gloo). ``dp`` is
-    inferred from the world size. ``dp_replicate`` splits ``dp`` for FSDP2's HSDP
-    into ``dp_replicate`` (outer) x ``dp_shard`` (inner), torchtitan's layout:
-    with ``dp_replicate > 1`` the mesh has the keys ``"dp_replicate"``,
-    ``"dp_shard"`` and ``"dp_shard-cp"`` (``joint_groups`` declares them, or
-    others such as ``"dp_replicate-cp"``, at any size), and
-    ``"dp_replicate-dp_shard"`` is ``"dp"`` in every spelling. ``backend``
-    and ``timeout`` reach every group created; ``device_type`` defaults to
-    ``"cuda"`` on an NCCL world and ``"cpu"`` otherwise. ``joint_groups``
-    declares joint groups beyond Megatron's (e.g. ``"cp-pp"``); ``derived``
-    adds groups carved out of them (:class:`~meshstate.core.layout.DerivedGroup`
-    values, e.g. the hierarchical levels of ``cp``); ``group_options`` sets
-    backend and options per key; ``group_creation`` forces ``"split"`` or
-    ``"local"`` group creation (default: split where the backend can, see
-    :mod:`meshstate.core.groups`). ``ranks`` (a ``range`` or a list of
-    increasing ranks, consecutive or not) builds the mesh over those ranks only,
-    local rank ``i`` of the layout on global rank ``ranks[i]``, its groups
-    member-local; the other ranks get ``None`` and may build meshes of their
-    own beside it, over interleaved ranks too.
+    The sizes ``tp``, ``cp``, ``ep``, ``etp`` (``tp`` when left out), ``pp`` and
+    ``dp_replicate``; ``dp`` is inferred from the world size. Uses the initialised
+    default group, or initialises one from the torchrun environment (NCCL when CUDA
+    is available, else gloo). ``dp_replicate`` splits ``dp`` for FSDP2's HSDP into
+    ``dp_replicate`` (outer) x ``dp_shard`` (inner), torchtitan's layout, and adds the
+    keys ``"dp_replicate"``, ``"dp_shard"`` and ``"dp_shard-cp"``. ``ranks`` (a
+    ``range`` or increasing ranks) builds the mesh over those ranks only, local rank
+    ``i`` on ``ranks[i]``; the others get ``None``. ``backend`` and ``timeout`` reach
+    every group created; ``device_type`` defaults to ``"cuda"`` on an NCCL world and
+    ``"cpu"`` otherwise. ``joint_groups`` declares joint groups beyond Megatron's
+    (``"cp-pp"``); ``derived`` adds groups carved out of them
+    (:class:`~meshstate.layout.layout.DerivedGroup`); ``group_options`` sets backend
+    and options per key; ``group_creation`` forces ``"split"`` or ``"local"``
+    creation (:mod:`meshstate.core.groups`).
 
-    First every rank agrees on these arguments (and ``agree_on``, for callers
-    with more to agree on) through the store, within ``timeout`` (torch's
-    default when ``None``): a rank with different arguments makes every rank
-    raise :class:`~meshstate.core.errors.ConfigMismatchError`, a rank that never
-    arrives a :class:`~meshstate.core.errors.MeshTimeoutError` naming it.
+    First every rank agrees on all of it (and ``agree_on``) through the store within
+    ``timeout``: a rank with different arguments makes every rank raise
+    :class:`~meshstate.errors.ConfigMismatchError`, a rank that never arrives a
+    :class:`~meshstate.errors.MeshTimeoutError` naming it.
 
     Example (``torchrun --nproc-per-node 8``)::
 
         mesh = meshstate.init_mesh(tp=2, cp=2, pp=2, ep=2, etp=1)
         mesh["dp-cp"]   # what FSDP2 shards over
-        hsdp = meshstate.init_mesh(tp=2, dp_replicate=2)
-        hsdp["dp_replicate", "dp_shard"]   # on rank 5: [[1, 3], [5, 7]]
         evens = meshstate.init_mesh(tp=2, ranks=[0, 2, 4, 6])  # None on odd ranks
     """
-    sizes, given = split_arguments("init_mesh()", arguments, BuildArguments)
-    options = BuildOptions.check(given)
+    options = BuildOptions.check(BuildArguments(
+        backend=backend, timeout=timeout, device_type=device_type, joint_groups=joint_groups,
+        derived=derived, group_options=group_options, agree_on=agree_on,
+        group_creation=group_creation,
+    ))
     _init_default_group_from_env(options.backend, options.timeout)
     span = check_ranks(ranks, dist.get_world_size())
-    config = MeshConfig(len(span or range(dist.get_world_size())), order=order, **sizes)
-    return build_mesh(config, options, ranks=span, etp_given=sizes.get("etp"))
+    config = MeshConfig(len(span or range(dist.get_world_size())), order=order, tp=tp, cp=cp,
+                        ep=ep, etp=etp, pp=pp, dp_replicate=dp_replicate)
+    return build_mesh(config, options, ranks=span)
 
 
 def build_mesh(
-    config: MeshConfig,
-    options: BuildOptions,
-    *,
-    ranks: range | tuple[int, ...] | None = None,
-    etp_given: int | None = None,
+    config: MeshConfig, options: BuildOptions, *, ranks: range | tuple[int, ...] | None = None
 ) -> ParallelMesh | None:
     """:func:`init_mesh` of a config and options already checked (a façade's, say):
-    ``config.world_size`` ranks, all of the world's or ``ranks``' (a checked span);
-    ``etp_given`` is ``etp`` as the caller gave it, which every rank agrees on."""
+    ``config.world_size`` ranks, all of the world's or ``ranks``' (a checked span)."""
     world = ranks or range(dist.get_world_size())
     layout = ParallelLayout(
         config,
         rank_offset=world.start if isinstance(world, range) else 0,
         ranks=None if isinstance(world, range) else world,
     )
-    etp = None if etp_given is None else config.etp
-    return _build(layout, options, ranks, {**layout.arguments(), "etp": etp}, "init_mesh(ranks=...)")
+    return _build(layout, options, ranks, layout.arguments(), "init_mesh(ranks=...)")
 
 
 def make_mesh(
@@ -202,7 +198,7 @@ def _build(
     elif span is not None and dist.get_rank() not in span:
         return None
     build_id = _agree(agreed, options, span)
-    return _create_mesh(layout, kinds, declared, options_of_key, options, build_id, span, simulated)
+    return _create_mesh(layout, kinds, declared, options_of_key, options, build_id, span)
 
 
 def _check_simulated(
@@ -245,10 +241,9 @@ def _create_mesh(
     options: BuildOptions,
     build_id: int | None,
     span: range | tuple[int, ...] | None,
-    simulated: frozenset[int] | None,
 ) -> ParallelMesh:
-    """Create the calling rank's groups of every key and the mesh holding them (one that
-    answers for every simulated rank where ``simulated`` names them)."""
+    """Create the calling rank's groups of every key and the mesh holding them (which
+    answers for every simulated rank in a simulated world)."""
     rank = process_rank()
     members = {key: layout.members(rank, key) for key in kinds + declared}
     specs = [
@@ -260,15 +255,8 @@ def _create_mesh(
         group_creation="local" if span is not None else options.group_creation,
     )
     device_type = resolve_device_type(options.device_type)
-    if simulated is None:
-        return ParallelMesh(
-            layout, process_groups, members, device_type=device_type, kinds=kinds, derived=declared
-        )
-    from meshstate.core.simulated_mesh import SimulatedMesh  # imports torch's simulation
-
-    return SimulatedMesh(
-        layout, process_groups, members, device_type=device_type, kinds=kinds, derived=declared,
-        simulated=simulated,
+    return ParallelMesh(
+        layout, process_groups, members, device_type=device_type, kinds=kinds, derived=declared
     )
 
 

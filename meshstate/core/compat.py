@@ -26,7 +26,7 @@ from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from meshstate.core.ranks import Ranks
+from meshstate.layout.ranks import Ranks
 
 # torch's traceable collectives: ops that return a new tensor, waited on by wait_tensor.
 _functional = torch.ops._c10d_functional

@@ -1,17 +1,20 @@
-"""A mesh's answers: its tables by key (:class:`Table`) and by attribute (:class:`Facts`).
+"""A mesh's answers by key (:class:`MeshTables`, read through :class:`TableView`) and
+by attribute (:class:`Facts`, for code that asks one key millions of times).
 
-The ``rank_in``, ``size_of``, ``group_of`` and ``ranks_of`` tables are made once
-with the mesh, and its ``facts`` from them; ``destroy()`` empties the tables and
-forgets every :class:`Facts` made from them, after which each read names where.
+A mesh makes its four tables (rank, size, group and ranks by key) once;
+``destroy()`` empties them and calls ``forget`` on the :class:`Facts` a façade
+made from them, after which every read raises the error that names where.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
-from meshstate.core.errors import NotInitializedError, SimulationError
-from meshstate.core.layout import Key
+import torch.distributed as dist
+
+from meshstate.errors import NotInitializedError, SimulationError
+from meshstate.layout.layout import Key
 
 V = TypeVar("V")
 
@@ -19,58 +22,85 @@ FIELDS = ("rank", "size", "group", "ranks")
 """A fact's field, in the order of the tables: ``tp_rank`` is ``rank_in["tp"]``."""
 
 
-class Table(dict[Key, V]):
-    """One of a mesh's tables (``rank_in``, ``size_of``, ``group_of``, ``ranks_of``).
+class MeshTables(NamedTuple):
+    """A mesh's answers by key, read-only (``ParallelMesh.tables``): each spelling of each
+    key whose group holds the calling rank -> its answer. A destroyed mesh's raise the
+    error that names where."""
 
-    A dict; ``destroy()`` empties it, and from then on a lookup by ``[]`` raises
-    the error that names where the mesh was destroyed.
-    """
+    rank: Mapping[Key, int]
+    size: Mapping[Key, int]
+    group: Mapping[Key, dist.ProcessGroup]
+    ranks: Mapping[Key, Sequence[int]]
 
-    __slots__ = ("destroyed",)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.destroyed: str | None = None  # why a lookup fails once the mesh is destroyed
+class TableView(Mapping[Key, V]):
+    """One of a mesh's tables, read-only; once the mesh is destroyed a read that finds
+    nothing raises the error naming where (``check_alive``)."""
 
-    def __missing__(self, key: Key) -> V:
-        if self.destroyed is not None:
-            raise NotInitializedError(self.destroyed)
-        raise KeyError(key)
+    __slots__ = ("_table", "_check_alive")
+
+    def __init__(self, table: Mapping[Key, V], check_alive: Callable[[], None]) -> None:
+        self._table, self._check_alive = table, check_alive
+
+    def __getitem__(self, key: Key) -> V:
+        try:
+            return self._table[key]
+        except KeyError:
+            self._check_alive()
+            raise
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._table
+
+    def __iter__(self) -> Iterator[Key]:
+        self._check_alive()
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
 
 
 class Facts:
     """Four tables read by attribute: ``<name>_rank``, ``_size``, ``_group`` and ``_ranks``.
 
-    ``names`` maps each attribute name to its key: for a mesh's own ``facts``
-    every key, with ``-`` written ``_``, so ``facts.tp_rank`` is
-    ``mesh.rank("tp")`` and ``facts.dp_cp_size`` is ``mesh.size("dp-cp")``.
-    Copied once from the tables, so a read is Python's fastest attribute read
-    (code that asks one key millions of times, as Megatron's getters do, reads
-    these); a key a table lacks has no attribute, unless a subclass answers it.
+    ``names`` maps each attribute name to its key (``tp_cp`` -> ``"tp-cp"``), so
+    ``facts.tp_cp_size`` is ``mesh.size("tp-cp")``. Copied once from the tables,
+    so a read is Python's fastest attribute read (Megatron's getters read these);
+    a key a table lacks has no attribute, unless a subclass answers it.
 
     Example, on rank 5 of 8 with ``init_mesh(tp=2, pp=2)``::
 
-        mesh.facts.tp_rank, mesh.facts.dp_cp_size   # (1, 2)
+        facts = Facts({"tp": "tp", "dp_cp": "dp-cp"}, tuple(mesh.tables))
+        facts.tp_rank, facts.dp_cp_size   # (1, 2)
     """
 
     destroyed: str | None = None
     """Once the mesh is destroyed: the message that says where."""
 
     def __init__(self, names: Mapping[str, Key], tables: tuple[Mapping[Key, Any], ...]) -> None:
-        for name, key in names.items():
-            for field, table in zip(FIELDS, tables):
-                try:
-                    present = key in table
-                except SimulationError:  # a simulated mesh refuses the key: its read says why
-                    continue
-                if present:
-                    setattr(self, f"{name}_{field}", table[key])
+        self.__dict__.update(answered(names, tables))
 
     def forget(self, destroyed: str) -> None:
         """Empty these facts: from now on every read raises ``NotInitializedError(destroyed)``."""
         self.__dict__.clear()
         self.__class__ = _DestroyedFacts
         self.__dict__["destroyed"] = destroyed
+
+
+def answered(names: Mapping[str, Key], tables: tuple[Mapping[Key, Any], ...]) -> dict[str, Any]:
+    """Each attribute ``<name>_<field>`` the tables answer, with its answer: ``tp_rank`` is
+    ``tables[0]["tp"]`` where ``names`` maps ``tp`` to ``"tp"``. A key a simulated mesh
+    refuses is left out (its read then says why)."""
+    answers = {}
+    for name, key in names.items():
+        for field, table in zip(FIELDS, tables):
+            try:
+                present = key in table
+            except SimulationError:
+                continue
+            if present:
+                answers[f"{name}_{field}"] = table[key]
+    return answers
 
 
 class _DestroyedFacts(Facts):

@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.core.agreement import leave_barrier, store_barrier
-from meshstate.core.errors import ConfigError, MeshStateError, MeshTimeoutError, SimulationError
-from meshstate.core.layout import Key
-from meshstate.core.ranks import identity, ranks_text
-from meshstate.core.simulation import process_rank, simulated_ranks
+from meshstate.errors import ConfigError, MeshStateError, MeshTimeoutError, SimulationError
+from meshstate.layout.layout import Key
+from meshstate.layout.ranks import identity, ranks_text
+from meshstate.core.world import process_rank, tiling_mismatch
 
 _build_counter = itertools.count()
 
@@ -60,7 +60,7 @@ class GroupSpec:
     """One family of disjoint rank groups, e.g. every data-parallel group.
 
     ``members`` is the calling rank's group, sorted (``None`` if it is in none;
-    a :class:`~meshstate.core.ranks.Ranks` keeps a large one as strides);
+    a :class:`~meshstate.layout.ranks.Ranks` keeps a large one as strides);
     ``all_groups`` lists every group of the family and is only called where
     groups are split collectively.
     """
@@ -237,7 +237,7 @@ class _Builder:
                 pg_options=pg_options,
                 description=f"meshstate:{name}",
             )
-            if backend != "fake":  # a simulated world has no connections to wait for
+            if backend != "fake":  # a fake or simulated world has no connections to wait for
                 self._wait_for_members(group_name, len(members), backend)
         except RuntimeError as error:
             what = f"the {str(name)!r} group of ranks {ranks_text(members)} did not form"
@@ -353,13 +353,10 @@ def create_group_family(
         pg_options=pg_options,
     )
     group = created.by_name.get(description)
-    if simulated_ranks() is not None:  # every rank runs each collective over rank 0's group
-        from meshstate.core.per_rank import tiling_mismatch
-
-        mismatch = tiling_mismatch(description, group, family)
-        if mismatch is not None:
-            created.destroy()
-            raise SimulationError(mismatch)
+    mismatch = tiling_mismatch(description, group, family)  # simulated: over rank 0's group
+    if mismatch is not None:
+        created.destroy()
+        raise SimulationError(mismatch)
     if owner is not None:
         owner.owned.extend(created.owned)
         owner.creation_calls += created.creation_calls

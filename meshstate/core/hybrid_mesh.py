@@ -1,4 +1,4 @@
-"""The ``DeviceMesh`` of a :class:`~meshstate.core.hybrid_grid.HybridGrid`, built by every rank.
+"""The ``DeviceMesh`` of a :class:`~meshstate.layout.hybrid_grid.HybridGrid`, built by every rank.
 
 The mesh layer's: one process group per axis, created by
 :func:`meshstate.core.groups.create_process_groups` (the one place groups are
@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core.arguments import resolve_device_type
-from meshstate.core.errors import ConfigError
+from meshstate.errors import ConfigError
 from meshstate.core.groups import GroupSpec, ProcessGroupSet, create_process_groups, require_default_group
-from meshstate.core.hybrid_grid import HybridGrid
+from meshstate.layout.hybrid_grid import HybridGrid
 from meshstate.core.mesh import track_mesh
-from meshstate.core.simulation import refuse_simulation
+from meshstate.core.world import refuse_simulation
 
 
 @dataclass(eq=False)

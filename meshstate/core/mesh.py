@@ -27,40 +27,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
-from meshstate.core.config import MeshConfig
-from meshstate.core.deprecation import Renamed, warn_deprecated
-from meshstate.core.errors import ArgumentTypeError, AxisError, MeshStateError, NotInitializedError, WrongMeshError
+from meshstate.layout.config import MeshConfig
+from meshstate.errors import AxisError, MeshStateError, NotInitializedError, WrongMeshError
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
-from meshstate.core.layout import GROUP_KINDS, DerivedGroup, Grid, Key, MeshLayout, spellings, splits_dp
-from meshstate.core.simulation import process_rank
-from meshstate.core.ordered import AxisGroup, OrderedGroup
-from meshstate.core.facts import Facts, Table
-from meshstate.core.views import build_root_mesh, flattened_mesh, sliced_mesh
+from meshstate.layout.layout import GROUP_KINDS, DerivedGroup, Grid, Key, MeshLayout, spellings, splits_dp
+from meshstate.core.world import outside_simulation, process_rank, simulated_ranks, simulation
+from meshstate.core.ordered import OrderedGroup, axis_tuple
+from meshstate.core.facts import MeshTables, TableView
+from meshstate.core.views import DeviceMeshOnly, build_root_mesh, flattened_mesh, sliced_mesh
 
 
 
-class _DeviceMeshOnly:
-    """A torch DeviceMesh attribute that a ParallelMesh lacks, on purpose.
-
-    Reading it raises :class:`~meshstate.core.errors.WrongMeshError`, which says
-    to pass one of the mesh's DeviceMeshes: torch's APIs given a ParallelMesh
-    by mistake (``fully_shard(model, mesh=mesh)``) stop at their first read. It
-    is an ``AttributeError``, so ``hasattr(mesh, "mesh_dim_names")`` stays
-    ``False``. A descriptor on the class, not a ``__getattr__``: a class with
-    ``__getattr__`` loses CPython's specialised reads of every attribute.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, mesh: ParallelMesh | None, owner: type | None = None) -> Any:
-        if mesh is None:
-            return self
-        mesh._check_alive()
-        raise WrongMeshError(
-            f"a ParallelMesh is not a torch DeviceMesh (it has no {self.name!r}); pass one "
-            'of its DeviceMeshes: mesh.dense, mesh.expert or a slice such as mesh["dp-cp"]'
-        )
+_ROOTS = ("dense", "expert", "hsdp")
+"""The names of the root DeviceMeshes, made on first use."""
 
 
 class ParallelMesh:
@@ -68,7 +47,7 @@ class ParallelMesh:
 
     Build one with :func:`init_mesh`. Keys name one axis (``"tp"``), a
     Megatron joint group (``"dp-cp"``; a set, so ``"cp-dp"`` is the same) or a
-    :class:`~meshstate.core.layout.DerivedGroup` declared at init; ``in``, ``len``
+    :class:`~meshstate.layout.layout.DerivedGroup` declared at init; ``in``, ``len``
     and iteration follow :meth:`keys`. Every query is one lookup in a private table
     made at init, which maps every spelling of every key whose group holds the
     calling rank to its answer. :meth:`rank` is the one way to ask a position
@@ -90,21 +69,21 @@ class ParallelMesh:
     # (torch's own `device_type` and `size` it has, meaning the same). The public
     # DeviceMesh API, then the private names torch's fully_shard, distribute_tensor,
     # DTensor and parallelize_module read first.
-    mesh = _DeviceMeshOnly()
-    mesh_dim_names = _DeviceMeshOnly()
-    ndim = _DeviceMeshOnly()
-    shape = _DeviceMeshOnly()
-    get_group = _DeviceMeshOnly()
-    get_all_groups = _DeviceMeshOnly()
-    get_coordinate = _DeviceMeshOnly()
-    get_local_rank = _DeviceMeshOnly()
-    get_rank = _DeviceMeshOnly()
-    _flatten = _DeviceMeshOnly()
-    _unflatten = _DeviceMeshOnly()
-    _get_root_mesh = _DeviceMeshOnly()
-    _get_mesh_dim_by_name = _DeviceMeshOnly()
-    _is_current_rank_part_of_mesh = _DeviceMeshOnly()
-    _sym_get_coordinate = _DeviceMeshOnly()
+    mesh = DeviceMeshOnly()
+    mesh_dim_names = DeviceMeshOnly()
+    ndim = DeviceMeshOnly()
+    shape = DeviceMeshOnly()
+    get_group = DeviceMeshOnly()
+    get_all_groups = DeviceMeshOnly()
+    get_coordinate = DeviceMeshOnly()
+    get_local_rank = DeviceMeshOnly()
+    get_rank = DeviceMeshOnly()
+    _flatten = DeviceMeshOnly()
+    _unflatten = DeviceMeshOnly()
+    _get_root_mesh = DeviceMeshOnly()
+    _get_mesh_dim_by_name = DeviceMeshOnly()
+    _is_current_rank_part_of_mesh = DeviceMeshOnly()
+    _sym_get_coordinate = DeviceMeshOnly()
 
     def __init__(
         self,
@@ -120,7 +99,6 @@ class ParallelMesh:
         self.layout = layout
         self.device_type = device_type
         self._rank = process_rank()  # whose groups this process holds (rank 0 when simulating)
-        self.global_rank = self._rank
         self._process_groups = process_groups
         self.kinds = kinds
         self.derived = derived
@@ -136,27 +114,48 @@ class ParallelMesh:
             for key in self.keys()
             for spelling in spellings(key, split_dp=split_dp)
         }
-        self._rank_in: Table[int] = Table()
-        self._size_of: Table[int] = Table()
-        self._group_of: Table[dist.ProcessGroup] = Table()
-        self._ranks_of: Table[Sequence[int]] = Table()
+        # The groups this process holds and their members (rank 0's in a simulated world),
+        # which groups made on first use start from.
+        self._own_group_of: dict[Key, dist.ProcessGroup] = {}
+        self._own_ranks_of: dict[Key, Sequence[int]] = {}
         for spelling, key in self._declared.items():
             ranks = members[key]
             if ranks is not None:
-                self._rank_in[spelling] = ranks.index(self._rank)
-                self._size_of[spelling] = len(ranks)
-                self._group_of[spelling] = process_groups.by_name[key]
-                self._ranks_of[spelling] = ranks
-        self._facts = Facts({key.replace("-", "_"): key for key in self.kinds}, self._tables())
-        # The groups this process holds and their members, for making groups on first use:
-        # the tables themselves here; rank 0's beside the per-rank tables of a simulated mesh.
-        self._own_group_of, self._own_ranks_of = self._group_of, self._ranks_of
+                self._own_group_of[spelling] = process_groups.by_name[key]
+                self._own_ranks_of[spelling] = ranks
+        self.simulated = simulated_ranks()
+        """The ranks of the simulated world this mesh answers for, each its own; ``None``
+        in a process, which is one rank."""
+        self.global_rank, self._rank_in, self._size_of, self._group_of, self._ranks_of = (
+            self._process_tables() if self.simulated is None else simulation().tables(
+                layout, self.keys(), self._declared, self._own_group_of, self.simulated
+            )
+        )
+        self.tables = MeshTables(
+            TableView(self._rank_in, self.check_alive), TableView(self._size_of, self.check_alive),
+            TableView(self._group_of, self.check_alive), TableView(self._ranks_of, self.check_alive),
+        )
+        """The four tables, read-only: each spelling of each key whose group holds the
+        calling rank -> its answer (``tables.rank["dp-cp"]`` is ``mesh.rank("dp-cp")``)."""
         self._device_meshes: dict[str | tuple[str, ...], DeviceMesh] = {}
         self.store: dict[Hashable, Any] = {}
         """What the layers above compute from this mesh (shard_map and reshard plans, the
-        Megatron façade's facts), by a key of their own; ``destroy()`` forgets the
-        :class:`~meshstate.core.facts.Facts` among them and empties it."""
+        Megatron façade's facts), by a key of their own; ``destroy()`` calls ``forget``
+        on the entries that have one, then empties it."""
         _live_meshes.add(self)
+
+    def _process_tables(
+        self,
+    ) -> tuple[int, dict[Key, int], dict[Key, int], dict[Key, dist.ProcessGroup],
+               dict[Key, Sequence[int]]]:
+        """The calling process's rank and its four tables: positions and sizes of the
+        groups it holds (plain dicts: a query is one dict lookup)."""
+        rank_in: dict[Key, int] = {}
+        size_of: dict[Key, int] = {}
+        for spelling, ranks in self._own_ranks_of.items():
+            rank_in[spelling] = ranks.index(self._rank)
+            size_of[spelling] = len(ranks)
+        return self._rank, rank_in, size_of, self._own_group_of, self._own_ranks_of
 
     @property
     def config(self) -> MeshConfig:
@@ -166,7 +165,7 @@ class ParallelMesh:
     @property
     def process_groups(self) -> ProcessGroupSet:
         """The groups this mesh's build made (``destroy()`` ends them)."""
-        self._check_alive()
+        self.check_alive()
         return self._process_groups
 
     @cached_property
@@ -207,12 +206,12 @@ class ParallelMesh:
 
     def keys(self) -> tuple[Key, ...]:
         """Every group key: the kinds, the declared joint groups, then the derived groups."""
-        self._check_alive()
+        self.check_alive()
         return self.kinds + self.derived
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is one of :meth:`keys`, in any spelling (``"cp-dp"``)."""
-        self._check_alive()
+        self.check_alive()
         return isinstance(key, (str, DerivedGroup)) and key in self._declared
 
     def __len__(self) -> int:
@@ -223,14 +222,16 @@ class ParallelMesh:
 
     def has_group(self, key: Key) -> bool:
         """Whether the calling rank is in a group of ``key`` (always, for axis keys)."""
-        self._check_alive()
+        self.check_alive()
         return key in self._group_of
 
     @property
     def coordinate(self) -> dict[str, int]:
-        """The calling rank's position on every dense and expert axis."""
-        self._check_alive()
-        return self.layout.coordinate(self.global_rank)
+        """The calling rank's position on every axis of the layout."""
+        self.check_alive()
+        if self.simulated is None:
+            return self.layout.coordinate(self.global_rank)
+        return simulation().coordinate(self.layout, self.simulated)
 
     def ordered(self, axes: str | Sequence[str]) -> OrderedGroup:
         """The caller's group over ``axes`` with its ranks in the caller's axis order.
@@ -241,11 +242,11 @@ class ParallelMesh:
         first use (only its members take part, as they do in SPMD code), cached
         and destroyed with the mesh; the same axes in another order share it.
         """
-        key = axes if isinstance(axes, str) else _axis_tuple(axes)
+        key = axes if isinstance(axes, str) else axis_tuple(axes)
         found = self._ordered_groups.get(key)
         if found is not None:
             return found
-        self._check_alive()
+        self.check_alive()
         grid, major_to_minor = self.layout.resolve_base(key)
         mesh_axes = grid.mesh_order(major_to_minor)
         # Threads asking for one axis set at once make its group once; others go on beside.
@@ -254,17 +255,11 @@ class ParallelMesh:
         with creating:
             ranks = grid.group_ranks(self._rank, major_to_minor)
             group = self._axis_set_group(mesh_axes, ranks)
-        position = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
-        group_ranks = tuple(position[rank] for rank in ranks)
-        in_group_order = group_ranks == tuple(range(len(ranks)))
-        found = OrderedGroup(
-            ranks=ranks,
-            index=ranks.index(self._rank),
-            group=group,
-            group_ranks=group_ranks,
-            group_name=group.group_name,
-            by_group_rank=None if in_group_order else _inverse(group_ranks),
-        )
+        found = OrderedGroup.of(ranks, self._rank, group)
+        if self.simulated is not None:
+            with outside_simulation():
+                groups = grid.groups(major_to_minor).tolist()
+            found = simulation().ordered("-".join(major_to_minor), found, groups)
         self._ordered_groups[key] = found
         return found
 
@@ -281,20 +276,6 @@ class ParallelMesh:
                 if tuple(sorted(declared_ranks)) == members:
                     return self._own_group_of[spelling]
         return create_axis_set_group(self._process_groups, joint, members)
-
-    def _rank_in_group(self, group: dist.ProcessGroup) -> int:
-        """The calling rank's rank in ``group`` (``torch.distributed.get_rank(group)``)."""
-        return dist.get_rank(group)
-
-    def _rank_in_view(self, view: DeviceMesh, dim: int) -> int:
-        """The calling rank's position on dim ``dim`` of one of its DeviceMeshes."""
-        return view.get_local_rank(dim)
-
-    def axis_group(self, key: Key) -> AxisGroup:
-        """Deprecated: ``mesh.ranks(key)``, ``mesh.rank(key)`` and ``mesh.group(key)``."""
-        warn_deprecated("mesh.axis_group(key)", "mesh.ranks(key), mesh.rank(key) and mesh.group(key)")
-        ranks = self.ranks(key)
-        return AxisGroup(self._declared[key], ranks, self._rank_in[key], self._group_of[key])
 
     def group(self, key: Key) -> dist.ProcessGroup:
         """The process group of ``key`` that the calling rank is in."""
@@ -313,12 +294,6 @@ class ParallelMesh:
                 return self.ordered(key).index
             raise self._missing(key) from None
 
-    rank_in = Renamed[Table[int]]("_rank_in", "mesh.rank(key)")
-    size_of = Renamed[Table[int]]("_size_of", "mesh.size(key)")
-    group_of = Renamed[Table[dist.ProcessGroup]]("_group_of", "mesh.group(key)")
-    ranks_of = Renamed[Table[Sequence[int]]]("_ranks_of", "mesh.ranks(key)")
-    facts = Renamed[Facts]("_facts", "mesh.rank(key), mesh.size(key), mesh.group(key) or mesh.ranks(key)")
-
     def size(self, key: Key) -> int:
         """Number of ranks in a group of ``key``."""
         try:
@@ -330,7 +305,7 @@ class ParallelMesh:
         """Global ranks of the calling rank's group of ``key``, in group order.
 
         A sequence equal to the tuple of them; a large group's is kept as strides
-        (:class:`~meshstate.core.ranks.Ranks`), so ``[i]``, ``in`` and ``index`` cost no list.
+        (:class:`~meshstate.layout.ranks.Ranks`), so ``[i]``, ``in`` and ``index`` cost no list.
         """
         try:
             return self._ranks_of[key]
@@ -386,7 +361,7 @@ class ParallelMesh:
         cached = self._device_meshes.get(key)  # the request as made: one dict lookup
         if cached is not None:
             return cached
-        self._check_alive()
+        self.check_alive()
         names = (key,) if isinstance(key, str) else tuple(key)
         if len(names) == 1 and isinstance(names[0], str) and "-" in names[0]:
             mesh = flattened_mesh(self, names[0])
@@ -399,9 +374,15 @@ class ParallelMesh:
         """The DeviceMesh already made for the request ``key``, if any (for the views)."""
         return self._device_meshes.get(key)
 
-    def _tables(self) -> tuple[Table[int], Table[int], Table[dist.ProcessGroup], Table[Sequence[int]]]:
-        """The four tables, in the order of ``Facts``' fields."""
+    def _tables(
+        self,
+    ) -> tuple[dict[Key, int], dict[Key, int], dict[Key, dist.ProcessGroup], dict[Key, Sequence[int]]]:
+        """The four tables, in the order of :class:`MeshTables`' fields."""
         return self._rank_in, self._size_of, self._group_of, self._ranks_of
+
+    def root_meshes(self) -> list[DeviceMesh]:
+        """The root DeviceMeshes (dense, expert, HSDP) made so far."""
+        return [self.__dict__[name] for name in _ROOTS if name in self.__dict__]
 
     def keep_view(self, key: tuple[str, ...], view: DeviceMesh) -> None:
         """Keep ``view`` as the answer to the request ``key`` until ``destroy()``."""
@@ -411,7 +392,7 @@ class ParallelMesh:
         """Destroy the process groups this mesh created; safe to call twice.
 
         Every later use of the mesh, its tables and facts (so every Megatron
-        getter served by it) raises :class:`~meshstate.core.errors.NotInitializedError`
+        getter served by it) raises :class:`~meshstate.errors.NotInitializedError`
         naming the line that destroyed it, as does :func:`current_mesh` inside its
         ``with`` block; here it stops being what :func:`set_mesh` set. A default
         process group that :func:`init_mesh` initialised stays (torch cannot
@@ -424,26 +405,26 @@ class ParallelMesh:
         if _current.set_mesh is self:  # no longer this thread's mesh; a `with` block still names it
             _current.set_mesh = None
         self._process_groups.destroy()
-        roots = [name for name in ("dense", "expert", "hsdp") if name in self.__dict__]
+        roots = [name for name in _ROOTS if name in self.__dict__]
         if self._device_meshes or roots:
             _compat.forget_sharding_decisions()
         self._device_meshes.clear()
         self._ordered_groups.clear()
         destroyed = str(self._destroyed_error())
-        for facts in (self._facts, *self.store.values()):
-            if isinstance(facts, Facts):  # a façade's facts, kept here so that they die with the mesh
-                facts.forget(destroyed)
+        for kept in self.store.values():
+            forget = getattr(kept, "forget", None)
+            if forget is not None:  # what a façade keeps here dies with the mesh, saying where
+                forget(destroyed)
         self.store.clear()
         for name in roots:
             del self.__dict__[name]
         for table in (*self._tables(), self._own_group_of, self._own_ranks_of):
             table.clear()
-            table.destroyed = destroyed
         _live_meshes.discard(self)
 
     def __enter__(self) -> ParallelMesh:
         """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
-        self._check_alive()
+        self.check_alive()
         _current.entered = (*_current.entered, self)
         return self
 
@@ -453,6 +434,8 @@ class ParallelMesh:
             _current.entered = entered[:-1]
 
     def __repr__(self) -> str:
+        if self.simulated is not None:
+            return f"ParallelMesh({len(self.simulated)} simulated ranks, {self.layout.describe()})"
         return (
             f"ParallelMesh(rank {self.global_rank} of {self.layout.dense.world_size}, "
             f"{self.layout.describe()})"
@@ -464,7 +447,9 @@ class ParallelMesh:
             "meshstate.init_mesh"
         )
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise :class:`~meshstate.errors.NotInitializedError` naming where this mesh was
+        destroyed, if it was."""
         if self.destroyed_at is not None:
             raise self._destroyed_error()
 
@@ -515,23 +500,6 @@ def destroy_every_mesh() -> None:
     for mesh in list(_live_meshes):
         mesh.destroy()
     _current.set_mesh, _current.entered = None, ()
-
-
-def _axis_tuple(axes: object) -> tuple[str, ...]:
-    """``axes`` (a sequence of axis names) as a tuple, else an ArgumentTypeError."""
-    if isinstance(axes, (tuple, list)) and all(isinstance(axis, str) for axis in axes):
-        return tuple(axes)
-    raise ArgumentTypeError(
-        f"axes must be an axis name or a tuple of axis names, got {axes!r}"
-    )
-
-
-def _inverse(permutation: tuple[int, ...]) -> tuple[int, ...]:
-    """The permutation that undoes ``permutation``: ``_inverse((2, 0, 1)) == (1, 2, 0)``."""
-    inverse = [0] * len(permutation)
-    for index, value in enumerate(permutation):
-        inverse[value] = index
-    return tuple(inverse)
 
 
 def _first_caller_outside_meshstate() -> str:
@@ -609,7 +577,7 @@ def current_mesh() -> ParallelMesh:
     """
     for mesh in reversed((_current.set_mesh, *_current.entered)):
         if mesh is not None:
-            mesh._check_alive()
+            mesh.check_alive()
             return mesh
     raise NotInitializedError(
         "there is no current mesh in this thread; call meshstate.set_mesh(mesh) or use "

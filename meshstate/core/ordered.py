@@ -11,24 +11,11 @@ Example, on rank 2 of 8 with ``init_mesh(tp=2, cp=2)`` (so dp=2)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from meshstate.core.layout import Key
-
-
-@dataclass(frozen=True)
-class AxisGroup:
-    """The calling rank's group of one kind: its global ranks, the caller's
-    position in it, and the process group.
-    """
-
-    key: Key
-    ranks: Sequence[int]
-    rank: int
-    group: dist.ProcessGroup
+from meshstate.errors import ArgumentTypeError
 
 
 @dataclass(frozen=True)
@@ -38,14 +25,39 @@ class OrderedGroup:
     ``ranks`` are the global ranks in row-major order of the axes (first axis
     major) and ``index`` the caller's position among them; ``group`` is the
     process group of the same ranks, in which ``ranks[i]`` has group rank
-    ``group_ranks[i]``.
+    ``group_rank_at[i]``.
     """
 
     ranks: tuple[int, ...]
     index: int
     group: dist.ProcessGroup
-    group_ranks: tuple[int, ...]
+    group_rank_at: tuple[int, ...]
     group_name: str
     """``group.group_name``, which torch's traceable collectives take."""
     by_group_rank: tuple[int, ...] | None
     """The axis index of each group rank; ``None`` where they agree (no reordering)."""
+
+    @classmethod
+    def of(cls, ranks: tuple[int, ...], caller: int, group: dist.ProcessGroup) -> OrderedGroup:
+        """``caller``'s group ``group`` over the axis-ordered ``ranks``.
+
+        Example: ``OrderedGroup.of((0, 4, 2, 6), 2, group).group_rank_at`` is
+        ``(0, 2, 1, 3)`` for a group of ranks 0, 2, 4 and 6.
+        """
+        position = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
+        group_rank_at = tuple(position[rank] for rank in ranks)
+        by_group_rank = [0] * len(ranks)
+        for index, group_rank in enumerate(group_rank_at):
+            by_group_rank[group_rank] = index
+        return cls(
+            ranks=ranks, index=ranks.index(caller), group=group, group_rank_at=group_rank_at,
+            group_name=group.group_name,
+            by_group_rank=None if group_rank_at == tuple(range(len(ranks))) else tuple(by_group_rank),
+        )
+
+
+def axis_tuple(axes: object) -> tuple[str, ...]:
+    """``axes`` (a sequence of axis names) as a tuple, else an ArgumentTypeError."""
+    if isinstance(axes, (tuple, list)) and all(isinstance(axis, str) for axis in axes):
+        return tuple(axes)
+    raise ArgumentTypeError(f"axes must be an axis name or a tuple of axis names, got {axes!r}")

@@ -8,44 +8,65 @@ calls these on first request and caches what they return.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import AxisError, MeshStateError
-from meshstate.core.layout import Grid, Key, MeshLayout
+from meshstate.core.facts import MeshTables
+from meshstate.errors import AxisError, MeshStateError, WrongMeshError
+from meshstate.layout.layout import Grid, MeshLayout
 from meshstate.core.ordered import OrderedGroup
-from meshstate.core.simulation import differs_anywhere, outside_simulation
+from meshstate.core.world import differs_anywhere, group_rank, outside_simulation, view_rank
 
 
-class ParallelMesh(Protocol):
-    """What the views need of a :class:`~meshstate.core.mesh.ParallelMesh`."""
+class ViewedMesh(Protocol):
+    """What the views need of the :class:`~meshstate.core.mesh.ParallelMesh` they are cut
+    from (a protocol: the mesh imports this module)."""
 
     layout: MeshLayout
     device_type: str
     global_rank: int
 
-    @property
-    def _group_of(self) -> Mapping[Key, dist.ProcessGroup]: ...
+    tables: MeshTables
 
     def __getitem__(self, key: str | tuple[str, ...]) -> DeviceMesh: ...
-    def _check_alive(self) -> None: ...
+    def check_alive(self) -> None: ...
     def ordered(self, axes: str | tuple[str, ...]) -> OrderedGroup: ...
     def root_of(self, grid: Grid) -> DeviceMesh: ...
     def cached_view(self, key: tuple[str, ...]) -> DeviceMesh | None: ...
     def keep_view(self, key: tuple[str, ...], view: DeviceMesh) -> None: ...
-    def _rank_in_group(self, group: dist.ProcessGroup) -> int: ...
-    def _rank_in_view(self, view: DeviceMesh, dim: int) -> int: ...
 
 
-def build_root_mesh(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
+class DeviceMeshOnly:
+    """A torch DeviceMesh attribute that a ParallelMesh lacks, on purpose.
+
+    Reading it raises :class:`~meshstate.errors.WrongMeshError`, which says
+    to pass one of the mesh's DeviceMeshes: torch's APIs given a ParallelMesh
+    by mistake (``fully_shard(model, mesh=mesh)``) stop at their first read. It
+    is an ``AttributeError``, so ``hasattr(mesh, "mesh_dim_names")`` stays
+    ``False``. A descriptor on the class, not a ``__getattr__``: a class with
+    ``__getattr__`` loses CPython's specialised reads of every attribute.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, mesh: ViewedMesh | None, owner: type | None = None) -> Any:
+        if mesh is None:
+            return self
+        mesh.check_alive()
+        raise WrongMeshError(
+            f"a ParallelMesh is not a torch DeviceMesh (it has no {self.name!r}); pass one "
+            'of its DeviceMeshes: mesh.dense, mesh.expert or a slice such as mesh["dp-cp"]'
+        )
+
+
+def build_root_mesh(mesh: ViewedMesh, grid: Grid) -> DeviceMesh:
     """Build ``grid``'s root DeviceMesh from the groups of its axes (O(world): once, cached)."""
-    mesh._check_alive()
+    mesh.check_alive()
     groups = [
-        mesh._group_of[axis] if axis in mesh._group_of else mesh.ordered(axis).group
+        mesh.tables.group[axis] if axis in mesh.tables.group else mesh.ordered(axis).group
         for axis in grid.axes_mesh_order
     ]
     with outside_simulation():  # one rank grid, shared by every simulated rank
@@ -54,7 +75,7 @@ def build_root_mesh(mesh: ParallelMesh, grid: Grid) -> DeviceMesh:
         )
 
 
-def flattened_mesh(mesh: ParallelMesh, key: str, view: Grid | None = None) -> DeviceMesh:
+def flattened_mesh(mesh: ViewedMesh, key: str, view: Grid | None = None) -> DeviceMesh:
     """The flattened 1-D mesh of ``key``, flattened from ``view``'s root (default: its own)."""
     canonical, grid, axes = mesh.layout.resolve(key, view)
     if len(axes) == 1:  # "dp_replicate-dp_shard" is the axis dp
@@ -72,7 +93,7 @@ def flattened_mesh(mesh: ParallelMesh, key: str, view: Grid | None = None) -> De
     return flattened
 
 
-def sliced_mesh(mesh: ParallelMesh, names: tuple[str, ...]) -> DeviceMesh:
+def sliced_mesh(mesh: ViewedMesh, names: tuple[str, ...]) -> DeviceMesh:
     valid = mesh.layout.axes_text()
     for name in names:
         known = isinstance(name, str) and ("-" in name or mesh.layout.knows(name))
@@ -104,15 +125,15 @@ def sliced_mesh(mesh: ParallelMesh, names: tuple[str, ...]) -> DeviceMesh:
     return check_consistent(mesh, view, keys)
 
 
-def check_consistent(mesh: ParallelMesh, view: DeviceMesh, keys: tuple[str, ...]) -> DeviceMesh:
+def check_consistent(mesh: ViewedMesh, view: DeviceMesh, keys: tuple[str, ...]) -> DeviceMesh:
     """Refuse a DeviceMesh whose ranks disagree with the process groups behind it."""
     for dim, key in enumerate(keys):
-        mesh_rank, group_rank = mesh._rank_in_view(view, dim), mesh._rank_in_group(view.get_group(dim))
-        layout_rank = mesh.ordered(key).index
-        if differs_anywhere(mesh_rank, group_rank) or differs_anywhere(mesh_rank, layout_rank):
+        in_view, in_group = view_rank(view, dim), group_rank(view.get_group(dim))
+        in_layout = mesh.ordered(key).index
+        if differs_anywhere(in_view, in_group) or differs_anywhere(in_view, in_layout):
             raise MeshStateError(
-                f"DeviceMesh dim {key!r} puts rank {mesh.global_rank} at {mesh_rank}, but its "
-                f"process group at {group_rank} and the layout at {layout_rank}; a "
+                f"DeviceMesh dim {key!r} puts rank {mesh.global_rank} at {in_view}, but its "
+                f"process group at {in_group} and the layout at {in_layout}; a "
                 "DeviceMesh numbers ranks in mesh order, so the group must list them so too"
             )
     return view

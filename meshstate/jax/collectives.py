@@ -54,7 +54,7 @@ from typing import Any, overload
 import torch
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ArgumentTypeError
+from meshstate.errors import ArgumentTypeError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.jax.torch_calls import (

@@ -25,10 +25,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ConfigError
+from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
-from meshstate.core.simulation import each_rank
+from meshstate.core.world import each_rank
 from meshstate.jax.torch_calls import device_for, gather, summed_gradient
 from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
 
@@ -58,7 +58,7 @@ def _keep_plan(parallel_mesh: ParallelMesh, keys: tuple[SpecKey, ...]) -> bool:
     """Put the plan of ``keys`` in the mesh's store. A constant to torch.compile, so it
     runs while tracing: the plan's groups and views are made outside the graph."""
     if ("plan", keys) not in parallel_mesh.store:
-        parallel_mesh._check_alive()
+        parallel_mesh.check_alive()
         specs = [P(*dims, unreduced=axes) for dims, axes in keys]
         parallel_mesh.store[("plan", keys)] = Plan(parallel_mesh, specs)
     return True
@@ -258,7 +258,7 @@ def spec_leaves(tree: SpecTree, path: str = "specs") -> list[P]:
 
 def _view(parallel_mesh: ParallelMesh, specs: Sequence[P]) -> DeviceMesh:
     """The root DeviceMesh (dense, expert or HSDP) of the view holding every axis the specs
-    name: the layout's one rule (:meth:`~meshstate.core.layout.ParallelLayout.view_of`)."""
+    name: the layout's one rule (:meth:`~meshstate.layout.layout.ParallelLayout.view_of`)."""
     axes = [axis for spec in specs for axis in spec.axes]
     grid = parallel_mesh.layout.view_of(axes, f"shard_map: the specs {list(specs)}")
     return parallel_mesh.root_of(grid)

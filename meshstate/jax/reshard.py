@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import NotInitializedError
+from meshstate.errors import NotInitializedError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.jax.torch_calls import gather
@@ -159,8 +159,7 @@ def _owner(view: DeviceMesh) -> ParallelMesh | None:
         parallel_mesh = current_mesh()
     except NotInitializedError:
         return None
-    roots = ("dense", "expert", "hsdp")
-    return parallel_mesh if any(parallel_mesh.__dict__.get(r) == view for r in roots) else None
+    return parallel_mesh if any(root == view for root in parallel_mesh.root_meshes()) else None
 
 
 def _spec_of(view: DeviceMesh, placements: tuple[Placement, ...]) -> P | None:

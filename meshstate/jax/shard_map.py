@@ -49,7 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ConfigError
+from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.jax.collectives import pvary_over
 from meshstate.jax.plan import Plan, SpecTree, plan_on, spec_branches, spec_key, spec_leaves

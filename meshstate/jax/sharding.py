@@ -39,7 +39,7 @@ from torch.distributed.tensor import (
 )
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import AxisError, ConfigError, WrongMeshError
+from meshstate.errors import AxisError, ConfigError, WrongMeshError
 
 __all__ = ["NamedSharding", "P", "distribute", "to_placements"]
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import ArgumentTypeError, ConfigError
+from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.core.ordered import OrderedGroup
-from meshstate.core.simulation import each_rank
+from meshstate.core.world import each_rank
 from meshstate.jax.vma import body
 
 
@@ -98,7 +98,7 @@ def gather(
         dist.all_gather_single(stacked, source.view(-1), group=group.group)
     stacked = stacked.view(n, *x.shape)
     if group.by_group_rank is not None:
-        stacked = stacked[list(group.group_ranks)]
+        stacked = stacked[list(group.group_rank_at)]
     if not tiled:
         return stacked.movedim(0, axis)
     if axis == 0:
@@ -143,7 +143,7 @@ def exchange(
         dist.all_to_all_single(flat, chunks.reshape(-1), group=group.group)
     received = flat.view(chunks.shape)
     if group.by_group_rank is not None:
-        received = received[list(group.group_ranks)]
+        received = received[list(group.group_rank_at)]
     if not tiled:
         return received.movedim(0, concat_axis)
     return received.movedim(0, concat_axis).flatten(concat_axis, concat_axis + 1)
@@ -161,9 +161,9 @@ def permute(
     sends, receives = [0] * n, [0] * n
     for source, destination in pairs:
         if source == group.index:
-            sends[group.group_ranks[destination]] = numel
+            sends[group.group_rank_at[destination]] = numel
         if destination == group.index:
-            receives[group.group_ranks[source]] = numel
+            receives[group.group_rank_at[source]] = numel
     arrived = x.new_zeros(x.shape)
     dist.all_to_all_single(
         arrived.view(-1)[: sum(receives)], x.contiguous().view(-1)[: sum(sends)],
@@ -185,7 +185,7 @@ def _traced_ppermute(
     every rank of a simulated world.
     """
     n, numel = len(group.ranks), x.numel()
-    pieces = _exchange_pieces(group.index, pairs, group.group_ranks)
+    pieces = _exchange_pieces(group.index, pairs, group.group_rank_at)
     sends = [piece * numel for piece in pieces[:n]]
     receives = [piece * numel for piece in pieces[n : 2 * n]]
     received = pieces[2 * n]
@@ -197,21 +197,21 @@ def _traced_ppermute(
 @_compat.constant_when_traced
 @each_rank
 def _exchange_pieces(
-    index: int, pairs: tuple[tuple[int, int], ...], group_ranks: tuple[int, ...]
+    index: int, pairs: tuple[tuple[int, int], ...], group_rank_at: tuple[int, ...]
 ) -> list[int]:
     """Whether the rank at axis ``index`` sends its piece to each group rank in the
     completed perm (1 or 0), then whether it receives one from each, then whether
     ``pairs`` sends it anything: one flat list, as a simulated world makes per-rank
     values of."""
-    n = len(group_ranks)
+    n = len(group_rank_at)
     destination_of = dict(pairs)
     idle_sources = [i for i in range(n) if i not in destination_of]
     idle_destinations = [i for i in range(n) if i not in set(destination_of.values())]
     destination_of.update(zip(idle_sources, idle_destinations))
     source = next(s for s, d in destination_of.items() if d == index)
     sends, receives = [0] * n, [0] * n
-    sends[group_ranks[destination_of[index]]] = 1
-    receives[group_ranks[source]] = 1
+    sends[group_rank_at[destination_of[index]]] = 1
+    receives[group_rank_at[source]] = 1
     return [*sends, *receives, int((source, index) in pairs)]
 
 
@@ -326,7 +326,7 @@ def _chunks(
     x: torch.Tensor, group: OrderedGroup, dim: int, tiled: bool, name: str, parameter: str
 ) -> torch.Tensor:
     """``x`` cut along ``dim`` into one chunk per rank, stacked on a new dim 0 in group-rank
-    order (the chunk for axis index ``i`` at group rank ``group_ranks[i]``); contiguous."""
+    order (the chunk for axis index ``i`` at group rank ``group_rank_at[i]``); contiguous."""
     n = len(group.ranks)
     dim = checked_dim(dim, x.dim(), name, parameter)
     size = x.shape[dim]

@@ -35,7 +35,7 @@ from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from meshstate.core import compat as _compat
-from meshstate.core.errors import MeshStateError
+from meshstate.errors import MeshStateError
 from meshstate.core.mesh import current_mesh
 
 __all__ = ["VaryingAxesError", "VaryingTypes", "vma"]

@@ -1,4 +1,4 @@
-"""Megatron's derived groups as :class:`~meshstate.core.layout.DerivedGroup` values.
+"""Megatron's derived groups as :class:`~meshstate.layout.layout.DerivedGroup` values.
 
 Pure: no process groups here. Besides the axis kinds, megatron-core's
 ``initialize_model_parallel`` builds groups carved out of them: embedding and
@@ -11,8 +11,8 @@ with megatron-core's rank arithmetic, for the façades to pass to
 
 Example::
 
-    >>> from meshstate.core.config import MeshConfig
-    >>> from meshstate.core.layout import ParallelLayout
+    >>> from meshstate.layout.config import MeshConfig
+    >>> from meshstate.layout.layout import ParallelLayout
     >>> derived = derived_groups(MeshConfig(8, pp=4))
     >>> derived[0].lookup == EMBEDDING
     True
@@ -27,9 +27,9 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from meshstate.core.config import MeshConfig
+from meshstate.layout.config import MeshConfig
 from meshstate.megatron.errors import ParallelStateError
-from meshstate.core.layout import Chunks, DerivedGroup, Instances, Key, Level, Pick
+from meshstate.layout.layout import Chunks, DerivedGroup, Instances, Key, Level, Pick
 
 EMBEDDING = DerivedGroup("pp", Pick("embedding"))
 POSITION_EMBEDDING = DerivedGroup("pp", Pick("position-embedding"))

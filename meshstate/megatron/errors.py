@@ -7,7 +7,7 @@ Example: ``initialize_model_parallel(tensor_model_parallel_size=3)`` on 8 ranks 
 
 from __future__ import annotations
 
-from meshstate.core.errors import ConfigError
+from meshstate.errors import ConfigError
 
 
 class ParallelStateError(ConfigError, RuntimeError, AssertionError):

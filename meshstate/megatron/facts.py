@@ -8,8 +8,8 @@ init its tables are stand-ins that give megatron-core's answers. The
 over the rank and size tables. Example::
 
     set_tensor_model_parallel_world_size(4)
-    ServedFacts(None, OVERRIDES).tp_size      # 4, before any init
-    ServedFacts(None, OVERRIDES).pp_size      # NotInitializedError: pipeline model parallel group ...
+    served_facts(None, OVERRIDES).tp_size      # 4, before any init
+    served_facts(None, OVERRIDES).pp_size      # NotInitializedError: pipeline model parallel group ...
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any, Literal, Protocol, TypeVar, cast, overload
 
 import torch.distributed as dist
 
-from meshstate.core.errors import NotInitializedError
-from meshstate.core.facts import FIELDS, Facts
-from meshstate.core.layout import Key
+from meshstate.errors import NotInitializedError
+from meshstate.core.facts import FIELDS, Facts, answered
+from meshstate.layout.layout import Key
 from meshstate.core.mesh import ParallelMesh
 from meshstate.megatron import derived as families
 
@@ -247,8 +247,8 @@ class ServedFacts(Facts):
     Example, before any init::
 
         set_tensor_model_parallel_world_size(4)
-        ServedFacts(None, OVERRIDES).tp_size      # 4
-        ServedFacts(None, OVERRIDES).pp_size      # NotInitializedError: pipeline model parallel group ...
+        served_facts(None, OVERRIDES).tp_size      # 4
+        served_facts(None, OVERRIDES).pp_size      # NotInitializedError: pipeline model parallel group ...
     """
 
     rank_in: Mapping[Key, int]
@@ -312,25 +312,42 @@ class ServedFacts(Facts):
     dp_cp_ranks: Sequence[int]
 
     def __init__(
-        self, mesh: ParallelMesh | None, overrides: Overrides, *, optional: bool = False
+        self, mesh: ParallelMesh | None, tables: _Tables, answers: dict[str, Any],
+        maybe: ServedFacts | None,
     ) -> None:
+        """Not called directly: :func:`served_facts` makes them, of the class that answers
+        the names ``answers`` lacks."""
         self.mesh: Callable[[], ParallelMesh | None] = (
             (lambda: None) if mesh is None else weakref.ref(mesh)
         )
-        self.optional = optional
-        layers = overrides.layers(initialized=mesh is not None)
-        if mesh is None:
-            self.rank_in = _layered(layers["rank"], _NotInitialized(ZERO_UNLESS_DISTRIBUTED))
-            self.size_of = _layered(layers["size"], _NotInitialized(ZERO_UNLESS_DISTRIBUTED))
-            self.group_of, self.ranks_of = _NotInitialized(), _NotInitialized()
-        else:
-            self.rank_in = _layered(layers["rank"], mesh._rank_in)
-            self.size_of = _layered(layers["size"], mesh._size_of)
-            self.group_of, self.ranks_of = mesh._group_of, mesh._ranks_of
-        super().__init__(KEY_OF_NAME, (self.rank_in, self.size_of, self.group_of, self.ranks_of))
-        self.__class__ = _answering(frozenset(_NAMES.keys() - vars(self).keys()))
-        maybe = self if optional else ServedFacts(mesh, overrides, optional=True)
-        self.maybe = cast(MaybeFacts, maybe)  # the same names, typed as possibly None
+        self.optional = maybe is None
+        self.rank_in, self.size_of, self.group_of, self.ranks_of = tables
+        self.__dict__.update(answers)
+        self.maybe = cast(MaybeFacts, self if maybe is None else maybe)  # typed possibly None
+
+
+_Tables = tuple[
+    Mapping[Key, int], Mapping[Key, int], Mapping[Key, ProcessGroup], Mapping[Key, Sequence[int]]
+]
+
+
+def served_facts(mesh: ParallelMesh | None, overrides: Overrides) -> ServedFacts:
+    """The facts the getters read while ``mesh`` is served (stand-ins when ``None``), with
+    ``overrides`` laid over its ranks and sizes; see :class:`ServedFacts`."""
+    layers = overrides.layers(initialized=mesh is not None)
+    if mesh is None:
+        tables: _Tables = (
+            _layered(layers["rank"], _NotInitialized(ZERO_UNLESS_DISTRIBUTED)),
+            _layered(layers["size"], _NotInitialized(ZERO_UNLESS_DISTRIBUTED)),
+            _NotInitialized(), _NotInitialized(),
+        )
+    else:
+        tables = (_layered(layers["rank"], mesh.tables.rank),
+                  _layered(layers["size"], mesh.tables.size), mesh.tables.group, mesh.tables.ranks)
+    answers = answered(KEY_OF_NAME, tables)
+    answering = _answering(frozenset(_NAMES.keys() - answers.keys()))
+    maybe = answering(mesh, tables, answers, None)  # ``None`` where there is none
+    return answering(mesh, tables, answers, maybe)
 
 
 class _Unanswered:
@@ -358,18 +375,20 @@ _NAMES = {f"{name}_{field}": (key, field) for name, key in KEY_OF_NAME.items() f
 
 @functools.cache
 def _answering(lacking: frozenset[str]) -> type[ServedFacts]:
-    """:class:`ServedFacts` with a class attribute that answers each name in ``lacking``.
+    """:class:`ServedFacts` with a class attribute that answers each name in ``lacking``,
+    made once per set of such names.
 
     Only those names: a class attribute of a name, even one an instance
     shadows, costs CPython 3.11 its specialised read of that name (9.5 ns
-    becomes 24 ns), so the names a mesh answers have none.
+    becomes 24 ns), so the names a mesh answers have none; and served facts are
+    made as this class, never turned into it.
     """
     answers = {name: _Unanswered(*_NAMES[name]) for name in lacking}
     return cast(type[ServedFacts], type(ServedFacts.__name__, (ServedFacts,), answers))
 
 
-def _layered(overrides: dict[Key, int], table: dict[Key, int]) -> Mapping[Key, int]:
-    return ChainMap(overrides, table) if overrides else table
+def _layered(overrides: dict[Key, int], table: Mapping[Key, int]) -> Mapping[Key, int]:
+    return ChainMap(overrides, cast(dict[Key, int], table)) if overrides else table
 
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:

@@ -24,13 +24,13 @@ from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 
-from meshstate.core.errors import AxisError, NotInitializedError
+from meshstate.errors import AxisError, NotInitializedError
 from meshstate.megatron.errors import ParallelStateError
-from meshstate.core.layout import Chunks, DerivedGroup, Key
+from meshstate.layout.layout import Chunks, DerivedGroup, Key
 from meshstate.core.mesh import ParallelMesh
 from meshstate.megatron import derived as families
 from meshstate.megatron.facts import (
-    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, ServedFacts, checked_getter,
+    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, ServedFacts, checked_getter, served_facts,
     not_initialized,
 )
 
@@ -73,7 +73,7 @@ ProcessGroup = dist.ProcessGroup
 # The mesh served (weakly: the façade keeps no destroyed mesh alive) and the facts every
 # getter reads: rebound by serve().
 _mesh: Callable[[], ParallelMesh | None] = lambda: None
-_facts = ServedFacts(None, OVERRIDES)
+_facts = served_facts(None, OVERRIDES)
 # megatron-core's virtual pipeline stage and stage count, beside its groups.
 _vpp_rank: int | None = None
 _vpp_size: int | None = None
@@ -83,7 +83,7 @@ def serve(mesh: ParallelMesh | None) -> None:
     """Answer every getter from ``mesh`` (stand-ins when ``None``), under the overrides."""
     global _mesh, _facts
     _mesh = (lambda: None) if mesh is None else weakref.ref(mesh)
-    _facts = ServedFacts(mesh, OVERRIDES)
+    _facts = served_facts(mesh, OVERRIDES)
     if mesh is not None:
         mesh.store[ServedFacts] = _facts  # forgotten by the mesh's destroy()
 
@@ -134,7 +134,7 @@ def process_group_list() -> list[ProcessGroup | None] | None:
     mesh = _mesh()
     if mesh is None or not is_initialized():
         return None
-    return [None, *dict.fromkeys([*mesh._group_of.values(), *mesh.process_groups.owned])]
+    return [None, *dict.fromkeys([*mesh.tables.group.values(), *mesh.process_groups.owned])]
 
 
 def _partial_without_cp(table: Mapping[Key, int]) -> int:

@@ -3,10 +3,10 @@
 ``HyperCommGrid(shape, dim_names)`` names the dims of a grid of ranks, the first
 dim fastest-varying as in a Megatron order string; ``create_pg(dims)`` creates the
 process groups over some of those dims, once per dim set, and ``get_pg(dims)``
-returns them later. The rank arithmetic is :class:`meshstate.core.layout.Grid`, and
+returns them later. The rank arithmetic is :class:`meshstate.layout.layout.Grid`, and
 the groups are created by :func:`meshstate.core.groups.create_group_family`.
 
-Example, as rank 5 of 8 (simulated here with torch's fake backend)::
+Example, as rank 5 of 8 (a fake world: torch's fake backend)::
 
     >>> import torch.distributed as dist
     >>> from meshstate.testing import fake_world
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshstate.core.errors import AxisError, ConfigError, MeshStateError
+from meshstate.errors import AxisError, ConfigError, MeshStateError
 from meshstate.core.groups import create_group_family, require_default_group
-from meshstate.core.layout import Grid
+from meshstate.layout.layout import Grid
 
 __all__ = ["DimError", "GridSizeError", "GroupKeyError", "HyperCommGrid"]
 
@@ -48,7 +48,7 @@ class GridSizeError(MeshStateError, RuntimeError):
 class DimError(AxisError, ValueError):
     """A dim list naming a dim the grid does not have, naming one twice, or empty.
 
-    An :class:`~meshstate.core.errors.AxisError` (so a ``KeyError``) and, as
+    An :class:`~meshstate.errors.AxisError` (so a ``KeyError``) and, as
     megatron-core's lookup of an unknown dim in a list raises, a ``ValueError``.
     """
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshstate.core.config import DEFAULT_ORDER, MeshConfig
-from meshstate.core.errors import ConfigError
+from meshstate.layout.config import DEFAULT_ORDER, MeshConfig
+from meshstate.errors import ConfigError
 from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.groups import GroupOptions, require_default_group
-from meshstate.core.layout import DerivedGroup, Key
+from meshstate.layout.layout import DerivedGroup, Key
 from meshstate.core.arguments import BuildOptions
 from meshstate.core.build import build_mesh
 from meshstate.core.mesh import ParallelMesh, set_mesh
@@ -60,9 +60,8 @@ def initialize_model_parallel(
 ) -> None:
     """Build every Megatron group on the calling rank; every rank must call it.
 
-    Takes megatron-core's parameters (see its docs): e.g. on 16 ranks with
-    ``tensor_model_parallel_size=2, pipeline_model_parallel_size=4`` the tensor
-    groups are ``[0, 1], [2, 3], ...`` and the pipelines ``[0, 4, 8, 12], ...``.
+    Takes megatron-core's parameters (see its docs): on 16 ranks with ``(2, 4)`` the
+    tensor groups are ``[0, 1], [2, 3], ...`` and the pipelines ``[0, 4, 8, 12], ...``;
     ``distributed_timeout_minutes`` reaches every group.
     """
     _start_afresh()
@@ -70,11 +69,9 @@ def initialize_model_parallel(
     config = _config(
         tensor_model_parallel_size, context_parallel_size, expert_model_parallel_size,
         expert_tensor_parallel_size, pipeline_model_parallel_size, order,
-        virtual_pipeline_model_parallel_size,
-    )
+        virtual_pipeline_model_parallel_size)
     derived = families.derived_groups(
-        config,
-        get_embedding_ranks=get_embedding_ranks,
+        config, get_embedding_ranks=get_embedding_ranks,
         get_position_embedding_ranks=get_position_embedding_ranks,
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
@@ -87,8 +84,7 @@ def initialize_model_parallel(
     mesh = _build_mesh(config, distributed_timeout_minutes, derived, options, {
         "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
         "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
-        "use_sharp": use_sharp,
-        "sharp_enabled_group": sharp_enabled_group,
+        "use_sharp": use_sharp, "sharp_enabled_group": sharp_enabled_group,
         "hierarchical_context_parallel_sizes": hierarchical_context_parallel_sizes,
         "num_distributed_optimizer_instances": num_distributed_optimizer_instances,
         "get_embedding_ranks": _name_of(get_embedding_ranks),
@@ -96,7 +92,7 @@ def initialize_model_parallel(
         "create_gloo_process_groups": create_gloo_process_groups,
     })
     if sharp_group is not None:
-        nccl.enable_sharp(mesh._group_of.get(sharp_group))
+        nccl.enable_sharp(mesh.tables.group.get(sharp_group))
     _serve(mesh, virtual_pipeline_model_parallel_size)
     logger.debug("initialized model parallel state: %r", mesh)
 
@@ -154,7 +150,7 @@ def _build_mesh(
         "derived": derived,
         "group_options": options,
         "agree_on": agree_on,
-    }), etp_given=config.etp)
+    }))
     assert mesh is not None  # a mesh over the whole world: every rank has one
     return mesh
 

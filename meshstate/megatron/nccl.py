@@ -23,7 +23,7 @@ import torch.distributed as dist
 from meshstate.core import compat as _compat
 from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.groups import GroupOptions
-from meshstate.core.layout import GROUP_KINDS, Chunks, DerivedGroup, Key, Level
+from meshstate.layout.layout import GROUP_KINDS, Chunks, DerivedGroup, Key, Level
 from meshstate.megatron import derived as families
 from meshstate.megatron.facts import (
     DP_CP, ETP_EP, ETP_EP_PP, TP_CP, TP_DP, TP_DP_CP, TP_PP,
@@ -118,15 +118,15 @@ def group_options(
 ) -> dict[Key, GroupOptions]:
     """Each key's communicator options and backend, from the configs and the pp backend."""
     backend = str(dist.get_backend())
-    simulated = backend == "fake"
+    fake = backend == "fake"
     options: dict[Key, dict[str, Any]] = {}
-    if configs and "nccl" not in backend and not simulated:
+    if configs and "nccl" not in backend and not fake:
         warnings.warn(
             f"NCCL communicator options {sorted(configs)} have no effect on the {backend} "
             "backend; ignoring them",
             stacklevel=3,
         )
-    elif configs and not simulated:
+    elif configs and not fake:
         for pg_name in configs:
             for key in _nccl_keys(pg_name, derived):
                 options.setdefault(key, {})["pg_options"] = get_nccl_options(pg_name, configs)
@@ -134,7 +134,7 @@ def group_options(
         raise ParallelStateError(
             f'"{pp_backend}" backend for PP communication is not supported; use "nccl" or "ucc"'
         )
-    if pp_backend is not None and not simulated and pp_backend not in backend:
+    if pp_backend is not None and not fake and pp_backend not in backend:
         available = dist.is_nccl_available() if pp_backend == "nccl" else dist.is_ucc_available()
         if not available or not torch.cuda.is_available():
             raise ParallelStateError(

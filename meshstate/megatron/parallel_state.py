@@ -54,7 +54,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from meshstate.core.layout import Key
+from meshstate.layout.layout import Key
 from meshstate.megatron import buffers, facts, getters, lifecycle, rank_groups
 from meshstate.megatron import derived as families
 from meshstate.megatron.buffers import *  # noqa: F403

@@ -33,9 +33,9 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate.megatron import derived as families
-from meshstate.core.errors import ConfigError, NotInitializedError
+from meshstate.errors import ConfigError, NotInitializedError
 from meshstate.core.groups import create_group_family
-from meshstate.core.layout import Key
+from meshstate.layout.layout import Key
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 
 ProcessGroup = dist.ProcessGroup
@@ -214,8 +214,7 @@ class ProcessGroupCollection:
             return groups
         groups = {"dp_group": _provided(pg_collection, "dp", "")}
         groups["dp_cp_group"] = _dp_cp_or_dp(pg_collection, _model_config(model_chunks[0]))
-        groups["expt_dp_group"] = _provided(
-            pg_collection, "expt_dp", _SET_NONE)
+        groups["expt_dp_group"] = _provided(pg_collection, "expt_dp", _SET_NONE)
         if ddp_config is None or instances == 1:
             groups.update(intra_dp_cp_group=groups["dp_cp_group"],
                           intra_expt_dp_group=groups["expt_dp_group"], inter_dist_opt_group=None)
@@ -227,13 +226,10 @@ class ProcessGroupCollection:
                           intra_expt_dp_group=pg_collection.intra_expt_dp,
                           inter_dist_opt_group=pg_collection.inter_dist_opt)
         groups["intra_dist_opt_group"] = (
-            _provided(pg_collection, "intra_dist_opt",
-                      _SET_NONE)
+            _provided(pg_collection, "intra_dist_opt", _SET_NONE)
             if ddp_config is not None and ddp_config.use_distributed_optimizer else None)
-        groups["mp_group"] = _provided(
-            pg_collection, "mp", _SET_NONE)
-        groups["expt_tp_pp_group"] = _provided(
-            pg_collection, "tp_ep_pp", _SET_NONE)
+        groups["mp_group"] = _provided(pg_collection, "mp", _SET_NONE)
+        groups["expt_tp_pp_group"] = _provided(pg_collection, "tp_ep_pp", _SET_NONE)
         if use_gloo_process_groups:
             raise ConfigError(
                 "Gloo process groups are not supported when pg_collection is provided. "

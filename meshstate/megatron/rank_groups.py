@@ -1,6 +1,6 @@
 """megatron-core's rank arithmetic and group helpers: ``RankGenerator``, ``create_group`` and friends.
 
-The rank arithmetic is the layout layer's (:class:`~meshstate.core.layout.Grid`);
+The rank arithmetic is the layout layer's (:class:`~meshstate.layout.layout.Grid`);
 groups are made by :func:`~meshstate.core.groups.create_group_family`, and once
 ``initialize_model_parallel`` has run they belong to its mesh, so
 ``destroy_model_parallel`` ends them. Example::
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
-from meshstate.core.config import parse_order
-from meshstate.core.errors import AxisError, ConfigError
+from meshstate.layout.config import parse_order
+from meshstate.errors import AxisError, ConfigError
 from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.groups import ProcessGroupSet, create_group_family
-from meshstate.core.layout import Chunks, Grid, hierarchical_levels
+from meshstate.layout.layout import Chunks, Grid, hierarchical_levels
 from meshstate.megatron import derived as families
 from meshstate.megatron.getters import is_initialized, process_group_list, served_mesh
 

@@ -13,8 +13,9 @@ with ``[rank N]``. Workers fork from a server started when the first test is
 decorated: on Linux without a GPU a fork of pytest itself, which has imported
 torch already, so the first world starts in well under a second. Ctrl-C,
 SIGTERM or the death of pytest takes the workers down.
-``fake_world`` simulates one rank of a large world in the calling process with
-torch's fake backend (collectives do nothing). ``simulated_world`` and
+``fake_world`` stands the calling process in for one rank of a large world on
+torch's fake backend (a *fake world*: the layout, no values; collectives do
+nothing). ``simulated_world`` and
 ``@distributed(world_size=8, simulate=True)`` run every rank of a world in the
 calling process instead, collectives included (torch's ``LocalTensorMode``):
 no processes to start, for tests that stick to collectives over regular groups.
@@ -39,7 +40,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from meshstate.core.errors import MeshStateError
+from meshstate.errors import MeshStateError
 from meshstate.testing.fake import fake_world
 from meshstate.testing.fork_server import warm_up
 from meshstate.testing.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend

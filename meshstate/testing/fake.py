@@ -1,4 +1,5 @@
-"""One rank of a large world, simulated in the calling process on torch's fake backend."""
+"""A fake world: the calling process stands in for one rank of a large world on torch's fake
+backend (the layout and its groups, no values; collectives do nothing)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ the workers (:mod:`~meshstate.testing.worker`), the fork server they come from
 (:mod:`~meshstate.testing.fork_server`), the errors of a run that went wrong
 (:mod:`~meshstate.testing.report`), the relay of their output with ``[rank 3]``
 in front (:mod:`~meshstate.testing.relay`) and :func:`fake_world`
-(:mod:`~meshstate.testing.fake`), which simulates one rank of a large world in
+(:mod:`~meshstate.testing.fake`), which stands in for one rank of a large world in
 the calling process instead.
 
 Each worker leads its own process group (its own session), so a terminal's
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from meshstate.core.errors import MeshStateError
+from meshstate.errors import MeshStateError
 from meshstate.testing import torch_internals
 from meshstate.testing.fork_server import _CONTEXT, STOP_SIGNALS, running_worlds
 from meshstate.testing.fork_server import warm_up

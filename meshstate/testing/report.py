@@ -13,7 +13,7 @@ from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
 
-from meshstate.core.errors import MeshStateError
+from meshstate.errors import MeshStateError
 from meshstate.testing.worker import _dumps, _Failure
 
 

@@ -5,10 +5,10 @@ contract (one result per rank, in rank order) without a process per rank: the
 process is rank 0 of torch's ``fake`` backend, ``LocalTensorMode`` runs every
 tensor op once per simulated rank and computes every collective's result, and
 meshstate answers each rank's rank-dependent questions per rank
-(:mod:`meshstate.core.per_rank`). So ``fn`` runs once, for all ranks at
+(:mod:`meshstate.simulation.per_rank`). So ``fn`` runs once, for all ranks at
 once; inside it ``torch.distributed.get_rank()`` is a per-rank integer, and a
 Python branch the ranks would take apart raises
-:class:`~meshstate.core.errors.SimulationError`, as does what torch's
+:class:`~meshstate.errors.SimulationError`, as does what torch's
 simulation cannot do (send and recv, a group only some ranks make with
 ``new_group``, a collective over ranks that are no regular grid). Each rank's
 result is ``fn``'s return value with every per-rank tensor, integer, bool and
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from meshstate.core.errors import MeshStateError, SimulationError
+from meshstate.errors import MeshStateError, SimulationError
 from meshstate.core.mesh import destroy_every_mesh
-from meshstate.core.ranks import ranks_text
+from meshstate.layout.ranks import ranks_text
 from meshstate.testing import torch_internals
 
 _LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
@@ -66,7 +66,7 @@ class SimulatedWorld:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` once for every simulated rank; the results by rank."""
-        from meshstate.core.per_rank import value_on
+        from meshstate.simulation.per_rank import value_on
 
         result = self.call(fn, *args, **kwargs)
         return [value_on(result, rank) for rank in range(self.world_size)]
@@ -74,7 +74,7 @@ class SimulatedWorld:
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` once for every simulated rank; its result as it is,
         per-rank values and all (for a caller that reads every rank's itself)."""
-        from meshstate.core import local_compat
+        from meshstate.simulation import local_compat
 
         if dist.is_initialized():
             raise SimulationError(
@@ -136,8 +136,8 @@ def _per_rank_torch() -> Iterator[None]:
     simulation would read otherwise raise :class:`SimulationError`. torch's
     own modules keep c10d's functions.
     """
-    from meshstate.core import local_compat
-    from meshstate.core.per_rank import per_rank_int
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.per_rank import per_rank_int
 
     replaced: dict[str, Callable[..., Any]] = {
         "get_rank": _get_rank, "new_group": _new_group,
@@ -162,7 +162,7 @@ def _per_rank_torch() -> Iterator[None]:
 
 def _get_rank(group: dist.ProcessGroup | None = None) -> int:
     """``torch.distributed.get_rank`` for every simulated rank at once."""
-    from meshstate.core.per_rank import group_rank, per_rank_int
+    from meshstate.simulation.per_rank import group_rank, per_rank_int
 
     if group is None or group is c10d.GroupMember.WORLD:
         return per_rank_int({rank: rank for rank in range(dist.get_world_size())})
@@ -192,7 +192,7 @@ def _new_subgroups_by_enumeration(
 ) -> Any:
     """``torch.distributed.new_subgroups_by_enumeration``, refusing groups whose collectives
     torch's simulation would run over other ranks."""
-    from meshstate.core.per_rank import tiling_mismatch
+    from meshstate.simulation.per_rank import tiling_mismatch
 
     mine, subgroups = _enumerate_subgroups(ranks_per_subgroup_list, *args, **kwargs)  # type: ignore[no-untyped-call]
     mismatch = tiling_mismatch("subgroups", mine, ranks_per_subgroup_list)
@@ -204,7 +204,7 @@ def _new_subgroups_by_enumeration(
 def _for_every_rank(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``torch.tensor`` (or ``as_tensor``) making a tensor every simulated rank holds: torch's
     simulation leaves what these make a plain tensor, which its collectives skip."""
-    from meshstate.core import local_compat
+    from meshstate.simulation import local_compat
 
     def made_for_every_rank(*args: Any, **kwargs: Any) -> torch.Tensor:
         made = make(*args, **kwargs)
@@ -217,7 +217,7 @@ def _for_every_rank(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
 def _simulated_only(name: str) -> Callable[..., Any]:
     """``torch.distributed.<name>``, refusing a plain tensor, which torch's simulation would
     leave as it was (a wrong value on every rank)."""
-    from meshstate.core import local_compat
+    from meshstate.simulation import local_compat
 
     collective = getattr(dist, name)
 
@@ -270,8 +270,8 @@ _equal_on_one_rank = torch.equal
 def _equal(first: torch.Tensor, second: torch.Tensor) -> bool:
     """``torch.equal`` on every simulated rank: a per-rank bool (torch's simulation answers
     ``True`` for all ranks when only some are equal)."""
-    from meshstate.core import local_compat
-    from meshstate.core.per_rank import per_rank_bool
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.per_rank import per_rank_bool
 
     with local_compat.simulation_paused():
         firsts, seconds = local_compat.tensor_by_rank(first), local_compat.tensor_by_rank(second)

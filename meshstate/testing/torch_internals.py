@@ -77,7 +77,8 @@ def live_groups() -> list[dist.ProcessGroup]:
 
 
 def fake_store() -> Store:
-    """A store for torch's ``fake`` backend, which simulates a rank of a large world.
+    """A store for torch's ``fake`` backend, on which one process stands in for a rank of a
+    large world.
 
     Uses ``torch.testing._internal.distributed.fake_pg.FakeStore``; torch has no public
     name for it yet.

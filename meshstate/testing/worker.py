@@ -30,7 +30,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from meshstate.core.errors import MeshStateError
+from meshstate.errors import MeshStateError
 from meshstate.core.mesh import destroy_every_mesh
 from meshstate.testing import torch_internals
 from meshstate.testing.fork_server import _WORKER_MARK, STOP_SIGNALS

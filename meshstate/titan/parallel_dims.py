@@ -29,9 +29,9 @@ from typing import Any, Literal, Protocol
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
-from meshstate.core.config import check_positive_int
-from meshstate.core.errors import AxisError, ConfigError
-from meshstate.core.layout import HSDP_KINDS, Chunks, DerivedGroup, Key
+from meshstate.layout.config import check_positive_int
+from meshstate.errors import AxisError, ConfigError
+from meshstate.layout.layout import HSDP_KINDS, Chunks, DerivedGroup, Key
 from meshstate.core.build import init_mesh
 from meshstate.core.mesh import ParallelMesh
 
@@ -87,7 +87,7 @@ class ParallelDims:
     torchtitan, an ``AssertionError``); an ``ep`` that does not divide
     ``dp_shard * cp * tp`` is refused when the meshes are built, as torchtitan's
     fails there. An unknown axis name raises a ``ValueError``
-    (:class:`~meshstate.core.errors.DimNameError`).
+    (:class:`~meshstate.errors.DimNameError`).
 
     Example, on rank 5 of 8::
 
@@ -194,7 +194,7 @@ class ParallelDims:
     def _store(self) -> dict[Hashable, Any]:
         """The mesh's store, where these dims keep their DeviceMeshes; refuses a destroyed mesh."""
         mesh = self.mesh
-        mesh._check_alive()
+        mesh.check_alive()
         return mesh.store
 
     @property
@@ -267,7 +267,7 @@ class ParallelDims:
         """The 3-D ``(dp, cp, tp)`` mesh, size-1 axes kept, that ``spmd_types`` checks types on.
 
         Only under ``spmd_backend="spmd_types"``; otherwise a ``KeyError``
-        (:class:`~meshstate.core.errors.AxisError`), as torchtitan's.
+        (:class:`~meshstate.errors.AxisError`), as torchtitan's.
         """
         if self.spmd_backend != "spmd_types":
             raise AxisError(

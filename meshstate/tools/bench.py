@@ -3,7 +3,7 @@
 Five measurements, each in its own module, in this order:
 
 - :mod:`~meshstate.tools.bench_init`: every approach builds the same layout on
-  one simulated rank per world size (fake backend): init time, groups, memory,
+  one rank of a fake world per world size (torch's fake backend): init time, groups, memory,
   getter cost, ratios against megatron-core at the same world size;
 - :mod:`~meshstate.tools.bench_processes`: the same on real local processes,
   and a psum over an undeclared axis tuple;
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from meshstate.core.config import MeshConfig, check_positive_int
-from meshstate.core.errors import ConfigError
+from meshstate.layout.config import MeshConfig, check_positive_int
+from meshstate.errors import ConfigError
 from meshstate.tools.bench_harness import SINGLE_PROCESS, HarnessRow, measure_harness
 from meshstate.tools.bench_init import (
     APPROACHES,
@@ -50,7 +50,7 @@ from meshstate.tools.bench_processes import (
 from meshstate.tools.bench_runtime import RuntimeRow, format_runtime, measure_runtime
 from meshstate.tools.bench_settings import (
     MAX_SIMULATED_CHECK,
-    MAX_SIMULATED_WORLD,
+    MAX_FAKE_WORLD,
     PROCESS_SIZES,
     SIMULATED_CHECK_SIZES,
 )
@@ -59,7 +59,7 @@ from meshstate.tools.bench_simulated import (
     format_simulated_checks,
     measure_simulated_checks,
 )
-from meshstate.core.config import sizes_text
+from meshstate.layout.config import sizes_text
 
 
 @dataclass
@@ -105,8 +105,8 @@ def run(
     check_positive_int("repeats", repeats)
     report = Report(machine=machine(), config={"world_sizes": list(world_sizes), **sizes})
     approaches = _peers(with_megatron, with_titan, report.notes)
-    simulated = approaches + (list(TITAN_APPROACHES) if with_titan and titan_available() else [])
-    report.rows = measure_worlds(world_sizes, sizes, simulated, rank, repeats, report.notes, progress)
+    measured = approaches + (list(TITAN_APPROACHES) if with_titan and titan_available() else [])
+    report.rows = measure_worlds(world_sizes, sizes, measured, rank, repeats, report.notes, progress)
     report.process_config = dict(process_sizes)
     report.process_rows, report.axis_set_rows = measure_processes(
         process_world_sizes, process_sizes, approaches, progress
@@ -134,7 +134,7 @@ def _check_simulated_checks(world_sizes: Sequence[int]) -> None:
 
 
 def _peers(with_megatron: bool, with_titan: bool, notes: list[str]) -> list[str]:
-    """The approaches measured on every world (torchtitan's only simulated); each optional
+    """The approaches measured on every world (torchtitan's only in fake worlds); each optional
     peer imported here, outside any measurement, or noted as left out."""
     approaches = [a for a in APPROACHES if a != MEGATRON or (with_megatron and megatron_available())]
     if MEGATRON in approaches:
@@ -159,13 +159,13 @@ def _check_worlds(
 ) -> None:
     """Raise ConfigError for any world that cannot be measured, before measuring any."""
     if not world_sizes:
-        raise ConfigError("bench needs at least one simulated world size")
+        raise ConfigError("bench needs at least one fake world size")
     for world_size in world_sizes:
         MeshConfig(world_size, **sizes)
-        if world_size > MAX_SIMULATED_WORLD:
+        if world_size > MAX_FAKE_WORLD:
             raise ConfigError(
-                f"simulated world size {world_size} is above {MAX_SIMULATED_WORLD}, the most "
-                "one process can simulate (DeviceMesh and megatron-core hold world-sized maps)"
+                f"fake world size {world_size} is above {MAX_FAKE_WORLD}, the most one "
+                "process can stand a rank in for (DeviceMesh and megatron-core hold world-sized maps)"
             )
         if rank is not None and not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside 0..{world_size - 1}")
@@ -202,7 +202,7 @@ def _ratio(mine: float | None, reference: float | None) -> str:
 def format_report(report: Report) -> str:
     """The tables ``meshstate bench`` prints."""
     sections = [
-        _simulated_table(report), _growth_table(report), _getter_table(report),
+        _fake_world_table(report), _growth_table(report), _getter_table(report),
         _process_table(report), _axis_set_table(report),
         format_runtime(report.runtime_rows) if report.runtime_rows else "",
         _harness_table(report),
@@ -214,10 +214,10 @@ def format_report(report: Report) -> str:
         "\n" + "\n".join(notes) if notes else "")
 
 
-def _simulated_table(report: Report) -> str:
+def _fake_world_table(report: Report) -> str:
     config = report.config
     lines = [
-        "meshstate bench: one simulated rank per world size (fake backend); "
+        "meshstate bench: one rank of a fake world per world size (torch's fake backend); "
         + sizes_text({k: v for k, v in config.items() if k != "world_sizes"}),
         f"machine: {report.machine['processor']}, {report.machine['cpus']} CPUs, "
         f"Python {report.machine['python']}, torch {report.machine['torch']}",

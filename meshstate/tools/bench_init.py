@@ -1,6 +1,6 @@
-"""``meshstate bench``'s simulated worlds: every approach builds one layout on one rank.
+"""``meshstate bench``'s fake worlds: every approach builds one layout on one rank.
 
-For each world size, one rank is simulated on torch's fake backend and every
+For each world size, one rank stands in on torch's fake backend (a fake world) and every
 approach builds the same layout: meshstate's ``init_mesh``, meshstate's
 ``parallel_state.initialize_model_parallel``, megatron-core's
 ``initialize_model_parallel`` (when installed) and a plain ``init_device_mesh``
@@ -31,8 +31,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from meshstate.core.config import MeshConfig
-from meshstate.core.layout import GROUP_KINDS, ParallelLayout
+from meshstate.layout.config import MeshConfig
+from meshstate.layout.layout import GROUP_KINDS, ParallelLayout
 from meshstate.core.build import init_mesh
 from meshstate.megatron import parallel_state as mpu
 from meshstate.testing import torch_internals
@@ -46,7 +46,7 @@ APPROACHES = (INIT_MESH, PARALLEL_STATE, MEGATRON, DEVICE_MESH)
 TITAN = "torchtitan ParallelDims"
 MESHSTATE_TITAN = "meshstate.titan"
 TITAN_APPROACHES = (MESHSTATE_TITAN, TITAN)
-"""Simulated worlds only, when torchtitan is installed: dp_replicate=1, dp_shard=dp."""
+"""Fake worlds only, when torchtitan is installed: dp_replicate=1, dp_shard=dp."""
 GETTERS = ("tp rank", "tp size", "first stage", "dp-cp size", "dp group", "cp group", "ep group")
 """The getters timed; torchtitan's rows have the first four."""
 PEER_BUDGET_SECONDS = 60.0

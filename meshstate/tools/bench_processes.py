@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshstate.core.config import MeshConfig
+from meshstate.layout.config import MeshConfig
 from meshstate.core.build import init_mesh
 from meshstate.testing.launch import LocalWorld, default_backend
 from meshstate.tools.bench_init import _BUILDERS, _median_seconds

@@ -43,7 +43,7 @@ from meshstate.testing.fake import fake_world
 
 RUNTIME_WORLD = 8
 RUNTIME_TP, RUNTIME_CP = 2, 2
-"""The simulated world and layout the runtime table is measured on (dp=2)."""
+"""The fake world and layout the runtime table is measured on (dp=2)."""
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from typing import Any
 
 PROCESS_SIZES = dict(tp=2, cp=2, pp=2, ep=2, etp=1)
 """The layout timed on real local processes unless told otherwise."""
-MAX_SIMULATED_WORLD = 2**22
-"""The largest world one rank is simulated in (meshstate's init does not grow with it)."""
+MAX_FAKE_WORLD = 2**22
+"""The largest fake world one rank stands in (meshstate's init does not grow with it)."""
 MAX_SIMULATED_CHECK = 2**17
 """The largest world ``check --simulate`` builds: it holds every rank's tables and a
 tensor per rank and collective (16,384 ranks take about 35 s and 0.9 GB on two cores)."""

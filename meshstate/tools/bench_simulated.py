@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from meshstate.core.config import sizes_text
+from meshstate.layout.config import sizes_text
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class SimulatedCheckRow:
 
 def check_in_this_process(world_size: int, sizes: dict[str, Any]) -> SimulatedCheckRow:
     """Run ``check --simulate``'s work here, timed; this process's peak memory with it."""
-    from meshstate.core.config import MeshConfig
+    from meshstate.layout.config import MeshConfig
     from meshstate.testing.simulated import simulated_world
     from meshstate.tools.verify import check_every_rank
 

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType, ModuleType
 
-from meshstate.core.errors import MeshStateError
+from meshstate.errors import MeshStateError
 from meshstate.tools.cli_parser import layout_config, parse_args
 from meshstate.tools.cli_shared import (
     EXIT_BAD_INPUT,

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshstate.core.config import MeshConfig
-from meshstate.core.errors import ConfigError, MeshStateError
-from meshstate.core.layout import Grid, ParallelLayout
+from meshstate.layout.config import MeshConfig
+from meshstate.errors import ConfigError, MeshStateError
+from meshstate.layout.layout import Grid, ParallelLayout
 from meshstate.core.build import init_mesh
 from meshstate.testing.launch import default_backend, run_local
 from meshstate.tools import bench
@@ -35,11 +35,11 @@ from meshstate.tools.cli_parser import (
     layout_arguments,
     under_torchrun,
 )
-from meshstate.core.config import sizes_text
-from meshstate.core.ranks import ranks_text
+from meshstate.layout.config import sizes_text
+from meshstate.layout.ranks import ranks_text
 from meshstate.tools.cli_shared import EXIT_MISMATCH, Progress
 from meshstate.tools.svg import layout_svg
-from meshstate.core.topology import (
+from meshstate.layout.topology import (
     LocalityReport,
     NodeCrossingWarning,
     locality_report,

@@ -18,11 +18,11 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, cast
 
-from meshstate.core.config import DEFAULT_ORDER, MAX_WORLD_SIZE, MeshArguments, MeshConfig, sizes_text
-from meshstate.core.errors import ConfigError
+from meshstate.layout.config import DEFAULT_ORDER, MAX_WORLD_SIZE, MeshArguments, MeshConfig, sizes_text
+from meshstate.errors import ConfigError
 from meshstate.tools.bench_settings import (
     MAX_SIMULATED_CHECK,
-    MAX_SIMULATED_WORLD,
+    MAX_FAKE_WORLD,
     PROCESS_SIZES,
     SIMULATED_CHECK_SIZES,
     SIMULATED_CHECK_WORLDS,
@@ -223,19 +223,19 @@ def _add_check(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
 def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
     bench = commands.add_parser(
         "bench", help="init time, groups, getter cost and memory beside megatron-core",
-        description="Simulate one rank of each world on torch's fake backend and time every "
-        "approach, then time init on real local processes and what each JAX-layer call costs, "
-        "eager and compiled, beside torch's own, and what check --simulate costs at whole "
-        "worlds. The simulated layout defaults to a large model's, tp=8 cp=2 ep=8 etp=1 "
-        "pp=8, unlike plan and check, whose sizes default to 1.",
+        description="Stand one rank in for each world on torch's fake backend (a fake world) "
+        "and time every approach, then time init on real local processes and what each "
+        "JAX-layer call costs, eager and compiled, beside torch's own, and what check "
+        "--simulate costs at whole worlds. The layout defaults to a large model's, tp=8 cp=2 "
+        "ep=8 etp=1 pp=8, unlike plan and check, whose sizes default to 1.",
     )
     bench.add_argument(
         "--world-sizes", type=_world_sizes, default="1024,16384,131072",
-        help=f"simulated worlds, comma-separated, each at most {MAX_SIMULATED_WORLD}",
+        help=f"fake worlds, comma-separated, each at most {MAX_FAKE_WORLD}",
     )
-    _add_layout_flags(bench, _BENCH_DEFAULTS, " of the simulated layout")
+    _add_layout_flags(bench, _BENCH_DEFAULTS, " of the layout")
     bench.add_argument(
-        "--rank", type=int, help="the simulated rank (default: world/2 + 1, at most world - 1)"
+        "--rank", type=int, help="the rank that stands in (default: world/2 + 1, at most world - 1)"
     )
     bench.add_argument(
         "--repeat", type=_positive_int, default=3, help="timed runs; the median is reported"

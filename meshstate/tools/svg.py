@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from meshstate.core.errors import ConfigError
-from meshstate.core.layout import ParallelLayout
-from meshstate.core.config import sizes_text
-from meshstate.core.ranks import ranks_text
-from meshstate.core.topology import check_ranks_per_node
+from meshstate.errors import ConfigError
+from meshstate.layout.layout import ParallelLayout
+from meshstate.layout.config import sizes_text
+from meshstate.layout.ranks import ranks_text
+from meshstate.layout.topology import check_ranks_per_node
 
 MAX_DRAWN_WORLD = 4096
 """The largest world drawn: one 30-pixel cell per rank."""

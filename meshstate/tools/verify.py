@@ -16,19 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core.build import init_mesh
-from meshstate.core.config import MeshConfig
-from meshstate.core.errors import MeshStateError
+from meshstate.layout.config import MeshConfig
+from meshstate.errors import MeshStateError
 from meshstate.core.mesh import ParallelMesh
 
-if TYPE_CHECKING:
-    from meshstate.core.simulated_mesh import SimulatedMesh
 
 
 @dataclass(frozen=True)
@@ -75,12 +72,9 @@ def check_every_rank(
 ) -> list[KindSummary]:
     """Build ``config``'s mesh for every rank of a simulated world and verify every group
     kind on all of them; run it in ``simulated_world(config.world_size).call``."""
-    from meshstate.core.simulated_mesh import SimulatedMesh
-
     progress(f"building the mesh of every rank ({config.world_size} ranks)")
     mesh = init_mesh(**config.arguments())
     try:
-        assert isinstance(mesh, SimulatedMesh)  # init_mesh's answer under the simulation
         return verify_every_rank(mesh, progress)
     finally:
         mesh.destroy()
@@ -131,7 +125,7 @@ def _check_kind(mesh: ParallelMesh, key: str, device: torch.device) -> KindCheck
 
 
 def verify_every_rank(
-    mesh: SimulatedMesh, progress: Callable[[str], object] = lambda message: None
+    mesh: ParallelMesh, progress: Callable[[str], object] = lambda message: None
 ) -> list[KindSummary]:
     """:func:`verify_mesh` for every rank of a simulated world at once: the table's rows.
 
@@ -142,23 +136,34 @@ def verify_every_rank(
     Example: in ``simulated_world(8).call``, after ``init_mesh(tp=2)``,
     ``verify_every_rank(mesh)[0]`` is ``KindSummary("tp", 2, 4, (), "")``.
     """
+    simulated = _simulated(mesh)
     rows = []
     for number, key in enumerate(mesh.kinds, 1):
         progress(f"verifying {key!r} ({number} of {len(mesh.kinds)} kinds) on every rank")
-        failed, first_problem = _check_kind_everywhere(mesh, key)
+        failed, first_problem = _check_kind_everywhere(mesh, key, simulated)
         size = mesh.size(key)
-        rows.append(KindSummary(key, size, len(mesh.simulated) // size, failed, first_problem))
+        rows.append(KindSummary(key, size, len(simulated) // size, failed, first_problem))
     return rows
 
 
-def _check_kind_everywhere(mesh: SimulatedMesh, key: str) -> tuple[tuple[int, ...], str]:
+def _simulated(mesh: ParallelMesh) -> frozenset[int]:
+    """The ranks a simulated world's mesh answers for."""
+    if mesh.simulated is None:
+        raise MeshStateError("verify_every_rank takes a mesh built in a simulated world")
+    return mesh.simulated
+
+
+def _check_kind_everywhere(
+    mesh: ParallelMesh, key: str, simulated: frozenset[int]
+) -> tuple[tuple[int, ...], str]:
     """The ranks whose group of ``key`` fails a check, and the first one's first problem."""
-    from meshstate.core import compat, local_compat
-    from meshstate.core.per_rank import PerRankRanks, group_rank, simulated_groups
+    from meshstate.core import compat
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.per_rank import PerRankRanks, group_rank, simulated_groups
 
     ranks = mesh.ranks(key)
     assert isinstance(ranks, PerRankRanks)
-    world, size = len(mesh.simulated), len(ranks)
+    world, size = len(simulated), len(ranks)
     try:
         group = mesh.group(key)
         runs_over = simulated_groups(group)
@@ -173,7 +178,7 @@ def _check_kind_everywhere(mesh: SimulatedMesh, key: str) -> tuple[tuple[int, ..
         dist.all_reduce(total, group=group)  # in place: each rank's row of totals
         dist.all_gather_single(gathered, mine, group=group)  # and of gathers
     except MeshStateError as refused:
-        return tuple(sorted(mesh.simulated)), str(refused)
+        return tuple(sorted(simulated)), str(refused)
     device_mesh: DeviceMesh | None
     device_mesh_refused = ""
     try:
@@ -181,11 +186,11 @@ def _check_kind_everywhere(mesh: SimulatedMesh, key: str) -> tuple[tuple[int, ..
     except MeshStateError as refused:
         device_mesh, device_mesh_refused = None, str(refused)
     with local_compat.simulation_paused():
-        expected, simulated = _Groups(torch.tensor(ranks.groups())), _Groups(torch.tensor(runs_over))
+        expected, torchs = _Groups(torch.tensor(ranks.groups())), _Groups(torch.tensor(runs_over))
         copies = expected if device_mesh is None else _Groups(compat.mesh_copies(device_mesh).reshape(-1, size))
         in_group_of, index_of = _per_rank(in_group, world), _per_rank(layout_index, world)
         failed = (
-            expected.differs(simulated) | (in_group_of != index_of)
+            expected.differs(torchs) | (in_group_of != index_of)
             | (totals != torch.stack([expected.sums(), torch.full((world,), size)], 1)).any(1)
             | expected.differs_from_rows(gathers) | expected.differs(copies)
         )
@@ -196,7 +201,7 @@ def _check_kind_everywhere(mesh: SimulatedMesh, key: str) -> tuple[tuple[int, ..
             return (), ""
         rank = failed_ranks[0]
         problem = _first_problem(
-            key, ranks.on(rank), simulated.of(rank), int(in_group_of[rank]), int(index_of[rank]),
+            key, ranks.on(rank), torchs.of(rank), int(in_group_of[rank]), int(index_of[rank]),
             totals[rank].tolist(), tuple(gathers[rank].tolist()), copies.of(rank),
         )
     return failed_ranks, problem or device_mesh_refused
@@ -266,7 +271,7 @@ def _first_problem(
 
 def _per_rank(value: int, world: int) -> torch.Tensor:
     """Each simulated rank's value of a per-rank int (or of a plain one), by rank."""
-    from meshstate.core.per_rank import value_on
+    from meshstate.simulation.per_rank import value_on
 
     return torch.tensor([value_on(value, rank) for rank in range(world)])
 

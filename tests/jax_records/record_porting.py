@@ -10,7 +10,6 @@ each input, and the type (``jax.typeof``) of the values the body names.
 
 import json
 import os
-from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

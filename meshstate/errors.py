@@ -8,8 +8,6 @@ unknown mesh axis keeps working.
 
 from __future__ import annotations
 
-from meshstate.core.deprecation import moved_names
-
 
 class MeshStateError(Exception):
     """Base class of every meshstate error."""
@@ -84,9 +82,3 @@ class SimulationError(MeshStateError, NotImplementedError):
     or that is no regular grid. The message names the values and points to a
     world of processes (``meshstate.testing.local_world``), which can.
     """
-
-
-__getattr__ = moved_names(__name__, {
-    "ParallelStateError": "meshstate.megatron.errors",
-    "DimNameError": "meshstate.titan.parallel_dims",
-})

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
 from typing import TypedDict, Unpack
 
-from meshstate.core.errors import ConfigError
+from meshstate.errors import ConfigError
 
 ORDER_AXES = ("tp", "cp", "ep", "dp", "pp")
 """Axis names an order string may contain (Megatron's tokens)."""
@@ -127,7 +127,7 @@ class MeshConfig:
         >>> MeshConfig(12, tp=2, pp=8)
         Traceback (most recent call last):
         ...
-        meshstate.core.errors.ConfigError: world size 12 is not divisible by tp*cp*pp = 2*1*8 = 16
+        meshstate.errors.ConfigError: world size 12 is not divisible by tp*cp*pp = 2*1*8 = 16
     """
 
     world_size: int

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 import einops
 import torch
 
-from meshstate.core.deprecation import Renamed
-from meshstate.core.config import check_positive_int
-from meshstate.core.errors import ConfigError
-from meshstate.core.grid import Grid
+from meshstate.layout.config import check_positive_int
+from meshstate.errors import ConfigError
+from meshstate.layout.grid import Grid
 
 
 @dataclass(frozen=True, init=False)
@@ -30,7 +29,7 @@ class HybridGrid:
     numbers the inter indices and ``local`` the intra indices.
     ``axes_fastest_first`` is the order of ``node``, ``local`` and the groups
     alike: the axes of ``intra`` in the order given, then those only ``inter``
-    names; ``axes_mesh_order`` is it reversed, as in :class:`~meshstate.core.layout.Grid`.
+    names; ``axes_mesh_order`` is it reversed, as in :class:`~meshstate.layout.layout.Grid`.
 
     Example (16 ranks on 2 nodes of 8; data parallel twice inside a node and
     twice across nodes; a dp group ``[0, 1, 8, 9]`` is no order string's)::
@@ -75,9 +74,6 @@ class HybridGrid:
     def axes_mesh_order(self) -> tuple[str, ...]:
         """Axis names outer to inner (``axes_fastest_first`` reversed)."""
         return self._positions.axes_mesh_order
-
-    axes = Renamed[tuple[str, ...]]("axes_fastest_first")
-    mesh_axes = Renamed[tuple[str, ...]]("axes_mesh_order")
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

@@ -30,9 +30,9 @@ from typing import Any, cast, overload
 import torch
 from torch.distributed import ProcessGroup
 
-from meshstate.core.ranks import ranks_text
-from meshstate.core import local_compat
-from meshstate.core.errors import SimulationError
+from meshstate.layout.ranks import ranks_text
+from meshstate.simulation import local_compat
+from meshstate.errors import SimulationError
 
 _LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
 

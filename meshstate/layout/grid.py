@@ -22,9 +22,8 @@ from typing import NoReturn
 import einops
 import torch
 
-from meshstate.core.deprecation import Renamed
-from meshstate.core.errors import AxisError, ConfigError
-from meshstate.core.ranks import Ranks, listed_if_small, ranks_text
+from meshstate.errors import AxisError, ConfigError
+from meshstate.layout.ranks import Ranks, listed_if_small, ranks_text
 
 
 @dataclass(frozen=True)
@@ -76,9 +75,6 @@ class Grid:
     def axes_mesh_order(self) -> tuple[str, ...]:
         """Axis names outer to inner (the order string reversed)."""
         return self.axes_fastest_first[::-1]
-
-    axes = Renamed[tuple[str, ...]]("axes_fastest_first")
-    mesh_axes = Renamed[tuple[str, ...]]("axes_mesh_order")
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -137,7 +133,7 @@ class Grid:
         return tuple(self.lattice_of(rank, major_to_minor))
 
     def lattice_of(self, rank: int, major_to_minor: Sequence[str]) -> Ranks:
-        """:meth:`group_ranks` as :class:`~meshstate.core.ranks.Ranks`: strides, no list of members.
+        """:meth:`group_ranks` as :class:`~meshstate.layout.ranks.Ranks`: strides, no list of members.
 
         Example: ``Grid(("tp", "dp"), (2, 4)).lattice_of(5, ["dp"]) == (1, 3, 5, 7)``.
         """
@@ -157,7 +153,7 @@ class Grid:
         """The members at ``positions`` of ``rank``'s group of ``major_to_minor`` (major to minor), sorted.
 
         Arithmetic on strides for just those positions, never the whole group: a
-        :class:`~meshstate.core.ranks.Ranks` where they form a lattice of more
+        :class:`~meshstate.layout.ranks.Ranks` where they form a lattice of more
         than 4,096 ranks, else a tuple (vectorised where they are no lattice).
         Example: ``Grid(("tp", "dp"), (2, 4)).members_at(0, ["dp", "tp"], range(2, 4))``
         is ``(2, 3)``.

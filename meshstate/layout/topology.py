@@ -2,10 +2,10 @@
 
 Ranks sit on nodes the way torchrun places them: node ``n`` holds ranks
 ``n*ranks_per_node .. (n+1)*ranks_per_node - 1``. :func:`locality_report` says,
-for every group kind of a :class:`~meshstate.core.layout.ParallelLayout`, how many
+for every group kind of a :class:`~meshstate.layout.layout.ParallelLayout`, how many
 nodes one group spans, and warns when a bandwidth-hungry axis (tp, cp, ep, etp)
 crosses nodes while another order would keep it inside one. Pure rank
-arithmetic. :class:`~meshstate.core.hybrid_grid.HybridGrid` (JAX-style layouts,
+arithmetic. :class:`~meshstate.layout.hybrid_grid.HybridGrid` (JAX-style layouts,
 every axis split into an inter-node and an intra-node part) and
 :func:`~meshstate.core.hybrid_mesh.init_hybrid_mesh` are ``meshstate.HybridGrid``
 and ``meshstate.init_hybrid_mesh``.
@@ -30,10 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from meshstate.core.config import MeshConfig, check_positive_int
-from meshstate.core.deprecation import moved_names
-from meshstate.core.errors import AxisError, ConfigError
-from meshstate.core.layout import GROUP_KINDS, ParallelLayout
+from meshstate.layout.config import MeshConfig, check_positive_int
+from meshstate.errors import AxisError, ConfigError
+from meshstate.layout.layout import GROUP_KINDS, ParallelLayout
 
 BANDWIDTH_HUNGRY_KINDS = ("tp", "cp", "ep", "etp")
 """Group kinds whose traffic should stay on a node's fast links."""
@@ -212,8 +211,3 @@ def _advice(
         then = ", ".join(f"{kind} groups span {suggested_spans[kind]} nodes" for kind in pushed_out)
         advice += f" ({then} there)"
     return advice
-
-
-__getattr__ = moved_names(__name__, {
-    name: "meshstate" for name in ("HybridGrid", "HybridMesh", "init_hybrid_mesh")
-})

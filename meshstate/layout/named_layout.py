@@ -1,9 +1,9 @@
 """The layout of a mesh with the caller's axis names, JAX's ``jax.make_mesh``.
 
 Pure rank arithmetic: nothing here touches ``torch.distributed``. A
-:class:`NamedLayout` holds one view, a :class:`~meshstate.core.grid.Grid` of the
+:class:`NamedLayout` holds one view, a :class:`~meshstate.layout.grid.Grid` of the
 given axes, and answers a key (``"x"``, a joint ``"x-y"`` in any spelling) or an
-axis tuple the way :class:`~meshstate.core.layout.ParallelLayout` answers
+axis tuple the way :class:`~meshstate.layout.layout.ParallelLayout` answers
 Megatron's, so a mesh, its collectives and ``shard_map`` work on it alike.
 Axes are given in mesh order, outer first, and the last varies fastest: on
 ``make_mesh((2, 4), ("x", "y"))`` rank ``5`` sits at ``x=1, y=1``, as JAX
@@ -25,17 +25,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-import torch
-
-from meshstate.core.errors import ArgumentTypeError, AxisError, ConfigError
-from meshstate.core.grid import Grid, ListedGrid
-from meshstate.core.layout import DerivedGroup, Key
+from meshstate.errors import ArgumentTypeError, AxisError, ConfigError
+from meshstate.layout.grid import Grid, ListedGrid
+from meshstate.layout.layout import DerivedGroup, Key, KeyedLayout
 
 __all__ = ["NamedLayout"]
 
 
 @dataclass(frozen=True)
-class NamedLayout:
+class NamedLayout(KeyedLayout):
     """Ranks on the caller's axes: ``axis_names`` and ``axis_shapes`` in mesh order.
 
     One view (``dense``, the DeviceMesh of every axis); a key names one axis or
@@ -139,35 +137,9 @@ class NamedLayout:
                     f"{', '.join(self.axis_names)}"
                 )
 
-    def resolve_together(self, keys: Sequence[str]) -> list[tuple[str, Grid, tuple[str, ...]]]:
-        """:meth:`resolve` for several keys (one view holds them all)."""
-        return [self.resolve(key) for key in keys]
-
-    def canonical(self, key: str) -> str:
-        """``key`` spelled in mesh order: ``"y-x"`` -> ``"x-y"``."""
-        return self.resolve(key)[0]
-
-    def groups(self, key: str) -> torch.Tensor:
-        """Every group of ``key``, one row each, ranks in mesh order."""
-        _, grid, axes = self.resolve(key)
-        return grid.groups(axes)
-
-    def group_ranks(self, rank: int, key: str) -> tuple[int, ...]:
-        """The global ranks of ``rank``'s group of ``key``."""
-        _, grid, axes = self.resolve(key)
-        return grid.group_ranks(rank, axes)
-
     def coordinate(self, rank: int) -> dict[str, int]:
         """``rank``'s position on every axis."""
         return self.dense.coordinate(rank)
-
-    def resolve_base(self, base: str | tuple[str, ...]) -> tuple[Grid, tuple[str, ...]]:
-        """The view and the major-to-minor axes of a key or an axis tuple."""
-        if isinstance(base, str):
-            _, grid, axes = self.resolve(base)
-            return grid, axes
-        self.resolve("-".join(base))  # refuses unknown axes and repeats, as for a key
-        return self.dense, tuple(base)
 
     def members(self, rank: int, key: Key) -> Sequence[int] | None:
         """The group of ``key`` that contains ``rank``."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import einops
 import torch
 
-from meshstate.core.errors import ConfigError
+from meshstate.errors import ConfigError
 
 
 def hierarchical_levels(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[list[int]]]:

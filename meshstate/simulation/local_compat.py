@@ -4,7 +4,7 @@
 one process: under ``LocalTensorMode`` a tensor holds one value per rank and a
 collective computes every group's result. Nothing of it is public yet; each
 function here says which private name it relies on. Importing this module
-imports torch's; :mod:`meshstate.core.simulation` tells, without importing
+imports torch's; :mod:`meshstate.core.world` tells, without importing
 either, whether a simulation is on.
 """
 

@@ -2,11 +2,11 @@
 
 Pure rank arithmetic: nothing here touches ``torch.distributed``. A
 :class:`ParallelLayout` holds the dense view (tp, cp, dp, pp), the expert view
-(etp, ep, edp, pp) and the HSDP view of one :class:`~meshstate.core.config.MeshConfig`
+(etp, ep, edp, pp) and the HSDP view of one :class:`~meshstate.layout.config.MeshConfig`
 and resolves a key (``"dp-cp"``, any spelling) or a
-:class:`~meshstate.core.derived_groups.DerivedGroup` to its groups. The grids
-live in :mod:`meshstate.core.grid`, the derived groups in
-:mod:`meshstate.core.derived_groups`; both are importable from here too.
+:class:`~meshstate.layout.derived_groups.DerivedGroup` to its groups. The grids
+live in :mod:`meshstate.layout.grid`, the derived groups in
+:mod:`meshstate.layout.derived_groups`; both are importable from here too.
 
 Groups, the order of ranks inside a group and the order of the groups equal
 megatron-core's ``RankGenerator``: inside a group the axis that comes first in
@@ -28,12 +28,13 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
 
-from meshstate.core.config import MeshConfig, sizes_text
-from meshstate.core.derived_groups import (
+from meshstate.layout.config import MeshConfig, sizes_text
+from meshstate.layout.derived_groups import (
     Chunks,
     DerivedGroup,
     Instances,
@@ -42,13 +43,13 @@ from meshstate.core.derived_groups import (
     Split,
     hierarchical_levels,
 )
-from meshstate.core.errors import AxisError
-from meshstate.core.grid import Grid, ListedGrid
+from meshstate.errors import AxisError
+from meshstate.layout.grid import Grid, ListedGrid
 
 __all__ = [
     "DENSE_AXES", "DENSE_KINDS", "EXPERT_AXES", "EXPERT_KINDS", "GROUP_KINDS", "HSDP_AXES",
     "HSDP_KINDS", "Chunks", "DerivedGroup", "Grid", "Instances", "Key", "Level", "ListedGrid",
-    "MeshLayout",
+    "KeyedLayout", "MeshLayout",
     "ParallelLayout", "Pick", "Split", "hierarchical_levels", "spellings", "splits_dp",
 ]
 
@@ -107,7 +108,7 @@ Key = str | DerivedGroup
 
 class MeshLayout(Protocol):
     """What a mesh asks of its layout: Megatron's :class:`ParallelLayout`, or the caller's
-    axes (:class:`~meshstate.core.named_layout.NamedLayout`, from ``make_mesh``)."""
+    axes (:class:`~meshstate.layout.named_layout.NamedLayout`, from ``make_mesh``)."""
 
     @property
     def config(self) -> MeshConfig: ...
@@ -176,8 +177,47 @@ def _joint_spellings(key: str, split_dp: bool) -> Iterable[str]:
     return written
 
 
+class KeyedLayout(ABC):
+    """What every layout answers alike from its own :meth:`resolve` and :meth:`view_of`:
+    a key's canonical spelling, its groups, and the view of an axis tuple."""
+
+    @abstractmethod
+    def resolve(self, key: str, view: Grid | None = None) -> tuple[str, Grid, tuple[str, ...]]:
+        """Canonical key, view and mesh-ordered axes of ``key``."""
+
+    @abstractmethod
+    def view_of(self, axes: Iterable[str], what: str = "axes") -> Grid:
+        """The view whose axes hold every one of ``axes``; ``what`` names the asker."""
+
+    def canonical(self, key: str) -> str:
+        """``key`` spelled the one way meshstate uses, e.g. ``"cp-dp"`` -> ``"dp-cp"``."""
+        return self.resolve(key)[0]
+
+    def groups(self, key: str) -> torch.Tensor:
+        """Every group of ``key`` in the layout's order, one row each."""
+        _, grid, axes = self.resolve(key)
+        return grid.groups(axes)
+
+    def group_ranks(self, rank: int, key: str) -> tuple[int, ...]:
+        """The global ranks of ``rank``'s group of ``key`` (a mesh's ``ranks(key)`` on ``rank``)."""
+        _, grid, axes = self.resolve(key)
+        return grid.group_ranks(rank, axes)
+
+    def resolve_together(self, keys: Sequence[str]) -> list[tuple[str, Grid, tuple[str, ...]]]:
+        """:meth:`resolve` for several keys in one view."""
+        return [self.resolve(key) for key in keys]
+
+    def resolve_base(self, base: str | tuple[str, ...]) -> tuple[Grid, tuple[str, ...]]:
+        """The view and the major-to-minor axes of a key or an axis tuple."""
+        if isinstance(base, str):
+            _, grid, axes = self.resolve(base)
+            return grid, axes
+        self.resolve("-".join(base))  # refuses unknown axes and repeats, as for a key
+        return self.view_of(base, f"axes {base!r}"), tuple(base)
+
+
 @dataclass(frozen=True)
-class ParallelLayout:
+class ParallelLayout(KeyedLayout):
     """The dense, expert and HSDP views of one config, and their groups by key.
 
     A key names one axis (``"tp"``) or a joint group of several axes of one view
@@ -307,38 +347,16 @@ class ParallelLayout:
             resolved = [self.resolve(key, self.hsdp) for key in keys]
         return resolved
 
-    def canonical(self, key: str) -> str:
-        """``key`` spelled the one way meshstate uses, e.g. ``"cp-dp"`` -> ``"dp-cp"``."""
-        return self.resolve(key)[0]
-
-    def groups(self, key: str) -> torch.Tensor:
-        """Every group of ``key`` in megatron-core's order, one row each."""
-        _, grid, axes = self.resolve(key)
-        return grid.groups(axes)
-
-    def group_ranks(self, rank: int, key: str) -> tuple[int, ...]:
-        """The global ranks of ``rank``'s group of ``key`` (a mesh's ``ranks(key)`` on ``rank``)."""
-        _, grid, axes = self.resolve(key)
-        return grid.group_ranks(rank, axes)
-
     def coordinate(self, rank: int) -> dict[str, int]:
         """``rank``'s position on every dense and expert axis (HSDP too if dp_replicate > 1)."""
         hsdp = self.hsdp.coordinate(rank) if self.config.dp_replicate > 1 else {}
         return {**self.dense.coordinate(rank), **self.expert.coordinate(rank), **hsdp}
 
-    def resolve_base(self, base: str | tuple[str, ...]) -> tuple[Grid, tuple[str, ...]]:
-        """The view and the major-to-minor axes of a key or an axis tuple."""
-        if isinstance(base, str):
-            _, grid, axes = self.resolve(base)
-            return grid, axes
-        self.resolve("-".join(base))  # refuses unknown axes and repeats, as for a key
-        return self.view_of(base, f"axes {base!r}"), tuple(base)
-
     def members(self, rank: int, key: Key) -> Sequence[int] | None:
         """The group of ``key`` that contains ``rank`` (``None`` if a derived group has none).
 
         A tuple, or for a group of more than 4,096 ranks that is a lattice, its
-        strides (:class:`~meshstate.core.ranks.Ranks`): a group of a million-rank
+        strides (:class:`~meshstate.layout.ranks.Ranks`): a group of a million-rank
         world costs no list of its members.
         """
         if isinstance(key, str):
