@@ -516,11 +516,11 @@ def follow_functorch_transforms(hooks: TransformHooks) -> None:
     eager_transforms._jvp_with_argnums = followed_jvp
 
 
-def transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, ...) is running in this thread: its
-    values are wrappers that only torch's functional ops handle. Uses
-    ``torch._C._are_functorch_transforms_active``."""
-    return bool(torch._C._are_functorch_transforms_active())
+transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+"""Whether a torch.func transform (vmap, grad, ...) is running in this thread: its values
+are wrappers that only torch's functional ops handle. torch's
+``_are_functorch_transforms_active`` itself (a call layer around it costs the eager
+collectives their speed)."""
 
 
 def follow_reentrant_checkpoint(

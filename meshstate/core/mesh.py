@@ -142,7 +142,7 @@ class ParallelMesh:
         """What the layers above compute from this mesh (shard_map and reshard plans, the
         Megatron façade's facts), by a key of their own; ``destroy()`` calls ``forget``
         on the entries that have one, then empties it."""
-        _live_meshes.add(self)
+        track_mesh(self)
 
     def _process_tables(
         self,
@@ -420,7 +420,7 @@ class ParallelMesh:
             del self.__dict__[name]
         for table in (*self._tables(), self._own_group_of, self._own_ranks_of):
             table.clear()
-        _live_meshes.discard(self)
+        _live_meshes.pop(self, None)
 
     def __enter__(self) -> ParallelMesh:
         """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
@@ -480,25 +480,33 @@ class _Destroyable(Protocol):
     def destroy(self) -> None: ...
 
 
-# The meshes of this process not destroyed yet, for destroy_every_mesh().
-_live_meshes: weakref.WeakSet[_Destroyable] = weakref.WeakSet()
+# The meshes not destroyed yet, each with the default group of the rank that built it, for
+# destroy_every_mesh(): a process, or a thread of a threaded world (a default group each).
+_live_meshes: weakref.WeakKeyDictionary[_Destroyable, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def track_mesh(mesh: _Destroyable) -> None:
-    """Let :func:`destroy_every_mesh` destroy ``mesh`` (a hybrid mesh, say) if it is alive then."""
-    _live_meshes.add(mesh)
+    """Let :func:`destroy_every_mesh` destroy ``mesh`` (a hybrid mesh, say) if it is alive
+    then, on the rank that built it."""
+    _live_meshes[mesh] = _compat.default_group()
 
 
 def destroy_every_mesh() -> None:
-    """Destroy every mesh of this process not destroyed yet (hybrid meshes too), and forget
+    """Destroy every mesh of this rank not destroyed yet (hybrid meshes too), and forget
     the calling thread's current meshes.
 
     For harnesses that run many tests in one process (``meshstate.testing``
     does between tests): whatever a test left alive, Megatron's façade
-    included, is gone before the next.
+    included, is gone before the next. A rank is a process, or a thread of a
+    threaded world (each has a default group of its own): a rank's meshes are
+    those built under its default group, all of them where none is initialised.
     """
-    for mesh in list(_live_meshes):
-        mesh.destroy()
+    world = _compat.default_group() if dist.is_initialized() else None
+    for mesh, built_under in list(_live_meshes.items()):
+        if world is None or built_under is world:
+            mesh.destroy()
     _current.set_mesh, _current.entered = None, ()
 
 
@@ -575,10 +583,12 @@ def current_mesh() -> ParallelMesh:
     Both are per thread. Where that mesh was destroyed, the error names the
     line that did it. ``initialize_model_parallel`` sets its mesh too.
     """
-    for mesh in reversed((_current.set_mesh, *_current.entered)):
-        if mesh is not None:
-            mesh.check_alive()
-            return mesh
+    entered = _current.entered
+    mesh = entered[-1] if entered else _current.set_mesh
+    if mesh is not None:
+        if mesh.destroyed_at is not None:
+            raise mesh._destroyed_error()
+        return mesh
     raise NotInitializedError(
         "there is no current mesh in this thread; call meshstate.set_mesh(mesh) or use "
         "`with mesh:` on the ParallelMesh from meshstate.init_mesh (a torch DeviceMesh's "

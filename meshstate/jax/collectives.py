@@ -167,22 +167,21 @@ def _typed_input(
     return pvary_over(x, names - before, parallel_mesh), before
 
 
-def _collective(
+def _typed(
     x: torch.Tensor,
     axes: Axes,
     mesh: ParallelMesh | None,
     name: str,
+    group: OrderedGroup,
     run: Callable[[torch.Tensor, OrderedGroup], torch.Tensor],
     *,
     reduces: bool = False,
     keeps_axes: bool = True,
 ) -> torch.Tensor:
-    """``run(x, group)`` over the group of ``axes``; inside a typed body, with JAX's rule:
-    ``x`` cast up to vary over ``axes`` first, the result typed with them (``keeps_axes``)
-    or without them, a reduction over a mix of varying and invariant axes refused."""
-    group = _ordered(axes, mesh, name)
-    if body.types is None:
-        return run(x, group)
+    """``run(x, group)`` inside a typed body, with JAX's rule: ``x`` cast up to vary over
+    ``axes`` first, the result typed with them (``keeps_axes``) or without them, a
+    reduction over a mix of varying and invariant axes refused. (Outside a typed body each
+    collective calls its ``run`` itself: the eager path costs one call less.)"""
     with _compat.torch_functions_off():
         x, before = _typed_input(x, axes, mesh, name, reduces=reduces)
         names = _axis_names(axes)
@@ -260,10 +259,12 @@ def psum(
     """
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "psum")
+    group = _ordered(axes, mesh, "psum")
     if isinstance(x, NUMBERS):
-        return x * axis_size(axes, mesh=mesh)
-    return _collective(x, axes, mesh, "psum", lambda v, group: sum_over(v, group, "psum"),
-                       reduces=True, keeps_axes=False)
+        return x * len(group.ranks)
+    if body.types is None:
+        return sum_over(x, group, "psum")
+    return _typed(x, axes, mesh, "psum", group, _summed, reduces=True, keeps_axes=False)
 
 
 @overload
@@ -291,12 +292,20 @@ def pmean(
     of a Python number, that number as a float (JAX's answer)."""
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "pmean")
+    group = _ordered(axes, mesh, "pmean")
     if isinstance(x, NUMBERS):
-        return x * axis_size(axes, mesh=mesh) / axis_size(axes, mesh=mesh)
-    return _collective(
-        x, axes, mesh, "pmean", lambda v, group: sum_over(v, group, "pmean") / len(group.ranks),
-        reduces=True, keeps_axes=False,
-    )
+        return x * len(group.ranks) / len(group.ranks)
+    if body.types is None:
+        return _mean(x, group)
+    return _typed(x, axes, mesh, "pmean", group, _mean, reduces=True, keeps_axes=False)
+
+
+def _summed(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
+    return sum_over(x, group, "psum")
+
+
+def _mean(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
+    return sum_over(x, group, "pmean") / len(group.ranks)
 
 
 def pmax(
@@ -395,8 +404,11 @@ def all_gather(
     """
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "all_gather")
-    return _collective(x, axes, mesh, "all_gather",
-                       lambda v, group: all_gather_on(v, group, axis, tiled))
+    group = _ordered(axes, mesh, "all_gather")
+    if body.types is None:
+        return all_gather_on(x, group, axis, tiled)
+    return _typed(x, axes, mesh, "all_gather", group,
+                  lambda v, on: all_gather_on(v, on, axis, tiled))
 
 
 def all_gather_invariant(
@@ -417,8 +429,11 @@ def all_gather_invariant(
     """
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "all_gather_invariant")
-    return _collective(x, axes, mesh, "all_gather_invariant",
-                       lambda v, group: gather_invariant(v, group, axis, tiled), keeps_axes=False)
+    group = _ordered(axes, mesh, "all_gather_invariant")
+    if body.types is None:
+        return gather_invariant(x, group, axis, tiled)
+    return _typed(x, axes, mesh, "all_gather_invariant", group,
+                  lambda v, on: gather_invariant(v, on, axis, tiled), keeps_axes=False)
 
 
 def psum_scatter(
@@ -439,8 +454,11 @@ def psum_scatter(
     """
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "psum_scatter")
-    return _collective(x, axes, mesh, "psum_scatter",
-                       lambda v, group: scatter(v, group, scatter_dimension, tiled), reduces=True)
+    group = _ordered(axes, mesh, "psum_scatter")
+    if body.types is None:
+        return scatter(x, group, scatter_dimension, tiled)
+    return _typed(x, axes, mesh, "psum_scatter", group,
+                  lambda v, on: scatter(v, on, scatter_dimension, tiled), reduces=True)
 
 
 def all_to_all(
@@ -466,8 +484,11 @@ def all_to_all(
         missing = "split_axis" if split_axis is None else "concat_axis"
         raise ArgumentTypeError(f"all_to_all() missing its argument {missing!r}")
     split, concat = split_axis, concat_axis
-    return _collective(x, axes, mesh, "all_to_all",
-                       lambda v, group: exchange(v, group, split, concat, tiled))
+    group = _ordered(axes, mesh, "all_to_all")
+    if body.types is None:
+        return exchange(x, group, split, concat, tiled)
+    return _typed(x, axes, mesh, "all_to_all", group,
+                  lambda v, on: exchange(v, on, split, concat, tiled))
 
 
 def ppermute(
@@ -488,7 +509,10 @@ def ppermute(
         axes = _spelled(axes, axis_name, "ppermute")
     if perm is None:
         raise ArgumentTypeError("ppermute() missing its argument 'perm'")
-    pairs = check_perm(perm, axis_size(axes, mesh=mesh))
-    return _collective(x, axes, mesh, "ppermute", lambda v, group: permute(v, group, pairs))
+    group = _ordered(axes, mesh, "ppermute")
+    pairs = check_perm(perm, len(group.ranks))
+    if body.types is None:
+        return permute(x, group, pairs)
+    return _typed(x, axes, mesh, "ppermute", group, lambda v, on: permute(v, on, pairs))
 
 

@@ -1,16 +1,17 @@
 """What a ``shard_map``'s specs need of a mesh, worked out once, and the blocks' autograd.
 
-A :class:`Plan` holds, for one mesh and one set of specs, the view (dense or
-expert DeviceMesh), each spec's placements, the groups of its split dims and of
-the axes it leaves out; :func:`plan_on` keeps it with the mesh. Under
-``torch.compile`` a plan is made while tracing, outside the graph, and held as
-a constant (specs made inside the compiled function included: a plan is found
-by the specs' contents).
+A :class:`Plan` holds, for one mesh and one tuple of specs, the view (dense or
+expert DeviceMesh) and, for each spec by its number in the tuple, its
+placements, the groups of its split dims and of the axes it leaves out;
+:func:`plan_on` keeps it in the mesh's store, found by the specs. Under
+``torch.compile`` a plan is found while tracing, or made outside the graph, and
+held as a constant (specs made inside the compiled function included: a plan
+is found by the specs' values).
 
 Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
 
-    plan = plan_on(mesh, (spec_key(P("tp")),))
-    plan.to_local(P("tp"), torch.arange(8.0), even=[True])   # this tp rank's half
+    plan = plan_on(mesh, (P("tp"),))
+    plan.to_local(0, torch.arange(8.0))   # this tp rank's half
 """
 
 from __future__ import annotations
@@ -29,72 +30,80 @@ from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.world import each_rank
-from meshstate.jax.torch_calls import device_for, gather, summed_gradient
+from meshstate.jax.torch_calls import device_for, gather
 from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
 
-SpecTree = P | None | tuple[Any, ...] | list[Any] | dict[Any, Any]
-"""A ``P``, or a tuple, list or dict of spec trees (``None``: pass the value through)."""
-
-SpecKey = tuple[tuple[DimAxes, ...], frozenset[str]]
-"""A spec's contents, ``(spec.dims, spec.unreduced)``: what ``torch.compile`` can hold as a
-constant, also for a spec made inside the compiled function."""
+Leaves = list[tuple[int, torch.Tensor]]
+"""Tensors, each with the number of its spec in a plan: a call's flat arguments or results."""
 
 
-def spec_key(spec: P) -> SpecKey:
-    return spec.dims, spec.unreduced
-
-
-def plan_on(parallel_mesh: ParallelMesh, keys: tuple[SpecKey, ...]) -> Plan:
-    """The plan of the specs ``keys`` on ``parallel_mesh``, made on first use and kept in
-    the mesh's store (under ``torch.compile``: made while tracing, then read from the
-    store like any attribute, which torch guards on)."""
-    _keep_plan(parallel_mesh, keys)
-    plan: Plan = parallel_mesh.store[("plan", keys)]
-    return plan
+def plan_on(parallel_mesh: ParallelMesh, specs: tuple[P, ...]) -> Plan:
+    """The plan of ``specs`` on ``parallel_mesh``, made on first use and kept in the mesh's
+    store under ``("plan", specs)``. Under ``torch.compile`` it is made while tracing, outside
+    the graph, and then read from the store like any attribute, which torch guards on (a
+    traced program reads the store once, so only once the plan is surely in it)."""
+    key = ("plan", specs)
+    if torch.compiler.is_compiling():
+        _keep_plan(parallel_mesh, *((spec.dims, spec.unreduced) for spec in specs))
+        traced: Plan = parallel_mesh.store[key]
+        return traced
+    plan: Plan | None = parallel_mesh.store.get(key)
+    return _new_plan(parallel_mesh, specs) if plan is None else plan
 
 
 @_compat.constant_when_traced
-def _keep_plan(parallel_mesh: ParallelMesh, keys: tuple[SpecKey, ...]) -> bool:
-    """Put the plan of ``keys`` in the mesh's store. A constant to torch.compile, so it
-    runs while tracing: the plan's groups and views are made outside the graph."""
-    if ("plan", keys) not in parallel_mesh.store:
-        parallel_mesh.check_alive()
-        specs = [P(*dims, unreduced=axes) for dims, axes in keys]
-        parallel_mesh.store[("plan", keys)] = Plan(parallel_mesh, specs)
+def _keep_plan(
+    parallel_mesh: ParallelMesh, *fields: tuple[tuple[DimAxes, ...], frozenset[str]]
+) -> bool:
+    """Put the plan of the specs with these ``(dims, unreduced)`` in the mesh's store. A
+    constant to torch.compile, so it runs while tracing and the plan's groups and views are
+    made outside the graph; the specs come as their fields, the builtins torch.compile
+    hands such a function (a P made inside the compiled function it cannot hand over)."""
+    specs = tuple(P(*dims, unreduced=unreduced) for dims, unreduced in fields)
+    if ("plan", specs) not in parallel_mesh.store:
+        _new_plan(parallel_mesh, specs)
     return True
+
+
+def _new_plan(parallel_mesh: ParallelMesh, specs: tuple[P, ...]) -> Plan:
+    """A new plan of ``specs``, put in the mesh's store (by the caller's specs, so the next
+    calls find it by identity before equality)."""
+    parallel_mesh.check_alive()
+    plan = parallel_mesh.store[("plan", specs)] = Plan(parallel_mesh, specs)
+    return plan
 
 
 class Plan:
     """What shard_map's specs need of one mesh, worked out once.
 
-    ``view`` is the dense or expert DeviceMesh; per spec (by :func:`spec_key`),
-    its placements, the groups of its split dims (each dim's axes, major to
-    minor), and the group of the view's axes it leaves out (``None`` if none of
-    size > 1).
+    ``view`` is the dense or expert DeviceMesh; for each spec, by its number in
+    ``specs``: its placements, the groups of its split dims (each dim's axes,
+    major to minor), and the group of the view's axes it leaves out (``None``
+    if none of size > 1).
     """
 
-    def __init__(self, parallel_mesh: ParallelMesh, specs: Sequence[P]) -> None:
+    def __init__(self, parallel_mesh: ParallelMesh, specs: tuple[P, ...]) -> None:
+        self.specs = specs
         self.view = _view(parallel_mesh, specs)
         self.mesh_axes = self.view.mesh_dim_names or ()
         self.sizes = dict(zip(self.mesh_axes, self.view.shape))
-        self.placements = {spec_key(spec): to_placements(spec, self.view) for spec in specs}
-        self.named = {spec_key(spec): frozenset(spec.axes) for spec in specs}
+        self.placements = tuple(to_placements(spec, self.view) for spec in specs)
+        self.named = tuple(frozenset(spec.axes) for spec in specs)
         """The axes each spec names: the type of a value laid out by it."""
-        self._specs: dict[tuple[object, ...], object] = {}
-        """DTensor specs of even results, by spec and block shape (eager, no autograd)."""
-        self.split_dims = {
-            spec_key(spec): [
+        self._dtensor_specs: dict[tuple[object, ...], object] = {}
+        """DTensor specs of even results, by spec number and block shape (eager, no autograd)."""
+        self.split_dims = tuple(
+            [
                 (dim, parallel_mesh.ordered(_axes_of(entry)))
                 for dim, entry in enumerate(spec.dims)
                 if entry is not None
             ]
             for spec in specs
-        }
-        self.left_out = {spec_key(spec): self._left_out(parallel_mesh, spec) for spec in specs}
-        self.replicas = {
-            spec_key(spec): math.prod(self.sizes[axis] for axis in self.left_out_axes(spec))
-            for spec in specs
-        }
+        )
+        self.left_out = tuple(self._left_out(parallel_mesh, spec) for spec in specs)
+        self.replicas = tuple(
+            math.prod(self.sizes[axis] for axis in self.left_out_axes(spec)) for spec in specs
+        )
         self.whole = parallel_mesh.ordered(self.mesh_axes)
         self.coordinate = parallel_mesh.coordinate
 
@@ -107,50 +116,34 @@ class Plan:
         axes = self.left_out_axes(spec)
         return parallel_mesh.ordered(axes) if axes else None
 
-    def to_local(
-        self, spec: P, x: torch.Tensor, *, even: list[bool], jax_grads: bool = True
-    ) -> torch.Tensor:
-        """This rank's block of ``x`` under ``spec``; clears ``even[0]`` for an uneven one.
-
-        With ``jax_grads`` the gradient is also summed over the axes ``spec``
-        leaves out (JAX's legacy rule); without, it is each replica's own.
-        """
-        key = spec_key(spec)
+    def to_local(self, number: int, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``x`` under spec ``number``; its gradient is the block's own."""
         if isinstance(x, DTensor):
-            even[0] &= self._divides(key, x.shape)
-            local = self._local_of(x, key)
-            left_out = self.left_out[key]
-            if left_out is None or not jax_grads or not local.requires_grad:
-                return local
-            return summed_gradient(local, left_out.group_name)
+            return self._local_of(x, number)
+        spec = self.specs[number]
         if len(spec.dims) > x.dim():
             raise ConfigError(
                 f"{spec!r} has {len(spec.dims)} dims but the shape {tuple(x.shape)} has {x.dim()}"
             )
-        if not self._divides(key, x.shape):
+        if not self._divides(number, x.shape):
             NamedSharding(self.view, spec).shard_shape(x.shape)  # refuses what DTensor cannot cut
-            even[0] = False
             replicated = DTensor.from_local(
                 x, self.view, [Replicate()] * self.view.ndim, run_check=False
             )
-            return self.to_local(spec, replicated, even=even, jax_grads=jax_grads)
+            return self._local_of(replicated, number)
         # The full value on every rank: this rank's block is a slice, whose gradient
         # is gathered back whole (as DTensor's Replicate -> Shard gives it).
-        split_dims = self.split_dims[key]
+        split_dims = self.split_dims[number]
         if not (x.requires_grad and torch.is_grad_enabled()):
             return block(x, split_dims)
-        local = take_block(x, split_dims)
-        left_out = self.left_out[key]
-        if left_out is None or not jax_grads:
-            return local
-        return summed_gradient(local, left_out.group_name)
+        return take_block(x, split_dims)
 
-    def _local_of(self, x: DTensor, key: SpecKey) -> torch.Tensor:
-        """The block of a DTensor laid out as ``key`` on the view. One on the view or on a
-        slice of it (``mesh["tp"]``: replicated over the view's other axes) that is already
-        laid out so keeps its local block; any other is redistributed, or gathered whole
-        first where it lives on another mesh."""
-        wanted = self.placements[key]
+    def _local_of(self, x: DTensor, number: int) -> torch.Tensor:
+        """The block of a DTensor laid out as spec ``number`` on the view. One on the view or
+        on a slice of it (``mesh["tp"]``: replicated over the view's other axes) that is
+        already laid out so keeps its local block; any other is redistributed, or gathered
+        whole first where it lives on another mesh."""
+        wanted = self.placements[number]
         if x.device_mesh is self.view:
             if x.placements == wanted:
                 return _compat.local_tensor(x)
@@ -172,88 +165,60 @@ class Plan:
             x = x.redistribute(self.view, wanted)
         return x.to_local()
 
-    def _divides(self, key: SpecKey, shape: Sequence[int]) -> bool:
-        return all(shape[dim] % len(group.ranks) == 0 for dim, group in self.split_dims[key])
+    def _divides(self, number: int, shape: Sequence[int]) -> bool:
+        for dim, group in self.split_dims[number]:
+            if shape[dim] % len(group.ranks):
+                return False
+        return True
 
-    def to_dtensor(
-        self, y: torch.Tensor, spec: P, shape: Sequence[int] | None, *, share: bool = True
-    ) -> DTensor:
-        """``y``, this rank's block, as a DTensor of global ``shape`` laid out by ``spec``
-        (``None``: every rank's block has ``y``'s shape, so DTensor works it out).
-
-        With ``share``, a result replicated over the axes ``spec`` leaves out
-        hands each replica its share of the cotangent (JAX's legacy rule).
-        """
-        key = spec_key(spec)
+    def to_dtensor(self, number: int, y: torch.Tensor, shape: Sequence[int] | None) -> DTensor:
+        """``y``, this rank's block, as a DTensor of global ``shape`` laid out by spec
+        ``number`` (``None``: every rank's block has ``y``'s shape, so DTensor works it out)."""
         if isinstance(y, DTensor):
             raise ConfigError("shard_map: f returned a DTensor; return local blocks (plain tensors)")
-        if share and self.replicas[key] > 1 and y.requires_grad:
-            y = share_grad(y, self.replicas[key])
+        placements = self.placements[number]
         if shape is None:
             if (y.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-                return DTensor.from_local(y, self.view, self.placements[key], run_check=False)
-            block_key = (key, y.shape, y.stride(), y.dtype, y.device)
-            dtensor_spec = self._specs.get(block_key)
+                return DTensor.from_local(y, self.view, placements, run_check=False)
+            block_key = (number, y.shape, y.stride(), y.dtype, y.device)
+            dtensor_spec = self._dtensor_specs.get(block_key)
             if dtensor_spec is None:
-                dtensor_spec = self._specs[block_key] = _compat.even_spec(
-                    self.view, self.placements[key], y
+                dtensor_spec = self._dtensor_specs[block_key] = _compat.even_spec(
+                    self.view, placements, y
                 )
             return _compat.dtensor_of(y, dtensor_spec)
         return DTensor.from_local(
             y,
             self.view,
-            self.placements[key],
+            placements,
             run_check=False,
             shape=torch.Size(shape),
             stride=contiguous_strides(shape),
         )
 
-    def global_shapes(
-        self, outputs: list[tuple[P, torch.Tensor]], even: bool
-    ) -> list[torch.Size | None]:
+    def to_dtensors(self, outputs: Leaves, arguments: Leaves) -> list[DTensor]:
+        """Each result, a block under its spec, as a DTensor of its global shape (see
+        :meth:`global_shapes`; ``arguments``: the call's, by their specs)."""
+        shapes = self.global_shapes(outputs, arguments)
+        return [self.to_dtensor(number, y, shape) for (number, y), shape in zip(outputs, shapes)]
+
+    def global_shapes(self, outputs: Leaves, arguments: Leaves) -> list[torch.Size | None]:
         """Each result's global shape: a split dim times its axes' sizes where every
         argument divided (JAX's rule; ``None``, which DTensor works out alike, where the
         spec has no more dims than the result), else summed over the ranks (one all-reduce)."""
-        if not even:
+        if not all([self._divides(number, x.shape) for number, x in arguments]):
             return list(_summed_shapes(outputs, self))
         shapes: list[torch.Size | None] = []
-        for spec, y in outputs:
-            if len(spec.dims) <= y.dim():
+        for number, y in outputs:
+            if len(self.specs[number].dims) <= y.dim():
                 shapes.append(None)
                 continue
             shape = list(y.shape)
-            for dim, group in self.split_dims[spec_key(spec)]:
+            for dim, group in self.split_dims[number]:
                 if dim < y.dim():
                     shape[dim] *= len(group.ranks)
             shapes.append(torch.Size(shape))
         return shapes
-
-
-def spec_branches(tree: SpecTree, path: str) -> dict[Any, tuple[SpecTree, str]]:
-    """The branches of a spec tree's inner node, each with its path as JAX words it
-    (``out_specs['a'][1]``): a dict's items, a tuple's or list's entries by number.
-
-    The one rule of what a tree holds (P, None, tuples, lists and dicts); anything
-    else is a :class:`ConfigError`. Example: ``spec_branches((P("tp"), None), "in_specs")
-    == {0: (P("tp"), "in_specs[0]"), 1: (None, "in_specs[1]")}``.
-    """
-    if isinstance(tree, dict):
-        return {key: (branch, f"{path}[{key!r}]") for key, branch in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return {number: (branch, f"{path}[{number}]") for number, branch in enumerate(tree)}
-    raise ConfigError(
-        f"{path}: a spec tree holds P, None, tuples, lists and dicts, not {type(tree).__name__}"
-    )
-
-
-def spec_leaves(tree: SpecTree, path: str = "specs") -> list[P]:
-    """Every P of ``tree``, in order."""
-    if tree is None:
-        return []
-    if isinstance(tree, P):
-        return [tree]
-    branches = spec_branches(tree, path).values()
-    return [spec for branch, where in branches for spec in spec_leaves(branch, where)]
 
 
 def _view(parallel_mesh: ParallelMesh, specs: Sequence[P]) -> DeviceMesh:
@@ -264,14 +229,14 @@ def _view(parallel_mesh: ParallelMesh, specs: Sequence[P]) -> DeviceMesh:
     return parallel_mesh.root_of(grid)
 
 
-def _summed_shapes(outputs: list[tuple[P, torch.Tensor]], plan: Plan) -> list[torch.Size]:
+def _summed_shapes(outputs: Leaves, plan: Plan) -> list[torch.Size]:
     """Each result's global shape: its sharded dims summed over their axes (one all-reduce).
 
     Where an argument was cut unevenly a rank cannot know the others' blocks."""
     split = [
         (tuple(set(plan.mesh_axes) - set(_axes_of(entry))), y.shape[dim])
-        for spec, y in outputs
-        for dim, entry in enumerate(spec.dims[: y.dim()])
+        for number, y in outputs
+        for dim, entry in enumerate(plan.specs[number].dims[: y.dim()])
         if entry is not None
     ]
     if split:
@@ -281,9 +246,9 @@ def _summed_shapes(outputs: list[tuple[P, torch.Tensor]], plan: Plan) -> list[to
         dist.all_reduce(sizes, group=plan.whole.group)
         summed = iter(sizes.tolist())
     shapes = []
-    for spec, y in outputs:
+    for number, y in outputs:
         shape = list(y.shape)
-        for dim, entry in enumerate(spec.dims[: y.dim()]):
+        for dim, entry in enumerate(plan.specs[number].dims[: y.dim()]):
             if entry is not None:
                 shape[dim] = next(summed)
         shapes.append(torch.Size(shape))

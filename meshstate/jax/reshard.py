@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,11 +51,11 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
         y = reshard(torch.arange(8), P(("cp", "dp")))   # rank 2 (cp=1, dp=0) holds [4, 5]
         reshard(y, P("tp")).to_local()                  # [0, 1, 2, 3] on tp=0
     """
-    signature = (spec.dims, spec.unreduced)
     if isinstance(x, DTensor):
-        move = _move(x.device_mesh, x.placements, signature, tuple(x.shape))
+        move = _move(x.device_mesh, x.placements, spec.dims, spec.unreduced, tuple(x.shape))
         if move is None:
-            return x.redistribute(x.device_mesh, _placements(x.device_mesh, signature))
+            placements = _placements(x.device_mesh, spec.dims, spec.unreduced)
+            return x.redistribute(x.device_mesh, placements)
         local = x.to_local()
         for dim, group in move.gathers:
             local = _gather_whole(local, dim, group)
@@ -69,17 +68,17 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
     parallel_mesh = (
         current_mesh() if mesh is None else require_parallel_mesh(mesh, "reshard(mesh=...)")
     )
-    plan = plan_on(parallel_mesh, (signature,))
-    local = plan.to_local(spec, x, even=[True], jax_grads=False)
-    return plan.to_dtensor(local, spec, x.shape, share=False)
+    plan = plan_on(parallel_mesh, (spec,))
+    return plan.to_dtensor(0, plan.to_local(0, x), x.shape)
 
 
 @_compat.constant_when_traced
 def _placements(
-    device_mesh: DeviceMesh, signature: tuple[tuple[DimAxes, ...], frozenset[str]]
+    device_mesh: DeviceMesh, dims: tuple[DimAxes, ...], unreduced: frozenset[str]
 ) -> tuple[Placement, ...]:
-    """The placements of the spec ``signature`` on ``device_mesh``, a constant to torch.compile."""
-    return to_placements(P(*signature[0], unreduced=signature[1]), device_mesh)
+    """The placements on ``device_mesh`` of the spec of ``dims`` and ``unreduced``, a
+    constant to torch.compile (which hands such a function a spec's fields, not the spec)."""
+    return to_placements(P(*dims, unreduced=unreduced), device_mesh)
 
 
 @dataclass(frozen=True)
@@ -92,10 +91,9 @@ class _Move:
     placements: tuple[Placement, ...]
 
 
-_moves: weakref.WeakKeyDictionary[ParallelMesh, dict[tuple[object, ...], _Move | None]] = (
-    weakref.WeakKeyDictionary()
-)
-"""The moves worked out on each mesh, by placements, spec and shape (kept with the mesh)."""
+_MOVES = ("reshard", "moves")
+"""The key in a mesh's store of the moves worked out on it, by placements, target spec
+and shape."""
 MOVES_KEPT = 256
 """A mesh forgets its moves past this many (shapes vary, say with sequence length)."""
 
@@ -104,20 +102,23 @@ MOVES_KEPT = 256
 def _move(
     view: DeviceMesh,
     placements: tuple[Placement, ...],
-    signature: tuple[tuple[DimAxes, ...], frozenset[str]],
+    dims: tuple[DimAxes, ...],
+    unreduced: frozenset[str],
     shape: tuple[int, ...],
 ) -> _Move | None:
-    """The move of a DTensor on ``view`` with ``placements`` to the spec ``signature``;
-    ``None`` where DTensor's redistribution must do it. Kept on the mesh that owns ``view``."""
+    """The move of a DTensor on ``view`` with ``placements`` to the spec of ``dims`` and
+    ``unreduced`` (a spec's fields: what torch.compile hands a constant function); ``None``
+    where DTensor's redistribution must do it. Kept in the store of the mesh that owns
+    ``view``."""
     parallel_mesh = _owner(view)
     if parallel_mesh is None:
         return None
-    moves = _moves.setdefault(parallel_mesh, {})
-    key = (placements, signature, shape)
+    moves: dict[tuple[object, ...], _Move | None] = parallel_mesh.store.setdefault(_MOVES, {})
+    key = (placements, dims, unreduced, shape)
     if key not in moves:
         if len(moves) >= MOVES_KEPT:
             moves.clear()
-        target = P(*signature[0], unreduced=signature[1])
+        target = P(*dims, unreduced=unreduced)
         moves[key] = _plan_move(parallel_mesh, view, placements, target, shape)
     return moves[key]
 

@@ -41,7 +41,7 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)``; a row-parallel matmul)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, overload
 
@@ -52,12 +52,16 @@ from meshstate.core import compat as _compat
 from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.jax.collectives import pvary_over
-from meshstate.jax.plan import Plan, SpecTree, plan_on, spec_branches, spec_key, spec_leaves
+from meshstate.jax.plan import Leaves, Plan, plan_on, share_grad
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
+from meshstate.jax.torch_calls import summed_gradient
 from meshstate.jax.vma import NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, typed, vma
 
 __all__ = ["reshard", "shard_map"]
+
+SpecTree = P | None | tuple[Any, ...] | list[Any] | dict[Any, Any]
+"""A ``P``, or a tuple, list or dict of spec trees (``None``: pass the value through)."""
 
 
 @overload
@@ -100,20 +104,17 @@ def shard_map(
 
     Without ``f``, a decorator (JAX's ``@shard_map(in_specs=..., out_specs=...)``).
 
-    Each argument is a ``DTensor`` (redistributed to its in-spec if needed; one
-    on a slice of the view, such as ``mesh["tp"]``, keeps its block) or a plain
-    tensor holding the full global value on every rank. Specs are pytrees like
-    JAX's: one ``P`` stands for every argument (or result), a tuple, list or
-    dict matches the arguments (results) it describes. While ``f`` runs,
-    ``mesh`` (default: the current mesh when called) is current. What the specs
-    need of a mesh is worked out on the first call and kept with the mesh;
-    under ``torch.compile`` the call traces as part of the caller's graph,
-    built inside the compiled function or outside.
-
-    ``check_vma`` (JAX's default ``True``) types the values inside ``f`` and
-    checks the out-specs against the types; ``False`` is JAX's legacy mode
-    (see the module). ``auto_pvary=False`` refuses an op whose operands vary
-    over different axes instead of casting them up.
+    Each argument is a ``DTensor`` (redistributed to its in-spec if needed; one on a
+    slice of the view, such as ``mesh["tp"]``, keeps its block) or a plain tensor holding
+    the full global value on every rank. Specs are pytrees like JAX's: one ``P`` stands
+    for every argument (or result), a tuple, list or dict matches the arguments (results)
+    it describes. While ``f`` runs, ``mesh`` (default: the current mesh when called) is
+    current. What the specs need of a mesh is worked out on the first call and kept with
+    the mesh; under ``torch.compile`` the call traces into the caller's graph, built
+    inside the compiled function or outside. ``check_vma`` (JAX's default ``True``)
+    types the values inside ``f`` and checks the out-specs against the types; ``False``
+    is JAX's legacy mode (see the module). ``auto_pvary=False`` refuses an op whose
+    operands vary over different axes instead of casting them up.
 
     Example (8 ranks, ``init_mesh(tp=2, cp=2)``, so dp=2)::
 
@@ -131,36 +132,22 @@ def shard_map(
     if f is None:
         return partial(shard_map, in_specs=in_specs, out_specs=out_specs, mesh=mesh,
                        check_vma=check_vma, auto_pvary=auto_pvary)
-    leaves = [*spec_leaves(in_specs, "in_specs"), *spec_leaves(out_specs, "out_specs")]
-    keys = tuple(spec_key(spec) for spec in leaves)
-    name = getattr(f, "__name__", type(f).__name__)
+    flat_in = _FlatSpecs(in_specs, "in_specs", first=0)
+    flat_out = _FlatSpecs(out_specs, "out_specs", first=len(flat_in.specs))
+    specs = flat_in.specs + flat_out.specs
+    mode = _Typed(f, flat_in.paths + flat_out.paths, auto_pvary) if check_vma else _Legacy()
 
     def mapped(*args: Any) -> Any:
         parallel_mesh = (
             current_mesh() if mesh is None else require_parallel_mesh(mesh, "shard_map(mesh=...)")
         )
-        plan = plan_on(parallel_mesh, keys)
-        even = [True]
-        types = (
-            VaryingTypes(auto_pvary, partial(pvary_over, parallel_mesh=parallel_mesh))
-            if check_vma
-            else None
-        )
-        local_args = _map(in_specs, args, "in_specs", partial(_block, plan, even, check_vma))
-        results = _run(f, local_args, parallel_mesh, types)
-        outputs: list[tuple[P, torch.Tensor]] = []
-        _map(out_specs, results, "out_specs", partial(_result, name, plan, outputs, check_vma))
-        shapes = iter(plan.global_shapes(outputs, even[0]))
-        if not check_vma:
-            return _map(out_specs, results, "out_specs",
-                        lambda spec, y, path: plan.to_dtensor(y, spec, next(shapes)))
-        return _map(
-            out_specs, results, "out_specs",
-            lambda spec, y, path: plan.to_dtensor(
-                _untyped(y, plan.named[spec_key(spec)], parallel_mesh), spec, next(shapes),
-                share=False,
-            ),
-        )
+        plan = plan_on(parallel_mesh, specs)
+        arguments = flat_in.tree.leaves(args)
+        blocks = [mode.enter(plan, number, x) for number, x in arguments]
+        local_args = flat_in.tree.rebuilt(args, iter(blocks))
+        results = _run(f, local_args, parallel_mesh, mode.types(parallel_mesh))
+        outputs = mode.leave(plan, parallel_mesh, flat_out.tree.leaves(results))
+        return flat_out.tree.rebuilt(results, iter(plan.to_dtensors(outputs, arguments)))
 
     return mapped
 
@@ -209,40 +196,78 @@ def _rematerialized(run_function: Callable[..., Any], args: tuple[Any, ...]) -> 
 _compat.follow_reentrant_checkpoint(_rematerialized)
 
 
-def _block(
-    plan: Plan, even: list[bool], check_vma: bool, spec: P, x: torch.Tensor, path: str
-) -> torch.Tensor:
-    """This rank's block of ``x``. Typed (``check_vma``): varying over the axes ``spec``
-    names, its gradient the block's own (the types, not the boundary, sum where JAX sums)."""
-    if not check_vma:
-        return plan.to_local(spec, x, even=even)
-    local = plan.to_local(spec, x, even=even, jax_grads=False)
-    if local is x or isinstance(x, DTensor):  # not the caller's tensor: type a view of it
-        local = local.view_as(local)
-    return typed(local, plan.named[spec_key(spec)])
+class _Typed:
+    """``check_vma=True``, JAX's typed mode. A block enters varying over the axes its
+    in-spec names, its gradient its own (the types, not the boundary, sum where JAX sums);
+    a result that varies over an axis its out-spec leaves out is refused (JAX's message),
+    and one that does not vary over an axis its out-spec names leaves pvary'd over it."""
 
+    def __init__(self, f: Callable[..., Any], paths: tuple[str, ...], auto_pvary: bool) -> None:
+        self.name = getattr(f, "__name__", type(f).__name__)
+        self.paths = paths
+        """Each spec's path, by its number in the plan (``out_specs['a'][1]``)."""
+        self.auto_pvary = auto_pvary
 
-def _result(
-    name: str, plan: Plan, outputs: list[tuple[P, torch.Tensor]], check_vma: bool,
-    spec: P, y: torch.Tensor, path: str,
-) -> None:
-    """Collect ``y``; typed, refuse it if it varies over an axis its out-spec leaves out
-    (JAX's message)."""
-    outputs.append((spec, y))
-    if not check_vma:
-        return
-    extra = vma(y) - plan.named[spec_key(spec)]
-    if extra:
+    def types(self, parallel_mesh: ParallelMesh) -> VaryingTypes:
+        """What types the body's values (its casts pvary over ``parallel_mesh``)."""
+        return VaryingTypes(self.auto_pvary, partial(pvary_over, parallel_mesh=parallel_mesh))
+
+    def enter(self, plan: Plan, number: int, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``x``, typed by its in-spec ``number``."""
+        local = plan.to_local(number, x)
+        if local is x or isinstance(x, DTensor):  # not the caller's tensor: type a view of it
+            local = local.view_as(local)
+        return typed(local, plan.named[number])
+
+    def leave(self, plan: Plan, parallel_mesh: ParallelMesh, outputs: Leaves) -> Leaves:
+        """The results untyped, once every one is checked (before anything is sent)."""
+        for number, y in outputs:
+            extra = vma(y) - plan.named[number]
+            if extra:
+                raise self._refusal(plan, number, y, extra)
+        return [(number, _untyped(y, plan.named[number], parallel_mesh)) for number, y in outputs]
+
+    def _refusal(
+        self, plan: Plan, number: int, y: torch.Tensor, extra: frozenset[str]
+    ) -> VaryingAxesError:
+        spec = plan.specs[number]
         shape = tuple(plan.sizes[axis] for axis in plan.mesh_axes)
-        raise VaryingAxesError(
-            f"shard_map applied to the function {name!r} was given out_specs which require "
+        return VaryingAxesError(
+            f"shard_map applied to the function {self.name!r} was given out_specs which require "
             f"replication which can't be statically inferred given the mesh of shape {shape} "
-            f"with axis names {plan.mesh_axes}: {path} is {spec!r} which implies that the "
-            f"corresponding output value is only varying across mesh axes "
+            f"with axis names {plan.mesh_axes}: {self.paths[number]} is {spec!r} which implies "
+            f"that the corresponding output value is only varying across mesh axes "
             f"{axes_text(spec.axes)} and not {axes_text(extra)}, but it was inferred to be "
             f"possibly varying over {axes_text(vma(y))}; name {axes_text(extra)} in that "
             "out_spec, reduce over it (psum, all_gather_invariant), or pass check_vma=False"
         )
+
+
+class _Legacy:
+    """``check_vma=False``, JAX's legacy mode: nothing is typed. A block's gradient is
+    summed over the axes its in-spec leaves out; a result replicated over the axes its
+    out-spec leaves out hands each replica its share of the cotangent."""
+
+    def types(self, parallel_mesh: ParallelMesh) -> None:
+        """Nothing types the body's values."""
+        return None
+
+    def enter(self, plan: Plan, number: int, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``x`` under its in-spec ``number``."""
+        local = plan.to_local(number, x)
+        left_out = plan.left_out[number]
+        if left_out is None or not local.requires_grad:
+            return local
+        return summed_gradient(local, left_out.group_name)
+
+    def leave(self, plan: Plan, parallel_mesh: ParallelMesh, outputs: Leaves) -> Leaves:
+        """The results, each replicated one sharing its cotangent among its replicas."""
+        return [
+            (number, share_grad(y, plan.replicas[number]))
+            if plan.replicas[number] > 1 and y.requires_grad
+            else (number, y)
+            for number, y in outputs
+        ]
 
 
 def _untyped(y: torch.Tensor, named: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
@@ -257,34 +282,123 @@ def _untyped(y: torch.Tensor, named: frozenset[str], parallel_mesh: ParallelMesh
     return y.view_as(y)
 
 
-def _map(tree: SpecTree, values: Any, path: str, apply: Callable[[P, Any, str], Any]) -> Any:
-    """``values`` with ``apply(spec, tensor, path)`` on each tensor leaf under a spec of
-    ``tree``; ``path`` names the spec in the tree as JAX does (``out_specs['a'][1]``)."""
-    if tree is None:
-        return values
-    if isinstance(tree, P):
+class _Spec:
+    """A spec of a flattened tree, by its number: it stands for every tensor of its value."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+    def leaves(self, values: Any) -> Leaves:
+        """The tensors of ``values``, in order, each with the spec's number."""
         if isinstance(values, torch.Tensor):
-            return apply(tree, values, path)
+            return [(self.number, values)]
         if isinstance(values, dict):
-            return {key: _map(tree, value, path, apply) for key, value in values.items()}
+            values = values.values()
+        elif not isinstance(values, (tuple, list)):
+            return []
+        return [leaf for value in values for leaf in self.leaves(value)]
+
+    def rebuilt(self, values: Any, tensors: Iterator[torch.Tensor]) -> Any:
+        """``values`` with its tensors, in order, replaced by ``tensors``."""
+        if isinstance(values, torch.Tensor):
+            return next(tensors)
+        if isinstance(values, dict):
+            return {key: self.rebuilt(value, tensors) for key, value in values.items()}
         if isinstance(values, (tuple, list)):
-            return type(values)(_map(tree, value, path, apply) for value in values)
+            return type(values)([self.rebuilt(value, tensors) for value in values])
         return values
-    branches = spec_branches(tree, path)
-    if isinstance(tree, dict):
-        if not isinstance(values, dict) or set(values) != set(tree):
+
+
+class _Pass:
+    """``None`` in a spec tree: its value passes through, tensors and all."""
+
+    def leaves(self, values: Any) -> Leaves:
+        return []
+
+    def rebuilt(self, values: Any, tensors: Iterator[torch.Tensor]) -> Any:
+        return values
+
+
+class _Branches:
+    """An inner node of a flattened spec tree: its path, as JAX words it, and its
+    branches, by key (a dict's) or in order (a tuple's or list's)."""
+
+    def __init__(self, path: str, branches: dict[Any, _Node] | tuple[_Node, ...]) -> None:
+        self.path = path
+        self.branches = branches
+
+    def leaves(self, values: Any) -> Leaves:
+        """The tensors of ``values``, in order, each with its spec's number; a value of
+        another shape than the tree's is a :class:`ConfigError`."""
+        if isinstance(self.branches, dict):
+            if not isinstance(values, dict) or set(values) != set(self.branches):
+                raise ConfigError(
+                    f"{self.path} is a dict with keys {sorted(map(str, self.branches))}, "
+                    f"the value is {_describe(values)}"
+                )
+            return [
+                leaf for key, value in values.items() for leaf in self.branches[key].leaves(value)
+            ]
+        if not isinstance(values, (tuple, list)) or len(values) != len(self.branches):
             raise ConfigError(
-                f"{path} is a dict with keys {sorted(map(str, tree))}, "
-                f"the value is {_describe(values)}"
+                f"{self.path} has {len(self.branches)} entries, the value is {_describe(values)}"
             )
-        return {key: _map(branches[key][0], value, branches[key][1], apply)
-                for key, value in values.items()}
-    if not isinstance(values, (tuple, list)) or len(values) != len(branches):
-        raise ConfigError(f"{path} has {len(branches)} entries, the value is {_describe(values)}")
-    return type(values)(
-        _map(branches[number][0], value, branches[number][1], apply)
-        for number, value in enumerate(values)
-    )
+        return [
+            leaf for branch, value in zip(self.branches, values) for leaf in branch.leaves(value)
+        ]
+
+    def rebuilt(self, values: Any, tensors: Iterator[torch.Tensor]) -> Any:
+        """``values``, flattened by :meth:`leaves`, with its tensors taken from ``tensors``."""
+        if isinstance(self.branches, dict):
+            return {
+                key: self.branches[key].rebuilt(value, tensors) for key, value in values.items()
+            }
+        return type(values)(
+            [branch.rebuilt(value, tensors) for branch, value in zip(self.branches, values)]
+        )
+
+
+_Node = _Spec | _Pass | _Branches
+
+
+class _FlatSpecs:
+    """A spec tree flattened once: its specs in order, numbered from ``first``, each with
+    its path (``out_specs['a'][1]``), and ``tree``, against which each call's values are
+    flattened into tensors with their specs' numbers and rebuilt with other tensors.
+
+    Example: ``_FlatSpecs((P("tp"), None), "in_specs", first=0).tree.leaves((x, 3))`` is
+    ``[(0, x)]``.
+    """
+
+    def __init__(self, tree: SpecTree, path: str, first: int) -> None:
+        self.tree, numbered = _numbered(tree, path, first)
+        self.specs = tuple(spec for spec, _ in numbered)
+        self.paths = tuple(spec_path for _, spec_path in numbered)
+
+
+def _numbered(tree: SpecTree, path: str, first: int) -> tuple[_Node, list[tuple[P, str]]]:
+    """``tree`` with each P replaced by its number, counting from ``first``, and its specs
+    in order with their paths. The one rule of what a tree holds (P, None, tuples, lists
+    and dicts); anything else is a :class:`ConfigError`."""
+    if tree is None:
+        return _Pass(), []
+    if isinstance(tree, P):
+        return _Spec(first), [(tree, path)]
+    if isinstance(tree, dict):
+        keyed = [(key, branch, f"{path}[{key!r}]") for key, branch in tree.items()]
+    elif isinstance(tree, (tuple, list)):
+        keyed = [(number, branch, f"{path}[{number}]") for number, branch in enumerate(tree)]
+    else:
+        raise ConfigError(
+            f"{path}: a spec tree holds P, None, tuples, lists and dicts, not {type(tree).__name__}"
+        )
+    branches: dict[Any, _Node] = {}
+    numbered: list[tuple[P, str]] = []
+    for key, branch, branch_path in keyed:
+        branches[key], branch_specs = _numbered(branch, branch_path, first + len(numbered))
+        numbered += branch_specs
+    node = _Branches(path, branches if isinstance(tree, dict) else tuple(branches.values()))
+    return node, numbered
 
 
 def _describe(value: Any) -> str:

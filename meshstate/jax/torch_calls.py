@@ -14,6 +14,7 @@ Example (8 ranks, ``init_mesh(tp=2)``)::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -32,16 +33,22 @@ def use_functional(x: object, name: str) -> bool:
     tracing, ``x`` is a tensor subclass (a tracer's fake or functional tensor, a DTensor),
     autograd records ``x``, or a torch.func transform runs (its wrappers are plain tensors
     to Python that only functional ops handle). A ConfigError if ``x`` is not a tensor."""
-    kind = type(x)
-    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+    if type(x) not in _PLAIN_TENSORS:
         if not isinstance(x, torch.Tensor):
-            raise ArgumentTypeError(f"{name} takes a torch.Tensor, got {kind.__name__}")
+            raise ArgumentTypeError(f"{name} takes a torch.Tensor, got {type(x).__name__}")
         return True
     return (
-        recorded(cast(torch.Tensor, x))
-        or torch.compiler.is_compiling()
-        or _compat.transforms_active()
+        (cast(torch.Tensor, x).requires_grad and _grad_enabled())
+        or _compiling()
+        or _transforms_active()
     )
+
+
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+# The checks of every eager call, as module names: each dotted lookup costs it time.
+_grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
+_transforms_active = _compat.transforms_active
 
 
 def recorded(x: torch.Tensor) -> bool:
@@ -69,8 +76,9 @@ def reduce(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Te
 
 def all_gather_on(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
     traced = use_functional(x, "all_gather")
-    if tiled and axis == 0 and _in_place(x, traced, group):
-        gathered = x.new_empty((len(group.ranks) * x.shape[0], *x.shape[1:]))
+    shape = x.shape
+    if tiled and axis == 0 and shape and not traced and _in_order(x, group):
+        gathered = x.new_empty(len(group.ranks) * shape[0], *shape[1:])
         dist.all_gather_single(gathered, x, group=group.group)
         return gathered
     axis = checked_dim(axis, x.dim() + (not tiled), "all_gather", "axis")
@@ -108,9 +116,11 @@ def gather(
 
 def scatter(x: torch.Tensor, group: OrderedGroup, scatter_dimension: int, tiled: bool) -> torch.Tensor:
     traced = use_functional(x, "psum_scatter")
-    n = len(group.ranks)
-    if tiled and scatter_dimension == 0 and _in_place(x, traced, group) and x.shape[0] % n == 0:
-        scattered = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+    n, shape = len(group.ranks), x.shape
+    if tiled and scatter_dimension == 0 and shape and not traced and shape[0] % n == 0 and (
+        _in_order(x, group)
+    ):
+        scattered = x.new_empty(shape[0] // n, *shape[1:])
         dist.reduce_scatter_single(scattered, x, group=group.group)
         return scattered
     chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
@@ -126,8 +136,9 @@ def exchange(
     x: torch.Tensor, group: OrderedGroup, split_axis: int, concat_axis: int, tiled: bool
 ) -> torch.Tensor:
     traced = use_functional(x, "all_to_all")
-    if tiled and split_axis == concat_axis == 0 and _in_place(x, traced, group) and (
-        x.shape[0] % len(group.ranks) == 0
+    shape = x.shape
+    if tiled and split_axis == 0 and concat_axis == 0 and shape and not traced and (
+        shape[0] % len(group.ranks) == 0 and _in_order(x, group)
     ):
         exchanged = torch.empty_like(x)
         dist.all_to_all_single(exchanged, x, group=group.group)
@@ -157,19 +168,32 @@ def permute(
     # splits swapped) is the inverse permutation.
     if use_functional(x, "ppermute"):
         return _traced_ppermute(x, group, pairs)
-    numel, n = x.numel(), len(group.ranks)
-    sends, receives = [0] * n, [0] * n
-    for source, destination in pairs:
-        if source == group.index:
-            sends[group.group_rank_at[destination]] = numel
-        if destination == group.index:
-            receives[group.group_rank_at[source]] = numel
-    arrived = x.new_zeros(x.shape)
+    if not x.dim():
+        return permute(x.view(1), group, pairs).view(())
+    receives, sends, receiving, sending = _eager_splits(
+        group.index, pairs, group.group_rank_at, x.shape[0]
+    )
+    arrived = torch.zeros_like(x)
     dist.all_to_all_single(
-        arrived.view(-1)[: sum(receives)], x.contiguous().view(-1)[: sum(sends)],
-        receives, sends, group=group.group,
+        arrived if receiving else arrived[:0], x if sending else x[:0], receives, sends,
+        group=group.group,
     )
     return arrived
+
+
+@functools.lru_cache(maxsize=256)
+def _eager_splits(
+    index: int, pairs: tuple[tuple[int, int], ...], group_rank_at: tuple[int, ...], rows: int
+) -> tuple[list[int], list[int], bool, bool]:
+    """The rows the rank at axis ``index`` receives from each group rank and sends to
+    each for ``pairs``, and whether it receives and sends any (a pure function, kept)."""
+    receives, sends = [0] * len(group_rank_at), [0] * len(group_rank_at)
+    for source, destination in pairs:
+        if source == index:
+            sends[group_rank_at[destination]] = rows
+        if destination == index:
+            receives[group_rank_at[source]] = rows
+    return receives, sends, any(receives), any(sends)
 
 
 def _traced_ppermute(
@@ -306,10 +330,10 @@ _gather_keeping_slice: Callable[[torch.Tensor, OrderedGroup, int, bool], torch.T
 )
 
 
-def _in_place(x: torch.Tensor, traced: bool, group: OrderedGroup) -> bool:
-    """Whether a tiled collective along dim 0 can run on ``x`` as it is: eager,
-    contiguous, with dims, chunks in the group's rank order."""
-    return not traced and group.by_group_rank is None and x.is_contiguous() and x.dim() > 0
+def _in_order(x: torch.Tensor, group: OrderedGroup) -> bool:
+    """Whether an eager tiled collective along dim 0 can run on ``x`` as it is: contiguous,
+    its chunks in the group's rank order."""
+    return group.by_group_rank is None and x.is_contiguous()
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -350,6 +374,16 @@ def _chunks(
 
 
 def check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, int], ...]:
+    """``perm`` as a tuple of ``(source, destination)`` pairs of indices below ``size``,
+    each index once as a source and once as a destination at most; a ConfigError else."""
+    try:
+        return _checked_perm(tuple(perm), size)
+    except TypeError:  # a pair given as a list: no key to keep the answer under
+        return _checked_perm.__wrapped__(tuple(map(tuple, perm)), size)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_perm(perm: tuple[tuple[int, int], ...], size: int) -> tuple[tuple[int, int], ...]:
     pairs = tuple((int(source), int(destination)) for source, destination in perm)
     sources = [source for source, _ in pairs]
     destinations = [destination for _, destination in pairs]
