@@ -265,8 +265,11 @@ class ParallelLayout(KeyedLayout):
         return f"order={self.config.order!r}, {sizes_text(self.config.sizes())}"
 
     def arguments(self) -> dict[str, object]:
-        """What every rank of a build agrees on: the config's arguments."""
-        return dict(self.config.arguments())
+        """What every rank of a build agrees on: the config's arguments, ``etp`` written
+        only where it is not ``tp`` (its default), so a rank whose ``tp`` differs is told
+        so alone."""
+        config = self.config
+        return {**config.arguments(), "etp": None if config.etp == config.tp else config.etp}
 
     @property
     def kinds(self) -> tuple[str, ...]:

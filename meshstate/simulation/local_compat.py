@@ -14,8 +14,8 @@ import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 from unittest import mock
 
 import torch
@@ -32,6 +32,11 @@ from torch.distributed._local_tensor import (
     maybe_disable_local_tensor_mode,
 )
 from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+# What torch.compile makes of a tensor while it traces: it holds no storage to share.
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
+
+from meshstate.errors import SimulationError
 
 
 def enabled_ranks() -> frozenset[int] | None:
@@ -43,9 +48,182 @@ def enabled_ranks() -> frozenset[int] | None:
     return None if mode is None else frozenset(mode.ranks)
 
 
+class _SimulatedMode(LocalTensorMode):
+    """torch's ``LocalTensorMode``, which also runs per rank an op on tensors every rank
+    shares whose integers differ per rank (``W.narrow(1, 3 * t, 3)`` of a ``W`` made outside
+    the body), draws each rank's numbers from its own stream of an explicit
+    ``torch.Generator``, and refuses a write into a tensor every rank shares. Overrides
+    ``LocalTensorMode.__torch_dispatch__`` and runs ``_local_tensor._for_each_rank_run_func``."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: tuple[Any, ...], args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if self._disable:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], LocalTensor):
+            return _scalar(args[0])
+        flat = pytree.tree_leaves((args, kwargs))
+        per_rank = any(isinstance(value, LocalTensor) for value in flat)
+        if not per_rank and any(_is_per_rank_int(value) for value in flat):
+            args, kwargs = pytree.tree_map_only(torch.Tensor, self._shared, (args, kwargs))
+            per_rank = True
+        if per_rank and func.namespace == "aten":
+            _refuse_shared_writes(func, args, kwargs or {})
+        generator = next((value for value in flat if isinstance(value, torch.Generator)), None)
+        if generator is not None:
+            return self._draw_per_rank(func, args, kwargs or {}, generator)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _shared(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` held by every simulated rank, one storage for all (views stay views)."""
+        shared: torch.Tensor = LocalTensor({rank: tensor.detach() for rank in self.ranks})  # type: ignore[no-untyped-call]
+        return shared
+
+    def _draw_per_rank(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generator: torch.Generator
+    ) -> Any:
+        """``func`` once per rank, each drawing from its own stream of ``generator``."""
+        streams = _streams_of(generator, self.ranks)
+        by_rank = {}
+        for rank in sorted(self.ranks):
+            generator.set_state(streams[rank])
+            by_rank[rank] = _simulation._for_each_rank_run_func(
+                func, frozenset({rank}), args, kwargs, alias=False
+            )
+            streams[rank] = generator.get_state()
+        _left_at(generator, streams)
+        first = by_rank[min(self.ranks)]
+        if _simulation._is_inplace_op(func):
+            return first
+        firsts, spec = pytree.tree_flatten(first)
+        flat_by_rank = {rank: pytree.tree_leaves(result) for rank, result in by_rank.items()}
+        merged = [
+            LocalTensor({rank: flat[index]._local_tensors[rank] for rank, flat in flat_by_rank.items()})  # type: ignore[no-untyped-call]
+            if isinstance(value, LocalTensor) else value
+            for index, value in enumerate(firsts)
+        ]
+        return pytree.tree_unflatten(merged, spec)
+
+
+def _scalar(tensor: LocalTensor) -> Any:
+    """``tensor.item()`` on every rank: a per-rank int or bool, or the float every rank has."""
+    from meshstate.simulation.per_rank import describe
+
+    values = {rank: local.item() for rank, local in tensor._local_tensors.items()}
+    first = next(iter(values.values()))
+    if isinstance(first, int):  # bools too
+        return _simulation._combine_int_rank_results(cast(dict[int, int], values))
+    if all(value == first for value in values.values()):
+        return first
+    raise SimulationError(
+        f"Tensor.item() (or float()) of a {tensor.dtype} tensor whose value differs between the "
+        f"simulated ranks ({describe(values)}): torch's simulation has no per-rank floats; keep "
+        "it a tensor, or run it in processes with meshstate.testing.local_world"
+    )
+
+
+def _is_per_rank_int(value: object) -> bool:
+    return isinstance(value, torch.SymInt) and isinstance(value.node, LocalIntNode)
+
+
+def _refuse_shared_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse an op run per rank that writes into a tensor every simulated rank shares (a
+    plain tensor, or views of one): each rank's write would land in the others' too."""
+    arguments = func._schema.arguments
+    for index, argument in enumerate(arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = kwargs.get(argument.name) if argument.kwarg_only or index >= len(args) else args[index]
+        for tensor in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(tensor, torch.Tensor) and _shared_between_ranks(tensor):
+                raise SimulationError(
+                    f"{func.overloadpacket.__name__}() writes per rank into a tensor of shape "
+                    f"{tuple(tensor.shape)} that every simulated rank shares (one made outside "
+                    "the body, or a view of one): each rank's write would reach the others; "
+                    "copy it into one the body makes first (torch.empty(shape).copy_(tensor) is "
+                    "each rank's own), or run it in processes with meshstate.testing.local_world"
+                )
+
+
+def _shared_between_ranks(tensor: torch.Tensor) -> bool:
+    if not isinstance(tensor, LocalTensor):
+        return True
+    storages = [local.untyped_storage().data_ptr() for local in tensor._local_tensors.values()
+                if _holds_storage(local)]
+    return len(set(storages)) < len(storages)
+
+
+def _holds_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has data of its own: not a meta or empty tensor, nor one
+    ``torch.compile`` makes while it traces."""
+    return not isinstance(tensor, FakeTensor) and tensor.untyped_storage().data_ptr() != 0
+
+
+_streams: dict[bytes, dict[int, torch.Tensor]] = {}
+"""Each simulated rank's state of a generator whose ranks' streams differ, by the marker
+state the generator was left in (torch hands ``__torch_dispatch__`` a new Python object for
+the same generator at every op, so the state is what tells it)."""
+_MARKER_SEED = 0xFFFF_FFFF_0000_0000
+_plain_equal = torch.equal
+_seed = torch.Generator.manual_seed
+
+
+def _streams_of(generator: torch.Generator, ranks: frozenset[int]) -> dict[int, torch.Tensor]:
+    state = generator.get_state()
+    streams = _streams.get(bytes(state.tolist())) if _streams else None
+    return dict.fromkeys(ranks, state) if streams is None else dict(streams)
+
+
+def _left_at(generator: torch.Generator, streams: dict[int, torch.Tensor]) -> None:
+    """Leave ``generator`` in the state every rank's stream has, else in a new marker state
+    that stands for each rank's."""
+    first = streams[min(streams)]
+    if all(_plain_equal(first, state) for state in streams.values()):
+        generator.set_state(first)
+        return
+    _seed(generator, _MARKER_SEED + len(_streams))
+    _streams[bytes(generator.get_state().tolist())] = streams
+
+
+def seed_each_rank(generator: torch.Generator, seeds: dict[int, int]) -> None:
+    """Seed simulated rank ``r``'s stream of ``generator`` with ``seeds[r]``."""
+    streams = {}
+    for rank, seed in seeds.items():
+        _seed(generator, seed)
+        streams[rank] = generator.get_state()
+    _left_at(generator, streams)
+
+
+def comparison() -> Any:
+    """The module behind ``torch.testing.assert_close`` (``torch.testing._comparison``), whose
+    ``not_close_error_metas`` every comparison of it calls by name."""
+    import torch.testing._comparison as comparison
+
+    return comparison
+
+
+def fully_shard_state() -> type:
+    """FSDP2's per-module state (``fsdp._fully_shard._fsdp_state.FSDPState``), which
+    ``fully_shard`` makes first, before it changes the module."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return FSDPState
+
+
+def tree_node_like_tuple(kind: type[tuple[Any, ...]]) -> None:
+    """Have torch's pytrees (``vmap``'s outputs, ``tree_map``) walk ``kind``, a tuple
+    subclass, as the tuple it stands for, which they would take whole. Uses
+    ``torch.utils._pytree.register_pytree_node``."""
+    pytree.register_pytree_node(
+        kind, lambda parts: (list(parts), None), lambda children, _: tuple(children)
+    )
+
+
 def local_tensor_mode(ranks: frozenset[int]) -> LocalTensorMode:
-    """torch's mode that runs every op and collective once per rank of ``ranks``."""
-    return LocalTensorMode(ranks)
+    """torch's mode that runs every op and collective once per rank of ``ranks``
+    (``LocalTensorMode``, extended by the dispatch above)."""
+    return _SimulatedMode(ranks)
 
 
 def simulation_paused() -> contextlib.AbstractContextManager[None]:
@@ -62,6 +240,14 @@ def per_rank_rows(rows: torch.Tensor) -> torch.Tensor:
     """
     with maybe_disable_local_tensor_mode():
         local: torch.Tensor = LocalTensor(dict(enumerate(rows.unbind(0))))  # type: ignore[no-untyped-call]
+    return local
+
+
+def per_rank_tensor(values: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A tensor whose value on simulated rank ``r`` is ``values[r]`` (detached). Builds a
+    ``LocalTensor``."""
+    with maybe_disable_local_tensor_mode():
+        local: torch.Tensor = LocalTensor({rank: value.detach() for rank, value in values.items()})  # type: ignore[no-untyped-call]
     return local
 
 
@@ -132,19 +318,23 @@ def raised_inside(error: BaseException) -> bool:
 
 
 def failed_compiling(error: BaseException) -> bool:
-    """Whether ``error`` is ``torch.compile`` failing inside itself
-    (``torch._dynamo.exc.InternalTorchDynamoError``), as it does on a simulated world's
-    per-rank sizes (dynamo reads ``has_hint`` of every symbolic integer's node)."""
+    """Whether ``error`` is ``torch.compile`` failing (``torch._dynamo.exc.TorchDynamoException``:
+    dynamo's tracing, its fake run, or the backend's), as it does on a simulated world's
+    per-rank sizes (dynamo reads ``has_hint`` of every symbolic integer's node) and on
+    ``LocalTensor``s it makes fake (AOTAutograd meets a tensor of one as a constant)."""
     dynamo_errors = sys.modules.get("torch._dynamo.exc")
-    return dynamo_errors is not None and isinstance(error, dynamo_errors.InternalTorchDynamoError)
+    return dynamo_errors is not None and isinstance(error, dynamo_errors.TorchDynamoException)
 
 
-def ints_made_as(combine: Callable[[dict[int, int]], Any]) -> contextlib.AbstractContextManager[Any]:
-    """A block in which every per-rank integer torch's simulation makes from an op's
-    results (``.item()``, a size) is ``combine(values by rank)`` instead of its own.
-    Replaces ``_local_tensor._combine_int_rank_results``, whose ``LocalIntNode`` answers
-    ``==`` for all ranks at once."""
-    return mock.patch.object(_simulation, "_combine_int_rank_results", combine)
+@contextlib.contextmanager
+def ints_made_as(combine: Callable[[dict[int, int]], Any], node: type[LocalIntNode]) -> Iterator[None]:
+    """A block in which every per-rank integer torch's simulation makes (``.item()``, a
+    size, a tensor's per-rank shape) is ``combine(values by rank)``, or a ``node``, instead
+    of its own. Replaces ``_local_tensor._combine_int_rank_results`` and
+    ``_local_tensor.LocalIntNode``, whose ``==`` answers for all ranks at once."""
+    with mock.patch.object(_simulation, "_combine_int_rank_results", combine), \
+            mock.patch.object(_simulation, "LocalIntNode", node):
+        yield
 
 
 def run_for_each_rank(function: Callable[..., Any], *args: Any) -> Any:
@@ -156,7 +346,9 @@ def run_for_each_rank(function: Callable[..., Any], *args: Any) -> Any:
 
 def forget_random_state() -> None:
     """Drop the RNG tracker DTensor keeps once a simulated world used it (a per-rank
-    one), as torch's own simulated tests do. Resets ``tensor._random._rng_tracker``."""
+    one), as torch's own simulated tests do, and each generator's per-rank streams.
+    Resets ``tensor._random._rng_tracker``."""
     random = sys.modules.get("torch.distributed.tensor._random")
     if random is not None:
         setattr(random, "_rng_tracker", None)
+    _streams.clear()

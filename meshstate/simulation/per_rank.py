@@ -10,8 +10,10 @@ by :func:`per_rank_bool`). It works in arithmetic, as a tensor op's argument
 (``x.narrow(0, 2 * index, 2)`` takes each rank's block) and, where every rank
 agrees, in a Python ``if``; a branch the ranks would take differently, or an
 ``int()`` of a value they do not share, raises :class:`SimulationError`.
-:class:`PerRankRanks` is a group's members, one group per rank, and
-:func:`value_on` reads any of these (and tensors) as one rank sees it.
+:class:`PerRankRanks` is a group's members, one group per rank,
+:class:`PerRankParts` the parts ``chunk`` gives, which a per-rank int indexes,
+:func:`value_on` reads any of these (and tensors) as one rank sees it, and
+:func:`per_rank_value` makes one value of each rank's.
 
 Example, simulating 4 ranks with ``tp=2``::
 
@@ -193,6 +195,12 @@ class PerRankBoolNode:
     def expect_true(self, file: str, line: int) -> bool:
         return self.bool_()
 
+    def statically_known_true(self, file: str, line: int) -> bool:
+        return False  # not true on every rank: torch skips a shortcut (a slice of everything)
+
+    def guard_or_false(self, file: str, line: int) -> bool:
+        return False  # the same: torch takes the general path (autograd's check of per-rank shapes)
+
     def wrap_bool(self, value: bool) -> Any:
         return local_compat.constant_bool_node(value)
 
@@ -310,8 +318,19 @@ class PerRankRanks(Sequence[int]):
         )
 
     def index(self, rank: object, start: int = 0, stop: int | None = None) -> int:
-        return per_rank_int(
-            {r: list(group).index(_on(rank, r)) for r, group in self.group_of_rank.items()}
+        """Per rank: ``rank``'s position in its group; a ``ValueError`` where no group holds it,
+        a :class:`SimulationError` where only some do."""
+        sought = {r: _on(rank, r) for r in self.group_of_rank}
+        missing = sorted(r for r, group in self.group_of_rank.items() if sought[r] not in group)
+        if not missing:
+            return per_rank_int({r: list(group).index(sought[r])
+                                 for r, group in self.group_of_rank.items()})
+        shown = f"({describe(sought)})" if len(set(sought.values())) > 1 else sought[missing[0]]
+        if len(missing) == len(self.group_of_rank):
+            raise ValueError(f"rank {shown} is in no group of {self!r}")
+        raise SimulationError(
+            f"rank {shown} is in the group of some simulated ranks only (not of ranks "
+            f"{ranks_text(missing)}), so they would go apart; {_LOCAL_WORLD}"
         )
 
     def __eq__(self, other: object) -> bool:
@@ -329,6 +348,117 @@ class PerRankRanks(Sequence[int]):
     def __repr__(self) -> str:
         shown = describe({rank: self.on(rank) for rank in sorted(self.group_of_rank)[:8]})
         return f"PerRankRanks({shown}{'; …' if len(self.group_of_rank) > 8 else ''})"
+
+
+class PerRankParts(tuple[torch.Tensor, ...]):
+    """The parts ``torch.chunk``, ``split``, ``tensor_split`` or ``unbind`` cut ``whole`` into
+    along ``dim``, in a simulated world: indexed by a per-rank int, each rank's own part (a
+    view, as ``narrow`` or ``select`` gives), where a tuple would need one index for all.
+
+    Example, simulating 4 ranks with ``tp=2``: ``W.chunk(2, 1)[mesh.rank("tp")]`` is
+    ``W[:, :3]`` on ranks 0 and 2 and ``W[:, 3:]`` on ranks 1 and 3.
+    """
+
+    whole: torch.Tensor | None
+    dim: int
+    unbound: bool
+
+    def __new__(
+        cls, parts: Iterable[torch.Tensor], whole: torch.Tensor | None = None, dim: int = 0,
+        unbound: bool = False,
+    ) -> PerRankParts:
+        made = super().__new__(cls, parts)
+        made.whole, made.dim, made.unbound = whole, dim, unbound
+        return made
+
+    @overload  # type: ignore[override]
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[torch.Tensor, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.whole is None or not holds_per_rank(index):
+            return super().__getitem__(index)
+        indices = local_compat.local_ints(cast(torch.SymInt, index).node)
+        picked = {rank: at % len(self) for rank, at in indices.items()
+                  if -len(self) <= at < len(self)}
+        if len(picked) < len(indices):
+            raise SimulationError(
+                f"a part index ({describe(indices)}) out of range for {len(self)} parts on some "
+                f"simulated ranks; {_LOCAL_WORLD}"
+            )
+        if self.unbound:
+            return self.whole.select(self.dim, per_rank_int(picked))
+        sizes = {rank: [_on(part.size(self.dim), rank) for part in self] for rank in picked}
+        start = per_rank_int({rank: sum(sizes[rank][:at]) for rank, at in picked.items()})
+        length = per_rank_int({rank: sizes[rank][at] for rank, at in picked.items()})
+        return self.whole.narrow(self.dim, start, length)
+
+
+local_compat.tree_node_like_tuple(PerRankParts)
+
+
+def holds_per_rank(value: object) -> bool:
+    """Whether ``value`` (inside lists, tuples and dicts too) holds a per-rank int, bool or
+    group: what one simulated rank reads with :func:`value_on`, tensors aside."""
+    if isinstance(value, (torch.SymInt, torch.SymBool)):
+        return isinstance(value.node, (local_compat.LocalIntNode, PerRankBoolNode))
+    if isinstance(value, PerRankRanks):
+        return True
+    if isinstance(value, dict):
+        return any(holds_per_rank(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_per_rank(item) for item in value)
+    return False
+
+
+def per_rank_value(values: Mapping[int, Any], what: str) -> Any:
+    """One value that is ``values[r]`` on simulated rank ``r`` (:func:`value_on` reads it
+    back): tensors (copies), ints and bools per rank, and lists, tuples and dicts of them;
+    other values must be alike on every rank, else :class:`SimulationError` names ``what``
+    gave them.
+
+    Example: ``per_rank_value({0: {"r": 0}, 1: {"r": 1}}, "all_gather_object")`` is
+    ``{"r": per_rank_int({0: 0, 1: 1})}``.
+    """
+    first = next(iter(values.values()))
+    if all(isinstance(value, torch.Tensor) for value in values.values()):
+        return local_compat.per_rank_tensor({rank: value.clone() for rank, value in values.items()})
+    if all(_alike(value, first) for value in values.values()):
+        return first
+    if isinstance(first, bool) and all(isinstance(v, bool) for v in values.values()):
+        return per_rank_bool(values)
+    if isinstance(first, int) and all(type(v) is int for v in values.values()):
+        return per_rank_int(values)
+    if isinstance(first, dict) and all(
+        type(v) is type(first) and v.keys() == first.keys() for v in values.values()
+    ):
+        return type(first)({
+            key: per_rank_value({rank: value[key] for rank, value in values.items()}, what)
+            for key in first
+        })
+    if isinstance(first, (list, tuple)) and all(
+        type(v) is type(first) and len(v) == len(first) for v in values.values()
+    ):
+        items = [per_rank_value({rank: value[at] for rank, value in values.items()}, what)
+                 for at in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    raise SimulationError(
+        f"{what} gives the simulated ranks values that differ "
+        f"({describe({rank: repr(value) for rank, value in values.items()})}), which one "
+        "simulated program holds only as tensors, ints and bools (in lists, tuples and "
+        f"dicts); {_LOCAL_WORLD}"
+    )
+
+
+def _alike(first: object, second: object) -> bool:
+    return type(first) is type(second) and (first == second) is True
+
+
+class GroupMembers(PerRankRanks):
+    """A group's members on each simulated rank, which :func:`value_on` reads as a list,
+    as ``torch.distributed.get_process_group_ranks`` gives it."""
 
 
 def positions(groups: Iterable[Sequence[int]]) -> tuple[dict[int, int], dict[int, Sequence[int]]]:
@@ -354,6 +484,13 @@ def group_rank(group: ProcessGroup) -> int:
     """
     index, _ = positions(simulated_groups(group))
     return per_rank_int(index)
+
+
+def members(group: ProcessGroup) -> GroupMembers:
+    """Each simulated rank's group of the family ``group`` belongs to:
+    ``torch.distributed.get_process_group_ranks(group)`` for every simulated rank."""
+    groups = simulated_groups(group)
+    return GroupMembers(positions(groups)[1], len(groups[0]))
 
 
 def simulated_groups(group: ProcessGroup) -> list[tuple[int, ...]]:
@@ -414,7 +551,9 @@ def value_on(value: Any, rank: int) -> Any:
             )
         return value if by_rank is None else by_rank[rank]
     if isinstance(value, PerRankRanks):
-        return value.on(rank)
+        return list(value.on(rank)) if isinstance(value, GroupMembers) else value.on(rank)
+    if isinstance(value, PerRankParts):
+        return tuple(value_on(item, rank) for item in value)
     if isinstance(value, dict):
         return type(value)({key: value_on(item, rank) for key, item in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple

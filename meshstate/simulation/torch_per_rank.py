@@ -1,0 +1,526 @@
+"""torch and torch.distributed as each simulated rank sees them, while a simulated body runs.
+
+:func:`per_rank_torch` patches what a test body calls and torch's simulation alone would
+answer for rank 0 or refuse from its internals: ranks and groups per rank, shards cut
+by a per-rank integer, tensors made of per-rank integers, explicit generators, object
+collectives, comparisons, text and logging; and it refuses by name what one program for
+all ranks cannot follow (point-to-point, a group of some ranks, DDP, FSDP). torch's and
+meshstate's own modules keep c10d's answers (the process's, rank 0's), which torch's
+simulation runs every collective from. :mod:`meshstate.testing.simulated` turns it on.
+
+Example, inside ``simulated_world(4).run``::
+
+    t = meshstate.init_mesh(tp=2).rank("tp")
+    W[:, t * 3:(t + 1) * 3]          # each rank's shard
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, cast
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshstate.errors import SimulationError
+from meshstate.layout.ranks import ranks_text
+
+if TYPE_CHECKING:
+    from meshstate.simulation.per_rank import GroupMembers
+
+_LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
+_NOT_SIMULATED = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+"""Point-to-point calls: torch simulates them only with a thread per rank (LocalRunnerMode)."""
+_IN_PLACE_COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather_single",
+    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single",
+)
+"""c10d collectives that write a tensor they are given: torch's simulation computes them for
+tensors that hold every rank's value, and leaves a plain tensor as it was."""
+
+
+@contextlib.contextmanager
+def per_rank_torch() -> Iterator[None]:
+    """``torch`` and ``torch.distributed`` as each simulated rank sees them, while a body runs.
+
+    ``get_rank()`` answers per rank; list-form ``all_gather`` gathers each
+    group's values (torch 2.13's simulation gives every rank the last group's);
+    ``torch.equal``, ``torch.allclose``, ``torch.testing.assert_close`` (a failure names
+    the ranks) and every integer an op gives (``.item()``) answer per rank, comparisons
+    included; a per-rank integer indexes a tensor (``W[t]``) and the parts ``chunk``,
+    ``split``, ``tensor_split`` and ``unbind`` give; ``torch.tensor`` of per-rank
+    integers, ``torch.Generator().manual_seed`` of a per-rank seed, a group's members
+    and rank (``get_process_group_ranks``, ``get_global_rank``, ``get_group_rank``,
+    ``group.rank()``, ``DeviceMesh.mesh``), ``all_gather_object`` and
+    ``broadcast_object_list`` are per rank; logging's ``%s`` arguments give a line per
+    rank. ``str()`` or a format of a per-rank value, point-to-point calls, a
+    ``new_group`` of some ranks, subgroups the simulation would read otherwise,
+    DistributedDataParallel and FSDP raise :class:`SimulationError`. torch's and
+    meshstate's own modules keep c10d's answers (the process's, rank 0's).
+    """
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.per_rank import PerRankIntNode, per_rank_int
+
+    with contextlib.ExitStack() as patches:
+        for owner, name, replacement in _replaced():
+            patches.enter_context(mock.patch.object(owner, name, replacement))
+        patches.enter_context(local_compat.ints_made_as(per_rank_int, PerRankIntNode))
+        yield
+
+
+def _replaced() -> list[tuple[object, str, Any]]:
+    """What :func:`per_rank_torch` replaces: (owner, name, replacement)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    from meshstate.simulation import local_compat
+
+    comparison = local_compat.comparison()
+    replaced: list[tuple[object, str, Any]] = [
+        (dist, "get_rank", _get_rank), (dist, "new_group", _new_group),
+        (dist, "new_subgroups_by_enumeration", _new_subgroups_by_enumeration),
+        (dist, "all_gather_object", _all_gather_object),
+        (dist, "broadcast_object_list", _broadcast_object_list),
+        (dist, "get_process_group_ranks",
+         _in_the_body(_process_group_ranks, dist.get_process_group_ranks)),
+        (dist, "get_global_rank", _in_the_body(_global_rank, dist.get_global_rank)),
+        (dist, "get_group_rank", _in_the_body(_group_rank, dist.get_group_rank)),
+        (dist.ProcessGroup, "rank", _in_the_body(_group_rank_of, dist.ProcessGroup.rank)),
+        (DeviceMesh, "mesh", property(_in_the_body(_mesh_of, vars(DeviceMesh)["mesh"].fget))),
+        (torch, "Generator", _Generator),
+        (torch.Tensor, "__getitem__", _getitem), (torch.Tensor, "__setitem__", _setitem),
+        (torch.Tensor, "split", _cut(torch.Tensor.split)),  # torch.split calls it
+        (logging.Logger, "handle", _log_each_rank),
+        (comparison, "not_close_error_metas", _not_close_on_some_rank(comparison.not_close_error_metas)),
+        (DistributedDataParallel, "__init__", _refuse_data_parallel(
+            "DistributedDataParallel", "its C++ reducer all-reduces gradients over rank 0's "
+            "fake group, past torch's simulation, so no rank would get the others' gradients")),
+        (local_compat.fully_shard_state(), "__init__", _refuse_data_parallel(
+            "fully_shard (FSDP2)", "it frees and regrows each parameter's storage "
+            "(resize_), which torch's simulated tensors have none of")),
+        (FullyShardedDataParallel, "__init__", _refuse_data_parallel(
+            "FullyShardedDataParallel", "it flattens parameters into storage it frees and "
+            "regrows, which torch's simulated tensors have none of")),
+    ]
+    replaced += [(dist, name, _refuse_point_to_point(name)) for name in _NOT_SIMULATED]
+    replaced += [(module, "all_gather", _all_gather) for module in (dist, c10d)]  # c10d's own all_gather_object calls it
+    replaced += [(torch, name, _for_every_rank(getattr(torch, name))) for name in ("tensor", "as_tensor")]
+    replaced += [(dist, name, _simulated_only(name)) for name in _IN_PLACE_COLLECTIVES if hasattr(dist, name)]
+    for owner in (torch, torch.Tensor):
+        replaced += [(owner, "equal", _per_rank_predicate(torch.equal)),
+                     (owner, "allclose", _per_rank_predicate(torch.allclose)),
+                     (owner, "chunk", _cut(owner.chunk)), (owner, "tensor_split", _cut(owner.tensor_split)),
+                     (owner, "unbind", _cut(owner.unbind, dim_at=0, unbound=True))]
+    for symbolic in (torch.SymInt, torch.SymBool):
+        replaced += [(symbolic, "__str__", _refuse_text("str()", object.__str__)),
+                     (symbolic, "__format__", _refuse_text("a format (an f-string)", object.__format__))]
+    return replaced
+
+
+def _get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """``torch.distributed.get_rank`` for every simulated rank at once."""
+    from meshstate.simulation.per_rank import group_rank, per_rank_int
+
+    if group is None or group is c10d.GroupMember.WORLD:
+        return per_rank_int({rank: rank for rank in range(dist.get_world_size())})
+    return group_rank(group)
+
+
+_create_group = c10d.new_group
+
+
+def _new_group(ranks: Sequence[int] | None = None, *args: Any, **kwargs: Any) -> Any:
+    """``torch.distributed.new_group``, refusing a group of some ranks only."""
+    world_size = dist.get_world_size()
+    if ranks is not None and sorted(ranks) != list(range(world_size)):
+        raise SimulationError(
+            f"new_group(ranks={ranks_text(ranks)}) in a simulated world of {world_size} ranks: "
+            "every simulated rank takes part in each collective over it, not only its "
+            f"members; make groups with meshstate.init_mesh, or {_LOCAL_WORLD}"
+        )
+    return _create_group(ranks, *args, **kwargs)
+
+
+_enumerate_subgroups = c10d.new_subgroups_by_enumeration
+
+
+def _new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: list[list[int]], *args: Any, **kwargs: Any
+) -> Any:
+    """``torch.distributed.new_subgroups_by_enumeration``, refusing groups whose collectives
+    torch's simulation would run over other ranks."""
+    from meshstate.simulation.per_rank import tiling_mismatch
+
+    mine, subgroups = _enumerate_subgroups(ranks_per_subgroup_list, *args, **kwargs)  # type: ignore[no-untyped-call]
+    mismatch = tiling_mismatch("subgroups", mine, ranks_per_subgroup_list)
+    if mismatch is not None:
+        raise SimulationError(mismatch)
+    return mine, subgroups
+
+
+def _for_every_rank(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``torch.tensor`` (or ``as_tensor``) making a tensor every simulated rank holds: torch's
+    simulation leaves what these make a plain tensor, which its collectives skip; of data
+    holding per-rank integers (``torch.tensor([rank, 1])``), each rank's own."""
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.per_rank import holds_per_rank, per_rank_value, value_on
+
+    def made_for_every_rank(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ranks = local_compat.enabled_ranks()  # None where the simulation is paused
+        if ranks is None:
+            return make(data, *args, **kwargs)
+        if not holds_per_rank(data):
+            return local_compat.replicated(make(data, *args, **kwargs), ranks)
+        with local_compat.simulation_paused():
+            made = {rank: make(value_on(data, rank), *args, **kwargs) for rank in ranks}
+        return cast(torch.Tensor, per_rank_value(made, make.__name__))
+
+    return made_for_every_rank
+
+
+def _simulated_only(name: str) -> Callable[..., Any]:
+    """``torch.distributed.<name>``, refusing a plain tensor, which torch's simulation would
+    leave as it was (a wrong value on every rank)."""
+    from meshstate.simulation import local_compat
+
+    collective = getattr(dist, name)
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+        plain = [value for value in tensors if not local_compat.is_simulated(value)]
+        if plain:
+            raise SimulationError(
+                f"torch.distributed.{name} of a tensor made outside the simulated world "
+                f"(shape {tuple(plain[0].shape)}): torch's simulation computes collectives only "
+                "for tensors that hold a value per rank; make it inside the body (an op, "
+                f"torch.tensor, torch.full) or {_LOCAL_WORLD}"
+            )
+        return collective(*args, **kwargs)
+
+    return checked
+
+
+def _refuse_point_to_point(name: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise SimulationError(
+            f"torch.distributed.{name} in a simulated world: torch simulates send and recv "
+            f"only with a thread per rank (LocalRunnerMode); {_LOCAL_WORLD}"
+        )
+
+    return refuse
+
+
+_gather_single = c10d.all_gather_single
+
+
+def _all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """``torch.distributed.all_gather``, each group's tensors into its members' lists."""
+    flat = tensor.contiguous().view(-1)
+    gathered = torch.empty(len(tensor_list) * flat.numel(), dtype=flat.dtype, device=flat.device)
+    work = _gather_single(gathered, flat, group=group, async_op=async_op)
+    for output, part in zip(tensor_list, gathered.view(len(tensor_list), *tensor.shape).unbind(0)):
+        output.copy_(part)
+    return work
+
+
+def _per_rank_predicate(compare: Callable[..., bool]) -> Callable[..., bool]:
+    """``torch.equal`` (or ``allclose``) on every simulated rank: a per-rank bool (torch's
+    simulation answers ``True`` for all ranks when only some are equal)."""
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.per_rank import per_rank_bool
+
+    def compare_on_every_rank(first: torch.Tensor, second: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        with local_compat.simulation_paused():
+            firsts, seconds = local_compat.tensor_by_rank(first), local_compat.tensor_by_rank(second)
+            return per_rank_bool({
+                rank: compare(first if firsts is None else firsts[rank],
+                              second if seconds is None else seconds[rank], *args, **kwargs)
+                for rank in range(dist.get_world_size())
+            })
+
+    return compare_on_every_rank
+
+
+def _not_close_on_some_rank(not_close: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    """torch.testing's check behind ``assert_close``, on every simulated rank: a failure
+    names the ranks it fails on."""
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.per_rank import value_on
+
+    def not_close_on_every_rank(actual: Any, expected: Any, **options: Any) -> list[Any]:
+        with local_compat.simulation_paused():
+            by_rank = {rank: not_close(value_on(actual, rank), value_on(expected, rank), **options)
+                       for rank in range(dist.get_world_size())}
+        failed = sorted(rank for rank, failures in by_rank.items() if failures)
+        if not failed:
+            return []
+        first = by_rank[failed[0]][0]
+        first.msg = f"On simulated rank{'s' if len(failed) > 1 else ''} {ranks_text(failed)}: {first.msg}"
+        return [first]
+
+    return not_close_on_every_rank
+
+
+_LIBRARIES = ("torch", "meshstate")
+"""Packages whose modules work as the process (rank 0), whose groups they hold."""
+
+
+def _from_a_library(caller: FrameType) -> bool:
+    """Whether ``caller`` runs code of torch or meshstate, not the body's."""
+    return str(caller.f_globals.get("__name__", "")).partition(".")[0] in _LIBRARIES
+
+
+def _in_the_body(per_rank: Callable[..., Any], process: Callable[..., Any]) -> Callable[..., Any]:
+    """``per_rank`` called from the body (a test, megatron-core), ``process`` from torch's and
+    meshstate's own modules (torch's simulation reads a group's members to run its collectives)."""
+
+    def answer(*args: Any, **kwargs: Any) -> Any:
+        return (process if _from_a_library(sys._getframe(1)) else per_rank)(*args, **kwargs)
+
+    return answer
+
+
+def _members(group: dist.ProcessGroup | None) -> GroupMembers:
+    from meshstate.simulation.per_rank import members
+
+    return members(group or cast(dist.ProcessGroup, c10d.GroupMember.WORLD))
+
+
+def _process_group_ranks(group: dist.ProcessGroup | None) -> Sequence[int]:
+    """``torch.distributed.get_process_group_ranks`` for every simulated rank: its group's
+    members (a list where every rank has the same)."""
+    ranks = _members(group)
+    groups = ranks.groups()
+    return groups[0] if len(groups) == 1 else ranks
+
+
+def _global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
+    """``torch.distributed.get_global_rank`` for every simulated rank."""
+    return _members(group)[group_rank]
+
+
+def _group_rank(group: dist.ProcessGroup, global_rank: int) -> int:
+    """``torch.distributed.get_group_rank`` for every simulated rank."""
+    return _members(group).index(global_rank)
+
+
+def _group_rank_of(group: dist.ProcessGroup) -> int:
+    """``ProcessGroup.rank()`` for every simulated rank."""
+    from meshstate.simulation.per_rank import group_rank
+
+    return group_rank(group)
+
+
+def _mesh_of(view: DeviceMesh) -> torch.Tensor:
+    """``DeviceMesh.mesh`` for every simulated rank: the copy of ``view`` it is in."""
+    from meshstate.core.compat import mesh_copies
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.per_rank import per_rank_value
+
+    with local_compat.simulation_paused():
+        copies = mesh_copies(view)
+        copy_of = {rank: copy for copy in copies.unbind(0) for rank in copy.flatten().tolist()}
+        return cast(torch.Tensor, per_rank_value(copy_of, "DeviceMesh.mesh"))
+
+
+def _all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup | None = None) -> None:
+    """``torch.distributed.all_gather_object`` for every simulated rank: each rank's list
+    holds its group's objects."""
+    from meshstate.simulation.per_rank import per_rank_value, value_on
+
+    ranks = _members(group)
+    for at in range(len(ranks)):
+        object_list[at] = per_rank_value(
+            {rank: value_on(obj, ranks.on(rank)[at]) for rank in range(dist.get_world_size())},
+            "all_gather_object",
+        )
+
+
+def _broadcast_object_list(
+    object_list: list[Any], src: int | None = None, group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None, group_src: int | None = None,
+) -> None:
+    """``torch.distributed.broadcast_object_list`` for every simulated rank: each rank's
+    list becomes its source's (``src`` a global rank, or ``group_src`` one of its group)."""
+    from meshstate.simulation.per_rank import per_rank_value, value_on
+
+    ranks = _members(group)
+    source = {
+        rank: ranks.on(rank)[value_on(group_src, rank)] if group_src is not None
+        else value_on(0 if src is None else src, rank)
+        for rank in range(dist.get_world_size())
+    }
+    for at, item in enumerate(list(object_list)):
+        object_list[at] = per_rank_value(
+            {rank: value_on(item, source[rank]) for rank in source}, "broadcast_object_list"
+        )
+
+
+_PlainGenerator = torch.Generator
+
+
+class _GeneratorType(type(_PlainGenerator)):  # type: ignore[misc]
+    """The type of :class:`_Generator`, which every ``torch.Generator`` is an instance of."""
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        return isinstance(instance, _PlainGenerator)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, _PlainGenerator)
+
+
+class _Generator(torch.Generator, metaclass=_GeneratorType):
+    """``torch.Generator`` in a simulated body: ``manual_seed`` of a per-rank seed seeds each
+    rank's stream with its own (``torch.Generator().manual_seed(rank)``)."""
+
+    def manual_seed(self, seed: Any) -> torch.Generator:
+        from meshstate.simulation import local_compat
+        from meshstate.simulation.per_rank import holds_per_rank
+
+        if not holds_per_rank(seed):
+            return super().manual_seed(seed)
+        local_compat.seed_each_rank(self, local_compat.local_ints(seed.node))
+        return self
+
+
+_index = torch.Tensor.__getitem__
+_assign = torch.Tensor.__setitem__
+
+
+def _getitem(tensor: torch.Tensor, index: Any) -> Any:
+    """``tensor[index]``, where an integer of ``index`` may differ per rank (``W[t]``):
+    torch's own indexing takes a per-rank integer inside a slice only. Each such integer
+    is a ``select`` of the view the rest of ``index`` gives."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not any(_per_rank_integer(item) for item in items):
+        return _index(tensor, index)
+    consumed = sum(isinstance(item, (int, torch.SymInt, slice)) for item in items)
+    plain: list[Any] = []
+    picks: list[tuple[int, torch.SymInt]] = []
+    dim = 0  # of the view, where the next item's dim lands
+    for item in items:
+        if _per_rank_integer(item):
+            picks.append((dim, item))
+            item = slice(None)
+        elif isinstance(item, bool) or not isinstance(item, _BASIC_INDEX):
+            kind = "tensor" if isinstance(item, torch.Tensor) else type(item).__name__
+            raise SimulationError(
+                f"tensor[...] with an integer that differs between the simulated ranks beside a "
+                f"{kind} index: index with the integer alone first (tensor.select(dim, index)), "
+                f"or {_LOCAL_WORLD}"
+            )
+        plain.append(item)
+        if item is ...:
+            dim += tensor.dim() - consumed
+        elif not isinstance(item, (int, torch.SymInt)):  # a slice keeps its dim, None adds one
+            dim += 1
+    picked = _index(tensor, tuple(plain))
+    for at, position in reversed(picks):
+        picked = picked.select(at, position)
+    return picked
+
+
+_BASIC_INDEX = (int, torch.SymInt, slice, type(None), type(...))
+
+
+def _setitem(tensor: torch.Tensor, index: Any, value: Any) -> None:
+    """``tensor[index] = value``, where an integer of ``index`` may differ per rank."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not any(_per_rank_integer(item) for item in items):
+        _assign(tensor, index, value)
+    elif isinstance(value, torch.Tensor):
+        _getitem(tensor, index).copy_(value)
+    else:
+        _getitem(tensor, index).fill_(value)
+
+
+def _per_rank_integer(item: object) -> bool:
+    from meshstate.simulation.per_rank import holds_per_rank
+
+    return isinstance(item, torch.SymInt) and holds_per_rank(item)
+
+
+def _cut(
+    cut: Callable[..., Sequence[torch.Tensor]], dim_at: int = 1, unbound: bool = False
+) -> Callable[..., Sequence[torch.Tensor]]:
+    """``chunk`` (``split``, ``tensor_split``, ``unbind``) whose parts a per-rank integer
+    indexes (``W.chunk(2, 1)[t]`` is each rank's part); ``dim_at``: where ``dim`` is among
+    the arguments after the tensor."""
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.per_rank import PerRankParts
+
+    def cut_for_every_rank(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Sequence[torch.Tensor]:
+        parts = cut(tensor, *args, **kwargs)
+        if local_compat.enabled_ranks() is None:
+            return parts
+        dim = kwargs.get("dim", args[dim_at] if len(args) > dim_at else 0)
+        return PerRankParts(parts, tensor, dim % tensor.dim(), unbound)
+
+    return cut_for_every_rank
+
+
+def _refuse_text(what: str, plainly: Callable[..., str]) -> Callable[..., str]:
+    """``SymInt.__str__`` (or ``__format__``), refusing a per-rank value in the body: one
+    string cannot hold every rank's text, and the same text on every rank would be wrong.
+    torch's and meshstate's own modules (torch's log prefix ``[rank{get_rank()}]``) get its
+    description."""
+
+    def text(value: Any, *spec: str) -> str:
+        from meshstate.simulation.per_rank import holds_per_rank
+
+        if not holds_per_rank(value) or _from_a_library(sys._getframe(1)):
+            return plainly(value, *spec)
+        raise SimulationError(
+            f"{what} of a value that differs between the simulated ranks ({value!r}): one string "
+            "cannot hold every rank's text; keep it a number (value_on reads each rank's), "
+            "log it as an argument (logger.info('%s', value) logs a line per rank), or run it "
+            "with a thread per rank (meshstate.testing.threaded_world)"
+        )
+
+    return text
+
+
+_handle = logging.Logger.handle
+
+
+def _log_each_rank(logger: logging.Logger, record: logging.LogRecord) -> None:
+    """``Logger.handle`` in a simulated body: a record whose arguments differ per rank is
+    logged once per text, naming its ranks, as each rank's process logs its own."""
+    from meshstate.simulation.per_rank import holds_per_rank, value_on
+
+    if not holds_per_rank((record.msg, record.args)):
+        _handle(logger, record)
+        return
+    ranks_of_text: dict[str, list[int]] = {}
+    for rank in range(dist.get_world_size()):
+        ranks_record = copy.copy(record)
+        ranks_record.msg, ranks_record.args = value_on(record.msg, rank), value_on(record.args, rank)
+        ranks_of_text.setdefault(ranks_record.getMessage(), []).append(rank)
+    for text, ranks in ranks_of_text.items():
+        ranks_record = copy.copy(record)
+        named = f"simulated rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        ranks_record.msg, ranks_record.args = f"[{named}] {text}", ()
+        _handle(logger, ranks_record)
+
+
+def _refuse_data_parallel(what: str, why: str) -> Callable[..., None]:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise SimulationError(
+            f"{what} in a simulated world: {why}; run it with a thread per rank "
+            f"(meshstate.testing.threaded_world) or in processes (meshstate.testing.local_world)"
+        )
+
+    return refuse
