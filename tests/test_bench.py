@@ -50,7 +50,7 @@ def test_table_and_json(report):
     decoded = json.loads(bench.report_json(report))
     assert set(decoded) == {
         "machine", "config", "rows", "process_config", "process_rows", "axis_set_rows",
-        "harness_rows", "runtime_rows", "simulated_check_rows", "notes"}
+        "harness_rows", "runtime_rows", "query_rows", "simulated_check_rows", "notes"}
     assert [(r["world_size"], r["axes"], r["declared"]) for r in decoded["axis_set_rows"]] == [
         (4, list(bench_processes.UNDECLARED_AXES), bench_processes.DECLARED_KEY)]
     assert "psum of 1024 floats over an axis tuple not declared at init" in table
@@ -149,3 +149,15 @@ def test_a_simulated_check_counts_its_own_memory_not_its_parents():
     row = time_simulated_check(8, dict(tp=2, cp=2, pp=2))
     del held
     assert row.verified and 0 < row.before_rss_mib <= row.peak_rss_mib < 1024
+
+
+def test_mesh_queries_are_measured_beside_torchs_device_mesh(monkeypatch):
+    asked = []
+    monkeypatch.setattr(bench_runtime, "_ns_per_call",
+                        lambda statement, function: (asked.append(eval(statement, {"f": function})), 7.0)[1])
+    rows = bench_runtime.measure_queries()
+    assert [row.query for row in rows] == [
+        "mesh.rank('dp-cp')", "mesh['tp']", "mesh.size('cp-dp')", "mesh.group('cp-tp')"]
+    assert asked[0] == asked[1] and asked[4] == asked[5]  # each answer equals torch's
+    table = bench_runtime.format_queries(rows)
+    assert "  mesh.rank('dp-cp')          7   dp_cp.get_local_rank()        7" in table

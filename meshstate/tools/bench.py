@@ -47,7 +47,9 @@ from meshstate.tools.bench_processes import (
     ProcessRow,
     measure_processes,
 )
-from meshstate.tools.bench_runtime import RuntimeRow, format_runtime, measure_runtime
+from meshstate.tools.bench_runtime import (
+    QueryRow, RuntimeRow, format_queries, format_runtime, measure_queries, measure_runtime,
+)
 from meshstate.tools.bench_settings import (
     MAX_SIMULATED_CHECK,
     MAX_FAKE_WORLD,
@@ -74,6 +76,7 @@ class Report:
     axis_set_rows: list[AxisSetRow] = field(default_factory=list)
     harness_rows: list[HarnessRow] = field(default_factory=list)
     runtime_rows: list[RuntimeRow] = field(default_factory=list)
+    query_rows: list[QueryRow] = field(default_factory=list)
     simulated_check_rows: list[SimulatedCheckRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -115,6 +118,7 @@ def run(
         report.notes.append("no GPU here: the NCCL path (and split_group) was not measured")
     if with_runtime:
         report.runtime_rows = measure_runtime(progress)
+        report.query_rows = measure_queries(progress)
     report.harness_rows = measure_harness(harness_tests, harness_world_size, report.notes, progress)
     report.simulated_check_rows = measure_simulated_checks(
         simulated_checks, SIMULATED_CHECK_SIZES, progress
@@ -205,6 +209,7 @@ def format_report(report: Report) -> str:
         _fake_world_table(report), _growth_table(report), _getter_table(report),
         _process_table(report), _axis_set_table(report),
         format_runtime(report.runtime_rows) if report.runtime_rows else "",
+        format_queries(report.query_rows) if report.query_rows else "",
         _harness_table(report),
         format_simulated_checks(report.simulated_check_rows, SIMULATED_CHECK_SIZES)
         if report.simulated_check_rows else "",

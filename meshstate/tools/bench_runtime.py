@@ -23,6 +23,7 @@ import gc
 import logging
 import statistics
 import time
+import timeit
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -177,11 +178,66 @@ def _collective_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> l
     for name, call, torch_name, torch_call, functional in collectives:
         progress(f"runtime: {name}")
         graphs, breaks = _explain(call, x)
+        eager_us, torch_us = _us_per_call_side_by_side(lambda: call(x), torch_call)
         rows.append(RuntimeRow(
-            name, _us_per_call(lambda: call(x)), torch_name, _us_per_call(torch_call),
-            _us_per_call(functional), _compiled_us(call, x), graphs, breaks,
+            name, eager_us, torch_name, torch_us, _us_per_call(functional),
+            _compiled_us(call, x), graphs, breaks,
         ))
     return rows
+
+
+@dataclass(frozen=True)
+class QueryRow:
+    """A mesh query's cost beside the same question asked of torch's DeviceMesh, ns per call."""
+
+    query: str
+    ns: float
+    torch_query: str
+    torch_ns: float
+
+
+def measure_queries(progress: Callable[[str], object] = lambda message: None) -> list[QueryRow]:
+    """The mesh queries a training step asks (a position, a size, a group, a DeviceMesh),
+    each beside torch's DeviceMesh answering it, in the runtime table's fake world."""
+    progress("runtime: mesh queries")
+    with fake_world(0, RUNTIME_WORLD), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mesh = init_mesh(tp=RUNTIME_TP, cp=RUNTIME_CP)
+        try:
+            dense, dp_cp, tp_cp = mesh.dense, mesh["dp-cp"], mesh["tp-cp"]
+            queries: list[tuple[str, str, Callable[..., object], str, str, Callable[..., object]]] = [
+                ("mesh.rank('dp-cp')", "f('dp-cp')", mesh.rank, "dp_cp.get_local_rank()",
+                 "f()", dp_cp.get_local_rank),
+                ("mesh['tp']", "f('tp')", mesh.__getitem__, "dense['tp']", "f('tp')",
+                 dense.__getitem__),
+                ("mesh.size('cp-dp')", "f('cp-dp')", mesh.size, "dp_cp.size()", "f()", dp_cp.size),
+                ("mesh.group('cp-tp')", "f('cp-tp')", mesh.group, "tp_cp.get_group()", "f()",
+                 tp_cp.get_group),
+            ]
+            return [QueryRow(name, _ns_per_call(statement, query), torch_name,
+                             _ns_per_call(torch_statement, torch_query))
+                    for name, statement, query, torch_name, torch_statement, torch_query in queries]
+        finally:
+            mesh.destroy()
+
+
+def _ns_per_call(statement: str, function: Callable[..., object]) -> float:
+    """Nanoseconds per call of ``statement`` on ``f``, the timing loop's own cost taken off
+    (the best of 7 rounds of 100,000)."""
+    calls = 100_000
+    best = min(timeit.repeat(statement, globals={"f": function}, number=calls, repeat=7))
+    loop = min(timeit.repeat("pass", number=calls, repeat=7))
+    return (best - loop) / calls * 1e9
+
+
+def format_queries(rows: list[QueryRow]) -> str:
+    """The mesh-query table, one line per query."""
+    lines = [f"mesh queries, ns per call: rank 0 of {RUNTIME_WORLD} (fake backend), "
+             f"init_mesh(tp={RUNTIME_TP}, cp={RUNTIME_CP}); the loop's own cost taken off",
+             f"  {'meshstate query':<22} {'ns':>6}   {'torch DeviceMesh':<24} {'ns':>6}"]
+    lines += [f"  {row.query:<22} {row.ns:>6.0f}   {row.torch_query:<24} {row.torch_ns:>6.0f}"
+              for row in rows]
+    return "\n".join(lines)
 
 
 def _shard_map_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
