@@ -49,7 +49,7 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -101,6 +101,8 @@ NUMBERS = (int, float)
 """The Python numbers ``psum`` and ``pmean`` take as JAX does (``psum(1, "tp")``)."""
 
 Number = int | float
+Summed = TypeVar("Summed", torch.Tensor, int, float)
+"""What ``psum`` takes and gives: a tensor, or a Python number (JAX's ``psum(1, "tp")``)."""
 
 
 def _spelled(axes: Axes | None, axis_name: Axes | None, name: str) -> Axes:
@@ -228,27 +230,10 @@ def axis_size(
     return len(_ordered(axes, mesh, "axis_size").ranks)
 
 
-@overload
 def psum(
-    x: torch.Tensor, axes: Axes | None = None, *, axis_name: Axes | None = None,
+    x: Summed, axes: Axes | None = None, *, axis_name: Axes | None = None,
     mesh: ParallelMesh | None = None,
-) -> torch.Tensor: ...
-
-
-@overload
-def psum(
-    x: Number, axes: Axes | None = None, *, axis_name: Axes | None = None,
-    mesh: ParallelMesh | None = None,
-) -> Number: ...
-
-
-def psum(
-    x: torch.Tensor | Number,
-    axes: Axes | None = None,
-    *,
-    axis_name: Axes | None = None,
-    mesh: ParallelMesh | None = None,
-) -> torch.Tensor | Number:
+) -> Summed:
     """The sum of ``x`` over ``axes``, on every rank.
 
     Backward: the identity (JAX's default; megatron-core's
