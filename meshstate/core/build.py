@@ -194,7 +194,7 @@ def _build(
     options_of_key = _options_by_key(layout, kinds + declared, options.group_options)
     simulated = simulated_ranks()
     if simulated is not None:
-        _check_simulated(simulated, span, where)
+        _check_simulated(simulated, span, where, layout)
     elif span is not None and dist.get_rank() not in span:
         return None
     build_id = _agree(agreed, options, span)
@@ -202,10 +202,11 @@ def _build(
 
 
 def _check_simulated(
-    simulated: frozenset[int], span: range | tuple[int, ...] | None, where: str
+    simulated: frozenset[int], span: range | tuple[int, ...] | None, where: str, layout: MeshLayout
 ) -> None:
     """Refuse what a simulated world cannot build: a mesh over some ranks, or a simulation
-    of only some ranks of the world."""
+    of only some ranks of the world other than one stage of a world simulated stage by
+    stage, whose pp groups must then hold one rank of each stage."""
     world_size = dist.get_world_size()
     if span is not None:
         raise SimulationError(
@@ -213,10 +214,29 @@ def _check_simulated(
             "the other ranks would take part in its collectives; run it in processes with "
             "meshstate.testing.local_world"
         )
-    if simulated != frozenset(range(world_size)):
+    if len(simulated) == world_size:
+        return
+    stage_size, first = len(simulated), min(simulated)
+    if world_size % stage_size or first % stage_size or simulated != frozenset(range(first, first + stage_size)):
         raise SimulationError(
             f"torch's LocalTensorMode simulates {len(simulated)} of the world's {world_size} "
-            "ranks; init_mesh simulates the whole world"
+            "ranks; init_mesh simulates the whole world, or one stage of it "
+            "(meshstate.testing.simulated_world(world_size, stages=...))"
+        )
+    stages = world_size // stage_size
+    one_of_each = tuple(range(0, world_size, stage_size))
+    try:
+        members = layout.members(0, "pp")
+    except MeshStateError:
+        members = None
+    pp_group = None if members is None else tuple(members)
+    if pp_group != one_of_each:
+        found = "has no 'pp' axis" if pp_group is None else f"has pp groups like {list(pp_group)}"
+        raise SimulationError(
+            f"a world simulated in {stages} stages of {stage_size} ranks needs pp={stages} as "
+            f"the mesh's outermost axis, so that a pp group holds one rank of each stage "
+            f"({', '.join(map(str, one_of_each[:4]))}{', …' if stages > 4 else ''}), as "
+            f"Megatron's default order tp-cp-ep-dp-pp has it; this mesh {found}"
         )
 
 

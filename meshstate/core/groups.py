@@ -21,7 +21,8 @@ without comm splitting).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -35,7 +36,11 @@ from meshstate.layout.layout import Key
 from meshstate.layout.ranks import identity, ranks_text
 from meshstate.core.world import process_rank, tiling_mismatch
 
-_build_counter = itertools.count()
+_builds_of_world: weakref.WeakKeyDictionary[dist.ProcessGroup, Iterator[int]] = (
+    weakref.WeakKeyDictionary()
+)
+"""A count of each rank's builds without an agreed id, by its default group (a thread of a
+threaded world is a rank with a default group of its own)."""
 
 GroupCreation = Literal["split", "local"]
 """How groups are created: split from the default group, or member-local ``new_group``."""
@@ -159,7 +164,10 @@ class _Builder:
         bound = _compat.bound_device(self.default_group) is not None
         self.splits = group_creation == "split" or (group_creation is None and bound)
         self.may_fall_back = group_creation is None
-        self.build_id = f"{build_id}" if build_id is not None else f"local{next(_build_counter)}"
+        if build_id is None:
+            builds = _builds_of_world.setdefault(self.default_group, itertools.count())
+            build_id = f"local{next(builds)}"
+        self.build_id = f"{build_id}"
         self.result = ProcessGroupSet(
             by_name={}, build_id=self.build_id, backend=backend, timeout=timeout
         )

@@ -21,7 +21,7 @@ import contextlib
 import functools
 import importlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch.distributed as dist
@@ -179,6 +179,37 @@ def tiling_mismatch(
     family ``groups``; ``None`` there when they would, and always in a process."""
     found = _on()
     return None if found is None else found.tiling_mismatch(name, group, groups)
+
+
+_state_hooks: list[Callable[[], contextlib.AbstractContextManager[None]]] = []
+_threads: contextlib.ExitStack | None = None
+
+
+def keep_state_per_thread(hook: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+    """Have a façade's per-process state kept per thread inside ``hook()`` whenever a
+    world runs a rank per thread (its ranks share one process); at once if one runs now.
+
+    Example: the Megatron façade registers the context in which each thread serves a
+    state of its own: ``keep_state_per_thread(state_per_thread)``.
+    """
+    _state_hooks.append(hook)
+    if _threads is not None:
+        _threads.enter_context(hook())
+
+
+@contextlib.contextmanager
+def state_per_thread() -> Iterator[None]:
+    """A block in which every façade keeps its per-process state per thread (a threaded
+    world's ranks); the process's state comes back after."""
+    global _threads
+    with contextlib.ExitStack() as threads:
+        for hook in _state_hooks:
+            threads.enter_context(hook())
+        _threads = threads
+        try:
+            yield
+        finally:
+            _threads = None
 
 
 def process_rank() -> int:

@@ -1,7 +1,8 @@
 """megatron-core's global memory buffers: scratch tensors reused between calls.
 
 ``initialize_model_parallel`` creates the global memory buffer and
-``destroy_model_parallel`` drops both buffers. Example::
+``destroy_model_parallel`` drops both buffers; they live in the served state
+(:data:`meshstate.megatron.facts.state`, a rank's own). Example::
 
     get_global_memory_buffer().get_tensor((4, 8), torch.float16, "mpu")   # a (4, 8) view
 """
@@ -12,14 +13,16 @@ import operator
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from functools import reduce
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.megatron.errors import ParallelStateError
-from meshstate.megatron.getters import get_tensor_model_parallel_group, served_mesh
+from meshstate.megatron import facts as served
+from meshstate.megatron.facts import served_mesh
+from meshstate.megatron.getters import get_tensor_model_parallel_group
 from meshstate.megatron.facts import not_initialized
 
 __all__ = [
@@ -90,50 +93,43 @@ class GlobalSymmetricMemoryBuffer:
         return {"tensor": tensor, "handle": self.symm_mem_hdl}
 
 
-# megatron-core's _GLOBAL_MEMORY_BUFFER and _GLOBAL_SYMMETRIC_MEMORY_BUFFER.
-memory_buffer: GlobalMemoryBuffer | None = None
-symmetric_buffer: GlobalSymmetricMemoryBuffer | None = None
-
-
 def _set_global_memory_buffer() -> None:
     """Create the global memory buffer (``initialize_model_parallel`` does)."""
-    global memory_buffer
-    if memory_buffer is not None:
+    if served.state.memory_buffer is not None:
         raise ParallelStateError("global memory buffer is already initialized")
-    memory_buffer = GlobalMemoryBuffer()
+    served.state.memory_buffer = GlobalMemoryBuffer()
 
 
 def _set_global_symmetric_memory_buffer() -> None:
     """Create the symmetric memory buffer over the tensor-parallel group."""
-    global symmetric_buffer
-    if symmetric_buffer is not None:
+    if served.state.symmetric_buffer is not None:
         raise ParallelStateError("global symmetric memory buffer is already initialized")
-    symmetric_buffer = GlobalSymmetricMemoryBuffer(
+    served.state.symmetric_buffer = GlobalSymmetricMemoryBuffer(
         size_in_mb=256, process_group=get_tensor_model_parallel_group()
     )
 
 
 def get_global_memory_buffer() -> GlobalMemoryBuffer:
     """The global memory buffer."""
-    if memory_buffer is None:
+    buffer = served.state.memory_buffer
+    if buffer is None:
         raise not_initialized("global memory buffer", served_mesh())
-    return memory_buffer
+    return cast(GlobalMemoryBuffer, buffer)
 
 
 def get_global_symmetric_memory_buffer() -> GlobalSymmetricMemoryBuffer:
     """The global symmetric memory buffer."""
-    if symmetric_buffer is None:
+    buffer = served.state.symmetric_buffer
+    if buffer is None:
         raise not_initialized("global symmetric memory buffer", served_mesh())
-    return symmetric_buffer
+    return cast(GlobalSymmetricMemoryBuffer, buffer)
 
 
 def destroy_global_memory_buffer() -> None:
     """Drop the global memory buffer."""
-    global memory_buffer
-    memory_buffer = None
+    served.state.memory_buffer = None
 
 
 def destroy_global_symmetric_memory_buffer() -> None:
     """Drop the global symmetric memory buffer."""
-    global symmetric_buffer
-    symmetric_buffer = None
+    served.state.symmetric_buffer = None

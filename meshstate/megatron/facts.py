@@ -5,17 +5,19 @@
 ``facts`` do, for every key the getters ask, derived groups included; before
 init its tables are stand-ins that give megatron-core's answers. The
 ``set_*`` functions record megatron-core's ``_MPU_*`` overrides, which are laid
-over the rank and size tables. Example::
+over the rank and size tables. :data:`state` holds what the façade serves on a
+rank (a thread of its own for each rank of a threaded world). Example::
 
     set_tensor_model_parallel_world_size(4)
-    served_facts(None, OVERRIDES).tp_size      # 4, before any init
-    served_facts(None, OVERRIDES).pp_size      # NotInitializedError: pipeline model parallel group ...
+    served_facts(None, OVERRIDES.values).tp_size      # 4, before any init
+    served_facts(None, OVERRIDES.values).pp_size      # NotInitializedError: pipeline model parallel group ...
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import threading
 import weakref
 from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
@@ -197,14 +199,19 @@ class _NotInitialized(dict[Key, Any]):
 
 
 class Overrides:
-    """megatron-core's ``_MPU_*`` values, set by the ``set_*`` functions; ``None`` is unset.
+    """megatron-core's ``_MPU_*`` values in the served state, set by the ``set_*``
+    functions; ``None`` is unset.
 
+    ``values`` are :data:`state`'s (each thread's while a threaded world runs);
     ``changed`` is called after each change (the getters re-read their tables).
     """
 
     def __init__(self) -> None:
-        self.values: dict[str, int | None] = dict.fromkeys(OVERRIDDEN)
         self.changed: Callable[[], None] = lambda: None
+
+    @property
+    def values(self) -> dict[str, int | None]:
+        return state.overrides
 
     def set(self, name: str, value: int | None) -> None:
         self.values[name] = value
@@ -213,20 +220,21 @@ class Overrides:
     def clear(self) -> None:
         self.values.update(dict.fromkeys(self.values))
 
-    def any(self) -> bool:
-        return any(value is not None for value in self.values.values())
 
-    def layers(self, initialized: bool) -> dict[str, dict[Key, int]]:
-        """The overridden ranks and sizes by key (``"rank"``, ``"size"``)."""
-        layers: dict[str, dict[Key, int]] = {"rank": {}, "size": {}}
-        for name, value in self.values.items():
-            if value is not None:
-                table, keys = OVERRIDDEN[name]
-                layers[table].update(dict.fromkeys(keys, value))
-        for layer in layers.values():
-            if not initialized and "tp" in layer:  # megatron-core's etp falls back to the tp override
-                layer.setdefault("etp", layer["tp"])
-        return layers
+def _override_layers(
+    values: Mapping[str, int | None], initialized: bool
+) -> dict[str, dict[Key, int]]:
+    """The ranks and sizes that ``values`` (the ``_MPU_*`` overrides) override, by key, in
+    the tables ``"rank"`` and ``"size"``."""
+    layers: dict[str, dict[Key, int]] = {"rank": {}, "size": {}}
+    for name, value in values.items():
+        if value is not None:
+            table, keys = OVERRIDDEN[name]
+            layers[table].update(dict.fromkeys(keys, value))
+    for layer in layers.values():
+        if not initialized and "tp" in layer:  # megatron-core's etp falls back to the tp override
+            layer.setdefault("etp", layer["tp"])
+    return layers
 
 
 OVERRIDES = Overrides()
@@ -247,8 +255,8 @@ class ServedFacts(Facts):
     Example, before any init::
 
         set_tensor_model_parallel_world_size(4)
-        served_facts(None, OVERRIDES).tp_size      # 4
-        served_facts(None, OVERRIDES).pp_size      # NotInitializedError: pipeline model parallel group ...
+        served_facts(None, OVERRIDES.values).tp_size      # 4
+        served_facts(None, OVERRIDES.values).pp_size      # NotInitializedError: pipeline model parallel group ...
     """
 
     rank_in: Mapping[Key, int]
@@ -331,10 +339,11 @@ _Tables = tuple[
 ]
 
 
-def served_facts(mesh: ParallelMesh | None, overrides: Overrides) -> ServedFacts:
+def served_facts(mesh: ParallelMesh | None, overrides: Mapping[str, int | None]) -> ServedFacts:
     """The facts the getters read while ``mesh`` is served (stand-ins when ``None``), with
-    ``overrides`` laid over its ranks and sizes; see :class:`ServedFacts`."""
-    layers = overrides.layers(initialized=mesh is not None)
+    the ``overrides`` (megatron-core's ``_MPU_*`` values) laid over its ranks and sizes;
+    see :class:`ServedFacts`."""
+    layers = _override_layers(overrides, initialized=mesh is not None)
     if mesh is None:
         tables: _Tables = (
             _layered(layers["rank"], _NotInitialized(ZERO_UNLESS_DISTRIBUTED)),
@@ -391,6 +400,36 @@ def _layered(overrides: dict[Key, int], table: Mapping[Key, int]) -> Mapping[Key
     return ChainMap(overrides, cast(dict[Key, int], table)) if overrides else table
 
 
+class ServedState:
+    """What the Megatron façade keeps for one rank beside the mesh's own facts: the mesh
+    served (weakly: no destroyed mesh is kept alive), the facts every getter reads,
+    megatron-core's overrides, virtual pipeline stage and count, and memory buffers.
+
+    Example, before any init: ``state.facts.tp_size`` raises megatron-core's "not
+    initialized", ``state.vpp_size`` is ``None``.
+    """
+
+    def __init__(self) -> None:
+        self.mesh: Callable[[], ParallelMesh | None] = lambda: None
+        self.overrides: dict[str, int | None] = dict.fromkeys(OVERRIDDEN)
+        self.facts = served_facts(None, self.overrides)
+        self.vpp_rank: int | None = None
+        self.vpp_size: int | None = None
+        # buffers.py's GlobalMemoryBuffer and GlobalSymmetricMemoryBuffer, which it types
+        self.memory_buffer: object | None = None
+        self.symmetric_buffer: object | None = None
+
+
+class ServedStatePerThread(threading.local, ServedState):
+    """A :class:`ServedState` of each thread's own: fresh (not initialised) in every
+    thread that reads it first, as a rank of a threaded world starts."""
+
+
+state: ServedState = ServedState()
+"""The façade's state: the process's, or while a threaded world runs (a rank a thread),
+a :class:`ServedStatePerThread` (:func:`meshstate.megatron.getters.state_per_thread`)."""
+
+
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
     """Override the tensor-model-parallel size the getters report."""
     OVERRIDES.set("_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", world_size)
@@ -434,3 +473,21 @@ def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
 def set_expert_tensor_parallel_rank(rank: int | None) -> None:
     """Override the expert-tensor-parallel rank the getters report."""
     OVERRIDES.set("_MPU_EXPERT_TENSOR_PARALLEL_RANK", rank)
+
+
+class FactsOfTheCallingThread:
+    """``_facts`` while each thread serves its own state: every attribute is the calling
+    thread's facts' (``__getattribute__``: no failed lookup first, as ``__getattr__`` has)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        return getattr(state.facts, name)
+
+
+def served_mesh() -> ParallelMesh | None:
+    """The mesh served, destroyed or not; ``None`` before init (or once a destroyed one is gone)."""
+    return state.mesh()
+
+
+def set_virtual_pipeline_stages(rank: int | None, size: int | None) -> None:
+    """Set the virtual pipeline stage and stage count (``initialize_model_parallel`` does)."""
+    state.vpp_rank, state.vpp_size = rank, size

@@ -10,6 +10,8 @@ no answer outlives its mesh. No getter calls into ``torch.distributed``, except
 the answers megatron-core gives as 0 before it is initialized
 (``torch.distributed.is_initialized()``) and
 ``is_rank_in_embedding_group(ignore_virtual=False)`` (``get_rank()``).
+Inside :func:`state_per_thread` (a threaded world) each thread serves its own
+state, and ``_facts`` reads the calling thread's.
 
 Example, on rank 5 of 8 after ``initialize_model_parallel(tensor_model_parallel_size=2)``::
 
@@ -20,18 +22,22 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import cast
 
 import torch.distributed as dist
 
 from meshstate.errors import AxisError, NotInitializedError
 from meshstate.megatron.errors import ParallelStateError
 from meshstate.layout.layout import Chunks, DerivedGroup, Key
+from meshstate.core import world
 from meshstate.core.mesh import ParallelMesh
 from meshstate.megatron import derived as families
+from meshstate.megatron import facts as served
 from meshstate.megatron.facts import (
-    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, ServedFacts, checked_getter, served_facts,
-    not_initialized,
+    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, FactsOfTheCallingThread, ServedFacts,
+    ServedStatePerThread, checked_getter, not_initialized, served_facts, served_mesh,
 )
 
 __all__ = [
@@ -70,41 +76,47 @@ __all__ = [
 ProcessGroup = dist.ProcessGroup
 
 
-# The mesh served (weakly: the façade keeps no destroyed mesh alive) and the facts every
-# getter reads: rebound by serve().
-_mesh: Callable[[], ParallelMesh | None] = lambda: None
-_facts = served_facts(None, OVERRIDES)
-# megatron-core's virtual pipeline stage and stage count, beside its groups.
-_vpp_rank: int | None = None
-_vpp_size: int | None = None
+# The facts every getter reads: the served state's, rebound by serve(); while each thread
+# serves its own state, a stand-in that reads the calling thread's.
+_facts = served.state.facts
 
 
 def serve(mesh: ParallelMesh | None) -> None:
     """Answer every getter from ``mesh`` (stand-ins when ``None``), under the overrides."""
-    global _mesh, _facts
-    _mesh = (lambda: None) if mesh is None else weakref.ref(mesh)
-    _facts = served_facts(mesh, OVERRIDES)
+    global _facts
+    state = served.state
+    state.mesh = (lambda: None) if mesh is None else weakref.ref(mesh)
+    state.facts = served_facts(mesh, state.overrides)
     if mesh is not None:
-        mesh.store[ServedFacts] = _facts  # forgotten by the mesh's destroy()
+        mesh.store[ServedFacts] = state.facts  # forgotten by the mesh's destroy()
+    if not isinstance(_facts, FactsOfTheCallingThread):
+        _facts = state.facts
 
 
-OVERRIDES.changed = lambda: serve(_mesh())
+OVERRIDES.changed = lambda: serve(served_mesh())
 
 
-def served_mesh() -> ParallelMesh | None:
-    """The mesh served, destroyed or not; ``None`` before init (or once a destroyed one is gone)."""
-    return _mesh()
+@contextmanager
+def state_per_thread() -> Iterator[None]:
+    """While inside, every thread serves a state of its own, uninitialised at first (a
+    threaded world's ranks); the state served before comes back after. The getters then
+    read through :class:`FactsOfTheCallingThread` (about 110 ns a call, not 35).
+    Example: ``with state_per_thread(): ...`` around threads that each initialise."""
+    global _facts
+    process_state = served.state
+    served.state, _facts = ServedStatePerThread(), cast(ServedFacts, FactsOfTheCallingThread())
+    try:
+        yield
+    finally:
+        served.state, _facts = process_state, process_state.facts
 
 
-def set_virtual_pipeline_stages(rank: int | None, size: int | None) -> None:
-    """Set the virtual pipeline stage and stage count (``initialize_model_parallel`` does)."""
-    global _vpp_rank, _vpp_size
-    _vpp_rank, _vpp_size = rank, size
+world.keep_state_per_thread(state_per_thread)
 
 
 def get_mesh() -> ParallelMesh:
     """The :class:`~meshstate.ParallelMesh` behind every getter."""
-    mesh = _mesh()
+    mesh = served_mesh()
     if mesh is None and _facts.destroyed is not None:  # destroyed, and collected since
         raise NotInitializedError(f"model parallel state is gone: {_facts.destroyed}")
     if mesh is None or mesh.destroyed_at is not None:
@@ -114,7 +126,7 @@ def get_mesh() -> ParallelMesh:
 
 def is_initialized() -> bool:
     """Whether ``initialize_model_parallel`` has run and its mesh is not destroyed."""
-    mesh = _mesh()
+    mesh = served_mesh()
     return mesh is not None and mesh.destroyed_at is None
 
 
@@ -131,7 +143,7 @@ def model_parallel_is_initialized() -> bool:
 
 def process_group_list() -> list[ProcessGroup | None] | None:
     """megatron-core's ``_global_process_group_list``: ``None`` (the default group), then ours."""
-    mesh = _mesh()
+    mesh = served_mesh()
     if mesh is None or not is_initialized():
         return None
     return [None, *dict.fromkeys([*mesh.tables.group.values(), *mesh.process_groups.owned])]
@@ -223,7 +235,7 @@ def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[in
     """Global ranks of the caller's context-parallel group."""
     ranks = _facts.maybe.cp_ranks
     if ranks is None and check_initialized:
-        raise not_initialized(WHAT["cp"], _mesh())
+        raise not_initialized(WHAT["cp"], served_mesh())
     return None if ranks is None else list(ranks)
 
 
@@ -235,7 +247,7 @@ def get_hierarchical_context_parallel_groups(
     groups = _facts.group_of
     levels = [groups[level] for level in families.hierarchical_cp_levels(groups)]
     if not levels and check_initialized:
-        raise not_initialized("hierarchical context parallel groups", _mesh())
+        raise not_initialized("hierarchical context parallel groups", served_mesh())
     return levels or None
 
 
@@ -243,11 +255,11 @@ def get_hybrid_data_context_parallel_groups(
     check_initialized: bool = True, group_size: int | None = None
 ) -> ProcessGroup | None:
     """The caller's hybrid data+context group of ``group_size`` ranks (dp-cp's own at its size)."""
-    served = _mesh() is not None
-    if served and group_size == get_data_parallel_world_size(True):
+    initialized = served_mesh() is not None
+    if initialized and group_size == get_data_parallel_world_size(True):
         return _facts.dp_cp_group if check_initialized else _facts.maybe.dp_cp_group
     groups = hybrid_dp_cp_groups()
-    if group_size not in groups and (check_initialized or served):
+    if group_size not in groups and (check_initialized or initialized):
         raise AxisError(
             f"no hybrid data+context group of {group_size} ranks; sizes are {sorted(groups)} "
             "(initialize with hybrid_context_parallel=True)"
@@ -402,14 +414,15 @@ def get_pipeline_model_parallel_rank() -> int:
 
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller is the first pipeline stage (and virtual stage 0 if asked)."""
-    if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == 0:
+    if ignore_virtual or served.state.vpp_size is None or _virtual_stage(vp_stage) == 0:
         return _facts.pp_rank == 0  # not `not`, which would ask a simulated world to branch
     return False
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether the caller is the last pipeline stage (and last virtual stage if asked)."""
-    if ignore_virtual or _vpp_size is None or _virtual_stage(vp_stage) == _vpp_size - 1:
+    vpp_size = served.state.vpp_size
+    if ignore_virtual or vpp_size is None or _virtual_stage(vp_stage) == vpp_size - 1:
         return _facts.pp_rank == _facts.pp_size - 1
     return False
 
@@ -494,30 +507,28 @@ def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) ->
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
     """The current virtual pipeline stage, or ``None`` without interleaving."""
-    return _vpp_rank
+    return served.state.vpp_rank
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
     """Virtual pipeline stages per rank, or ``None`` without interleaving."""
-    return _vpp_size
+    return served.state.vpp_size
 
 
 def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
     """Set the number of virtual pipeline stages per rank."""
-    global _vpp_size
-    _vpp_size = world_size
+    served.state.vpp_size = world_size
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Deprecated: pass ``vp_stage`` to the stage queries instead."""
-    global _vpp_rank
     warnings.warn(
         "set_virtual_pipeline_model_parallel_rank in global scope is deprecated. "
         "Pass vp_stage explicitly to is_pipeline_first_stage, is_pipeline_last_stage, etc.",
         DeprecationWarning,
         stacklevel=2,
     )
-    _vpp_rank = rank
+    served.state.vpp_rank = rank
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
@@ -582,11 +593,6 @@ def get_pipeline_model_parallel_prev_rank() -> int:
 
 def get_all_ranks() -> str:
     """The caller's tp, dp, cp, pp and ep ranks as ``"tp_dp_cp_pp_ep"``."""
-    ranks = [
-        get_tensor_model_parallel_rank(),
-        get_data_parallel_rank(),
-        get_context_parallel_rank(),
-        get_pipeline_model_parallel_rank(),
-        get_expert_model_parallel_rank(),
-    ]
+    ranks = (get_tensor_model_parallel_rank(), get_data_parallel_rank(), get_context_parallel_rank(),
+             get_pipeline_model_parallel_rank(), get_expert_model_parallel_rank())
     return "_".join(str(rank or 0) for rank in ranks)

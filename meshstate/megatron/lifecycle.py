@@ -29,6 +29,7 @@ from meshstate.core.build import build_mesh
 from meshstate.core.mesh import ParallelMesh, set_mesh
 from meshstate.megatron import buffers, getters, nccl
 from meshstate.megatron import derived as families
+from meshstate.megatron import facts as served
 from meshstate.megatron.facts import OVERRIDES
 
 logger = logging.getLogger("meshstate.megatron.parallel_state")
@@ -100,7 +101,7 @@ def initialize_model_parallel(
 def _serve(mesh: ParallelMesh, vpp: int | None) -> None:
     """Serve ``mesh`` to every getter, with a fresh memory buffer and the virtual stages."""
     if vpp is not None:
-        getters.set_virtual_pipeline_stages(0, vpp)
+        served.set_virtual_pipeline_stages(0, vpp)
     buffers.destroy_global_memory_buffer()
     buffers._set_global_memory_buffer()
     getters.serve(mesh)
@@ -114,7 +115,7 @@ def _start_afresh() -> None:
         raise ParallelStateError(
             "model parallel state is already initialized; call destroy_model_parallel() first"
         )
-    if getters.served_mesh() is not None:
+    if served.served_mesh() is not None:
         destroy_model_parallel()
     require_default_group(ParallelStateError)
 
@@ -175,9 +176,9 @@ def _name_of(function: Callable[..., object] | None) -> str | None:
 
 def destroy_model_parallel() -> None:
     """Destroy the groups and reset every value; safe to call when not initialized."""
-    mesh = getters.served_mesh()
+    mesh = served.served_mesh()
     OVERRIDES.clear()
-    getters.set_virtual_pipeline_stages(None, None)
+    served.set_virtual_pipeline_stages(None, None)
     buffers.destroy_global_memory_buffer()
     buffers.destroy_global_symmetric_memory_buffer()
     getters.serve(None)

@@ -119,10 +119,10 @@ _RANKS_NAMES: dict[str, Key] = {
 _VALUE_NAMES: dict[str, Callable[[], Any]] = {
     "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": partial(getters.get_hierarchical_context_parallel_groups, False),
     "_HYBRID_DP_CP_GROUPS": getters.hybrid_dp_cp_groups,
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": lambda: getters._vpp_rank,
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": lambda: getters._vpp_size,
-    "_GLOBAL_MEMORY_BUFFER": lambda: buffers.memory_buffer,
-    "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": lambda: buffers.symmetric_buffer,
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": lambda: facts.state.vpp_rank,
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": lambda: facts.state.vpp_size,
+    "_GLOBAL_MEMORY_BUFFER": lambda: facts.state.memory_buffer,
+    "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": lambda: facts.state.symmetric_buffer,
     "_global_process_group_list": getters.process_group_list,
 }
 

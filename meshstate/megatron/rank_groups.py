@@ -25,7 +25,8 @@ from meshstate.megatron.errors import ParallelStateError
 from meshstate.core.groups import ProcessGroupSet, create_group_family
 from meshstate.layout.layout import Chunks, Grid, hierarchical_levels
 from meshstate.megatron import derived as families
-from meshstate.megatron.getters import is_initialized, process_group_list, served_mesh
+from meshstate.megatron.facts import served_mesh
+from meshstate.megatron.getters import is_initialized, process_group_list
 
 ProcessGroup = dist.ProcessGroup
 

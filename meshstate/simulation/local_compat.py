@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 from unittest import mock
 
@@ -32,6 +32,8 @@ from torch.distributed._local_tensor import (
     maybe_disable_local_tensor_mode,
 )
 from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+# A functional collective's result, waited for on first use.
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 # What torch.compile makes of a tensor while it traces: it holds no storage to share.
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
@@ -45,6 +47,15 @@ def enabled_ranks() -> frozenset[int] | None:
     Uses ``enabled_local_tensor_mode`` and the mode's ``ranks``.
     """
     mode = enabled_local_tensor_mode()
+    return None if mode is None else frozenset(mode.ranks)
+
+
+def mode_ranks() -> frozenset[int] | None:
+    """The ranks this thread's ``LocalTensorMode`` simulates, paused or not, or ``None``.
+
+    Uses ``local_tensor_mode`` and the mode's ``ranks``.
+    """
+    mode = _simulation.local_tensor_mode()
     return None if mode is None else frozenset(mode.ranks)
 
 
@@ -105,11 +116,23 @@ class _SimulatedMode(LocalTensorMode):
         ]
         return pytree.tree_unflatten(merged, spec)
 
+def describe(values: Mapping[int, object], most: int = 4) -> str:
+    """Per-rank values grouped by value: ``"0 on ranks 0, 2; 1 on ranks 1, 3"``.
+
+    Shows at most ``most`` values and ``most`` ranks of each.
+    """
+    by_value: dict[object, list[int]] = {}
+    for rank, value in sorted(values.items()):
+        by_value.setdefault(value, []).append(rank)
+    parts = []
+    for value, ranks in list(by_value.items())[:most]:
+        shown = ", ".join(map(str, ranks[:most])) + (", …" if len(ranks) > most else "")
+        parts.append(f"{value} on rank{'s' if len(ranks) > 1 else ''} {shown}")
+    return "; ".join(parts) + ("; …" if len(by_value) > most else "")
+
 
 def _scalar(tensor: LocalTensor) -> Any:
     """``tensor.item()`` on every rank: a per-rank int or bool, or the float every rank has."""
-    from meshstate.simulation.per_rank import describe
-
     values = {rank: local.item() for rank, local in tensor._local_tensors.items()}
     first = next(iter(values.values()))
     if isinstance(first, int):  # bools too
@@ -136,7 +159,7 @@ def _refuse_shared_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
             continue
         value = kwargs.get(argument.name) if argument.kwarg_only or index >= len(args) else args[index]
         for tensor in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(tensor, torch.Tensor) and _shared_between_ranks(tensor):
+            if isinstance(tensor, torch.Tensor) and shared_between_ranks(tensor):
                 raise SimulationError(
                     f"{func.overloadpacket.__name__}() writes per rank into a tensor of shape "
                     f"{tuple(tensor.shape)} that every simulated rank shares (one made outside "
@@ -146,7 +169,9 @@ def _refuse_shared_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
                 )
 
 
-def _shared_between_ranks(tensor: torch.Tensor) -> bool:
+def shared_between_ranks(tensor: torch.Tensor) -> bool:
+    """Whether the simulated ranks' values of ``tensor`` share storage (a plain tensor, or
+    views of one), so that a write for one rank reaches the others'."""
     if not isinstance(tensor, LocalTensor):
         return True
     storages = [local.untyped_storage().data_ptr() for local in tensor._local_tensors.values()
@@ -233,13 +258,13 @@ def simulation_paused() -> contextlib.AbstractContextManager[None]:
     return paused
 
 
-def per_rank_rows(rows: torch.Tensor) -> torch.Tensor:
-    """A tensor whose value on simulated rank ``r`` is ``rows[r]`` (a view of it): made for
-    every rank at once, where ``LocalTensorMode.rank_map`` would run an op per rank.
-    Builds a ``LocalTensor`` from its per-rank dict.
+def per_rank_rows(rows: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """A tensor whose value on simulated rank ``first + i`` is ``rows[i]`` (a view of it):
+    made for every rank at once, where ``LocalTensorMode.rank_map`` would run an op per
+    rank. Builds a ``LocalTensor`` from its per-rank dict.
     """
     with maybe_disable_local_tensor_mode():
-        local: torch.Tensor = LocalTensor(dict(enumerate(rows.unbind(0))))  # type: ignore[no-untyped-call]
+        local: torch.Tensor = LocalTensor(dict(enumerate(rows.unbind(0), first)))  # type: ignore[no-untyped-call]
     return local
 
 
@@ -269,8 +294,11 @@ def is_simulated(tensor: torch.Tensor) -> bool:
 def tensor_by_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor] | None:
     """Each simulated rank's value of ``tensor``, or ``None`` for a plain tensor.
 
-    Reads ``LocalTensor._local_tensors``.
+    Reads ``LocalTensor._local_tensors``, after waiting for a functional collective's
+    result (``_functional_collectives.AsyncCollectiveTensor``, what a TP layer returns).
     """
+    if isinstance(tensor, AsyncCollectiveTensor):
+        tensor = tensor.trigger_wait()  # type: ignore[no-untyped-call]
     if isinstance(tensor, LocalTensor):
         values: dict[int, torch.Tensor] = tensor._local_tensors
         return values
@@ -296,6 +324,29 @@ def constant_bool_node(value: bool) -> Any:
     answers alike returns. Uses ``torch._C._get_constant_bool_symnode``, as
     ``LocalIntNode``'s own comparisons do."""
     return torch._C._get_constant_bool_symnode(value)
+
+
+@contextlib.contextmanager
+def collectives_checked(
+    check: Callable[[str, ProcessGroup, list[tuple[int, ...]]], None]
+) -> Iterator[None]:
+    """A block in which every collective torch's simulation runs is first shown to ``check``:
+    its name (``"broadcast"``), the group, and the rank sets it would run over (which
+    ``check`` may refuse). Wraps ``_local_tensor._c10d._prepare_collective_groups``, which
+    every one of them (``_local_broadcast_``, ``_local_functional_all_gather_into_tensor``,
+    …) calls first."""
+    prepare = _simulation._c10d._prepare_collective_groups
+
+    def checked(group: Any) -> tuple[list[int], list[int], int]:
+        relative, offsets, offset = prepare(group)
+        unboxed = ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
+        caller = sys._getframe(1).f_code.co_name
+        name = caller.removeprefix("_local_").removeprefix("functional_").strip("_")
+        check(name, unboxed, [tuple(start + rank for rank in relative) for start in offsets])
+        return relative, offsets, offset
+
+    with mock.patch.object(_simulation._c10d, "_prepare_collective_groups", checked):
+        yield
 
 
 def collective_groups(group: ProcessGroup) -> list[tuple[int, ...]]:

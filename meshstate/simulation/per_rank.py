@@ -27,16 +27,18 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast, overload
+from typing import Any, TypeVar, cast, overload
 
 import torch
 from torch.distributed import ProcessGroup
 
 from meshstate.layout.ranks import ranks_text
 from meshstate.simulation import local_compat
+from meshstate.simulation.local_compat import describe
 from meshstate.errors import SimulationError
 
 _LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
+V = TypeVar("V")
 
 
 def _on(value: object, rank: int) -> Any:
@@ -50,20 +52,6 @@ def _on(value: object, rank: int) -> Any:
         return node.bool_()  # torch's constant bool node
     return local_compat.int_on_rank(node, rank)
 
-
-def describe(values: Mapping[int, object], most: int = 4) -> str:
-    """Per-rank values grouped by value: ``"0 on ranks 0, 2; 1 on ranks 1, 3"``.
-
-    Shows at most ``most`` values and ``most`` ranks of each.
-    """
-    by_value: dict[object, list[int]] = {}
-    for rank, value in sorted(values.items()):
-        by_value.setdefault(value, []).append(rank)
-    parts = []
-    for value, ranks in list(by_value.items())[:most]:
-        shown = ", ".join(map(str, ranks[:most])) + (", …" if len(ranks) > most else "")
-        parts.append(f"{value} on rank{'s' if len(ranks) > 1 else ''} {shown}")
-    return "; ".join(parts) + ("; …" if len(by_value) > most else "")
 
 
 class PerRankIntNode(local_compat.LocalIntNode):
@@ -483,14 +471,23 @@ def group_rank(group: ProcessGroup) -> int:
     family from ``group`` (its ranks form no regular grid).
     """
     index, _ = positions(simulated_groups(group))
-    return per_rank_int(index)
+    return per_rank_int(of_simulated_ranks(index))
 
 
 def members(group: ProcessGroup) -> GroupMembers:
     """Each simulated rank's group of the family ``group`` belongs to:
     ``torch.distributed.get_process_group_ranks(group)`` for every simulated rank."""
     groups = simulated_groups(group)
-    return GroupMembers(positions(groups)[1], len(groups[0]))
+    return GroupMembers(of_simulated_ranks(positions(groups)[1]), len(groups[0]))
+
+
+def of_simulated_ranks(by_rank: dict[int, V]) -> dict[int, V]:
+    """``by_rank`` (an answer for every rank of the world) for the ranks this process
+    simulates: all of them, or one stage's in a world simulated stage by stage."""
+    ranks = local_compat.mode_ranks()
+    if ranks is None or len(by_rank) <= len(ranks):
+        return by_rank
+    return {rank: by_rank[rank] for rank in sorted(ranks) if rank in by_rank}
 
 
 def simulated_groups(group: ProcessGroup) -> list[tuple[int, ...]]:

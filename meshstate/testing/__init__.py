@@ -19,6 +19,10 @@ nothing). ``simulated_world`` and
 ``@distributed(world_size=8, simulate=True)`` run every rank of a world in the
 calling process instead, collectives included (torch's ``LocalTensorMode``):
 no processes to start, for tests that stick to collectives over regular groups.
+``threaded_world`` and ``@distributed(world_size=8, threads=True)`` run every
+rank as a thread of the calling process, with real values: FSDP2, DDP, DCP,
+pipelining and megatron-core's layers run there, and so do functions worker
+processes cannot import (a notebook's, ``python -``'s).
 
 Example::
 
@@ -45,10 +49,11 @@ from meshstate.testing.fake import fake_world
 from meshstate.testing.fork_server import warm_up
 from meshstate.testing.launch import DEFAULT_TIMEOUT, LocalWorld, default_backend
 from meshstate.testing.simulated import SimulatedWorld, simulated_world
+from meshstate.testing.threaded import ThreadedWorld, threaded_world
 
 __all__ = [
-    "SimulatedWorld", "close_pooled_worlds", "distributed", "fake_world", "local_world",
-    "simulated_world",
+    "SimulatedWorld", "ThreadedWorld", "close_pooled_worlds", "distributed", "fake_world",
+    "local_world", "simulated_world", "threaded_world",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -85,6 +90,7 @@ def distributed(
     backend: str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     simulate: bool = False,
+    threads: bool = False,
 ) -> Callable[[_F], _F]:
     """Decorate a module-level test so its body runs on every rank of a local world.
 
@@ -97,12 +103,19 @@ def distributed(
     a GPU per rank. ``simulate=True`` runs the body once for every rank in
     the test's own process (:func:`simulated_world`): no processes, no
     ``backend``, no ``timeout``; its assertions hold for every rank or fail.
+    ``threads=True`` runs each rank as a thread of the test's process
+    (:func:`threaded_world`): real values, no ``backend``, the same ``timeout``.
     """
-    if simulate and backend is not None:
-        raise MeshStateError(f"a simulated world has no backend; got backend={backend!r}")
+    if simulate and threads:
+        raise MeshStateError(
+            "a world is simulated or threaded, not both; got simulate=True, threads=True"
+        )
+    if (simulate or threads) and backend is not None:
+        kind = "simulated" if simulate else "threaded"
+        raise MeshStateError(f"a {kind} world has no backend; got backend={backend!r}")
 
     def decorate(body: _F) -> _F:
-        if not simulate:
+        if not simulate and not threads:
             warm_up()  # the fork server, ready (or importing torch) before the first test runs
 
         @functools.wraps(body)
@@ -114,8 +127,9 @@ def distributed(
                 return
             if backend == "nccl" and torch.cuda.device_count() < world_size:
                 pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+            world = threaded_world(world_size) if threads else local_world(world_size, backend)
             try:
-                local_world(world_size, backend).run(body, *args, timeout=timeout, **kwargs)
+                world.run(body, *args, timeout=timeout, **kwargs)
             except MeshStateError as error:  # the report says it all; the harness's frames do not
                 raise pytest.fail.Exception(str(error), pytrace=False) from None
 

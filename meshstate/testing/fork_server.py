@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -92,6 +93,9 @@ def _fork_server_from_here(path: Any, args: Sequence[Any], passfds: Sequence[int
     # A Ctrl-C or SIGTERM waits until the fork is done: the caller handles it afterwards,
     # the server (which gets the default handlers back first) never sees it.
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # Garbage here (a threaded world's gloo groups, say) is destroyed here, where its threads
+    # live; in the fork its locks may be copied held, and destroying it there hangs.
+    gc.collect()
     try:
         with warnings.catch_warnings():
             # Python 3.12+ warns of forking a process with threads (torch starts some): the
@@ -106,6 +110,7 @@ def _fork_server_from_here(path: Any, args: Sequence[Any], passfds: Sequence[int
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         return pid
     status = 1
+    gc.freeze()  # nothing of the caller's is collected (destroyed) in the server or its workers
     try:
         for fd in other_ends:  # the "alive" pipe must read as closed once the caller is gone
             os.close(fd)

@@ -70,6 +70,7 @@ from meshstate.testing.worker import (
     _FunctionRef,
     _worker_main,
     exit_if_importing_main,
+    unimportable_main_hidden,
 )
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -138,8 +139,9 @@ class LocalWorld:
         self._relay.start()
         try:
             try:
-                for rank, ((_, stdout), (_, stderr), (_, stacks)) in enumerate(pipes):
-                    self._start_worker(rank, stdout, stderr, stacks)
+                with unimportable_main_hidden():
+                    for rank, ((_, stdout), (_, stderr), (_, stacks)) in enumerate(pipes):
+                        self._start_worker(rank, stdout, stderr, stacks)
             finally:
                 for _, writer in itertools.chain(*pipes):
                     writer.close()
@@ -184,7 +186,9 @@ class LocalWorld:
     ) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results by rank.
 
-        ``fn`` must be a module-level function and its arguments and result
+        ``fn`` must be a module-level function of a module the workers can
+        import (a function of a notebook or of ``python -`` runs in
+        :func:`~meshstate.testing.threaded_world`), its arguments and result
         picklable. Raises :class:`RankFailure` if a rank raises or dies and
         :class:`RankTimeout` if ranks do not finish within ``timeout``. If the
         run is interrupted (Ctrl-C, a signal), the workers are killed.

@@ -75,8 +75,12 @@ def _report(
     failures: dict[int, _Failure],
     exits: dict[int, int | None],
     stacks: dict[int, str],
+    running: Collection[int] = (),
 ) -> RankFailure | RankTimeout:
-    """One error for a run that went wrong; identical tracebacks and stacks are shown once."""
+    """One error for a run that went wrong; identical tracebacks and stacks are shown once.
+
+    ``running`` are the ranks of a threaded world whose threads could not be woken.
+    """
     problems, sections = [], []
     if failures:
         problems.append(f"{_describe_ranks(failures)} raised")
@@ -108,5 +112,10 @@ def _report(
             f"--- {_describe_ranks(ranks)} stack (most recent call first) ---\n{stack}"
             for stack, ranks in by_stack.items()
         ]
+    if running:
+        problems.append(
+            f"the threads of {_describe_ranks(running)} could not be woken and still run "
+            "(daemon threads: a thread cannot be killed)"
+        )
     message = "\n".join([f"{name}: {'; '.join(problems)}", *sections])
     return RankFailure(message) if failures or exits else RankTimeout(message)

@@ -3,26 +3,36 @@
 The tools-and-testing layer's counterpart of :mod:`meshstate.core.compat`: what
 only ``meshstate.testing`` and ``meshstate.tools`` use (torch's store types,
 the fake backend's store, counting group creation, torch's own flatten and
-unflatten). A torch upgrade that moves any of these is this file's work alone;
-each function says which private name it relies on.
+unflatten, torch's threaded process group and the switches of c10d it needs).
+A torch upgrade that moves any of these is this file's work alone; each
+function says which private name it relies on.
 """
 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
-# Store, TCPStore and PrefixStore are public as torch.distributed.TCPStore & co., but
+# Store, TCPStore, HashStore and PrefixStore are public as torch.distributed.TCPStore & co., but
 # torch does not declare them exported there, so a strict type check sees only these
 # torch._C names; switch when torch lists them in torch.distributed.__all__.
+from torch._C._distributed_c10d import HashStore as HashStore
 from torch._C._distributed_c10d import PrefixStore as PrefixStore
-from torch._C._distributed_c10d import Store
+from torch._C._distributed_c10d import Store as Store
 from torch._C._distributed_c10d import TCPStore as TCPStore
+import torch._C._distributed_c10d as _c10d_extension
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
+from torch.testing._internal.distributed import multi_threaded_pg as _multi_threaded_pg
+# torch's in-process group of a thread per rank, the base of meshstate's threaded group:
+# it lives in torch.testing._internal, without a public name.
+from torch.testing._internal.distributed.multi_threaded_pg import (
+    ProcessLocalGroup as ProcessLocalGroup,
+)
 
 from meshstate.core import compat as _core_compat
 
@@ -105,3 +115,58 @@ def unflatten(mesh: DeviceMesh, shape: tuple[int, ...], names: tuple[str, ...]) 
     Uses ``DeviceMesh._unflatten``, which torch has not made public yet.
     """
     return mesh._unflatten(0, shape, names)
+
+
+def install_thread_per_rank_world() -> None:
+    """Make c10d's world one per thread, so each thread can be a rank with a default group.
+
+    Uses ``multi_threaded_pg._install_threaded_pg`` (swaps ``c10d._world`` for a
+    thread-local one and turns autograd's multithreading off) and
+    ``_set_thread_isolation_mode`` (a registry of group names per thread); torch
+    has neither in public. :func:`uninstall_thread_per_rank_world` undoes both.
+    """
+    _c10d_extension._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
+    _multi_threaded_pg._install_threaded_pg()  # type: ignore[no-untyped-call]
+
+
+def uninstall_thread_per_rank_world() -> None:
+    """Give c10d back the world it had before :func:`install_thread_per_rank_world`.
+
+    Uses ``multi_threaded_pg._uninstall_threaded_pg`` and ``_set_thread_isolation_mode``.
+    """
+    _multi_threaded_pg._uninstall_threaded_pg()  # type: ignore[no-untyped-call]
+    _c10d_extension._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
+
+
+def thread_per_rank_world_installed() -> bool:
+    """Whether c10d's world is torch's thread-local one (ours or torch's own test harness's).
+
+    Reads ``c10d._world``.
+    """
+    return isinstance(c10d._world, _multi_threaded_pg.ThreadLocalWorld)
+
+
+def wait_for_group_members(store: Store, rank: int, size: int, timeout: timedelta) -> None:
+    """Return once all ``size`` members have created the group whose ``store`` this is.
+
+    Threads create different groups at once (the tp and dp groups of a 2x2
+    mesh); a collective must not start before its group exists on every
+    member. Uses ``c10d._store_based_barrier``, as torch's threaded group does.
+    """
+    c10d._store_based_barrier(rank, store, c10d.GroupName(""), size, timeout)
+
+
+def release_threaded_collectives() -> None:
+    """Wake every rank waiting in a collective of torch's threaded group, and every rank
+    that enters one from now on: each raises ``SystemExit``.
+
+    Uses ``ProcessLocalGroup.exception_handle``, under the class's ``_coll_lock`` so no
+    collective starts while it wakes the waiting ones.
+    """
+    with ProcessLocalGroup._coll_lock:
+        ProcessLocalGroup.exception_handle(None)  # type: ignore[no-untyped-call]
+
+
+def reset_threaded_collectives() -> None:
+    """Forget the collectives of torch's threaded group and its wake-up (``ProcessLocalGroup.reset``)."""
+    ProcessLocalGroup.reset()  # type: ignore[no-untyped-call]

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -56,6 +56,12 @@ class _FunctionRef:
             raise MeshStateError(
                 f"{fn!r} cannot be sent to worker processes; pass a module-level function"
             )
+        if not _importable(fn.__module__):
+            raise MeshStateError(
+                f"{qualname} is defined in {fn.__module__}, which has no file the worker "
+                "processes can import (a notebook, python -, python -c); threaded_world or "
+                "simulated_world run every rank in this process"
+            )
         return cls(fn.__module__, qualname)
 
     def resolve(self) -> Callable[..., Any]:
@@ -63,6 +69,34 @@ class _FunctionRef:
         for part in self.qualname.split("."):
             target = getattr(target, part)
         return inspect.unwrap(target)  # type: ignore[no-any-return]
+
+
+def _importable(module_name: str) -> bool:
+    """Whether a worker process can import the module ``module_name``: one with a spec, or
+    a script's ``__main__`` (from its file); not a notebook's, ``python -``'s (its file is
+    ``<stdin>``) or ``python -c``'s."""
+    module = sys.modules.get(module_name)
+    if module is None or getattr(module, "__spec__", None) is not None:
+        return True
+    file = getattr(module, "__file__", None)
+    return isinstance(file, str) and os.path.isfile(file)
+
+
+@contextlib.contextmanager
+def unimportable_main_hidden() -> Iterator[None]:
+    """Start workers inside: where ``__main__`` has a file that cannot be imported
+    (``python -`` names it ``<stdin>``), it is hidden meanwhile, or multiprocessing would
+    have every worker run it, and fail."""
+    main = sys.modules["__main__"]
+    file = getattr(main, "__file__", None)
+    if file is None or _importable("__main__"):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = file
 
 
 def exit_if_importing_main() -> None:
