@@ -71,10 +71,11 @@ def test_cli_bench_json_and_bad_input(capsys):
     assert main(["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
                  "--etp", "1", "--repeat", "1", "--processes", "0", "--without-megatron",
                  "--without-torchtitan", "--without-runtime", "--harness-tests", "0",
-                 "--simulated-checks", "0", "--json"]) == 0
+                 "--simulated-checks", "0", "--simulated-pipeline", "0", "--json"]) == 0
     decoded = json.loads(capsys.readouterr().out)
     assert [row["approach"] for row in decoded["rows"]] == [
         bench_init.INIT_MESH, bench_init.PARALLEL_STATE, bench_init.DEVICE_MESH]
+    assert decoded["simulated_check_rows"] == []  # neither checks nor the 1F1B step, told 0
     assert main(["bench", "--world-sizes", "12", "--tp", "8"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "meshstate bench: error: world size 12 is not divisible by tp*cp*pp = 8*2*8 = 128"]

@@ -7,6 +7,7 @@ rank = tp + 2*cp + 4*dp. Expected values are computed here from that formula.
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 import meshstate
 from meshstate.jax import collectives as lax
@@ -139,3 +140,46 @@ def test_declared_joint_groups_work_like_megatron_kinds():
         assert mesh["cp-pp"].mesh.tolist() == [5, 7, 13, 15]
         assert mesh.ordered(("cp", "pp")).ranks == (5, 13, 7, 15)
         mesh.destroy()
+
+
+@distributed(world_size=2)
+def test_eager_collectives_take_what_torchs_calls_take():
+    """The eager path reaches the process group's op directly; what torch's own call treats
+    apart (a complex tensor, an open coalescing manager) goes through torch's call."""
+    mesh = meshstate.init_mesh(tp=2)
+    rank = dist.get_rank()
+    x = torch.tensor([1 + 2j, 3 - 1j]) * (rank + 1)
+    with mesh:
+        assert lax.psum(x, "tp").tolist() == (x / (rank + 1) * 3).tolist()
+        both = torch.cat([x / (rank + 1), x / (rank + 1) * 2])
+        assert lax.all_gather(x, "tp", tiled=True).tolist() == both.tolist()
+        assert lax.psum_scatter(both, "tp", tiled=True).tolist() == (both[2 * rank:][:2] * 2).tolist()
+        mine = both[2 * rank:][:2]
+        assert lax.all_to_all(both * (rank + 1), "tp", 0, 0, tiled=True).tolist() == (
+            torch.cat([mine, mine * 2]).tolist()
+        )
+        with dist._coalescing_manager(group=mesh.group("tp")) as coalesced:
+            summed = lax.psum(torch.ones(2) * (rank + 1), "tp")
+            waiting = summed.tolist()
+        coalesced.wait()
+    assert (waiting, summed.tolist()) == ([rank + 1.0] * 2, [3.0, 3.0])
+
+
+def test_a_torch_function_mode_sees_each_eager_collective_as_torchs_call():
+    seen = []
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    with fake_world(0, 4):
+        mesh = meshstate.init_mesh(tp=2)
+        x = torch.ones(4)
+        with mesh, Seen():
+            lax.psum(x, "tp")
+            lax.all_gather(x, "tp", tiled=True)
+            lax.psum_scatter(x, "tp", tiled=True)
+            lax.all_to_all(x, "tp", 0, 0, tiled=True)
+        mesh.destroy()
+    assert {"all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single"} <= set(seen)

@@ -246,17 +246,23 @@ def test_groups_named_by_a_count_of_builds_agree_between_threads():
 
 AFTER_GLOO_GROUPS_PROGRAM = textwrap.dedent("""
     import threaded_bodies as bodies
-    from meshstate.testing import local_world, threaded_world
+    import torch.distributed as dist
+    from meshstate.testing import local_world, simulated_world, threaded_world
 
-    threaded_world(4).run(bodies.megatron_getters_per_rank)
+    def rank_of():
+        return dist.get_rank()
+
+    threaded_world(4).run(bodies.megatron_getters_per_rank)  # it made gloo groups, garbage now
     print(len(local_world(4).run(bodies.megatron_getters_per_rank)))
+    print(simulated_world(4, stages=2).run(rank_of))
 """)
 
 
-def test_processes_start_after_a_threaded_world_that_made_gloo_groups():
-    """The fork server is a fork of this process: the threads' gloo groups, garbage by then,
-    must not be destroyed in it (their locks were copied held), where it would hang."""
+def test_forks_start_after_a_threaded_world_that_made_gloo_groups():
+    """The fork server and a simulated world's stages are forks of this process: the
+    threads' gloo groups, garbage by then, must not be destroyed in them (their locks
+    were copied held), where they hang or abort."""
     done = subprocess.run([sys.executable, "-c", AFTER_GLOO_GROUPS_PROGRAM], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).parent,
                           env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
-    assert (done.returncode, done.stdout) == (0, "4\n"), done.stderr[-2000:]
+    assert (done.returncode, done.stdout) == (0, "4\n[0, 1, 2, 3]\n"), done.stderr[-2000:]

@@ -136,6 +136,66 @@ def torch_functions_off() -> Any:
     return torch._C.DisableTorchFunction()
 
 
+def _torchs_call(tensor: torch.Tensor, name: str) -> Callable[..., None] | None:
+    """``dist.<name>`` where an eager collective below must go through it, else None (then
+    it calls the group's op as ``dist.<name>`` does, without the checks meshstate made:
+    a plain tensor, a group this rank is in, an output like ``tensor``). It must for a
+    tensor a torch function sees, a complex one, an open coalescing manager
+    (``c10d._world``), or a call replaced since import (a simulated world's, a mock)."""
+    call: Callable[..., None] = getattr(dist, name)
+    if (
+        call is not _TORCHS[name]
+        or c10d._world.pg_coalesce_state
+        or _has_torch_function((tensor,))
+        or tensor.dtype.is_complex
+    ):
+        return call
+    return None
+
+
+_TORCHS = {name: getattr(dist, name) for name in (
+    "all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")}
+_has_torch_function = torch._C._has_torch_function
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> None:
+    """``dist.all_reduce(tensor, op, group=group)``: ``tensor`` reduced in place."""
+    if (call := _torchs_call(tensor, "all_reduce")) is not None:
+        return call(tensor, op=op, group=group)
+    options = c10d.AllreduceOptions()
+    options.reduceOp = op  # type: ignore[assignment]  # torch's own call assigns the same
+    group.allreduce([tensor], options).wait()
+
+
+def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``dist.all_gather_single(output, tensor, group=group)``."""
+    if (call := _torchs_call(tensor, "all_gather_single")) is not None:
+        return call(output, tensor, group=group)
+    group.all_gather_single(output, tensor, torch._C._distributed_c10d.AllgatherOptions()).wait()
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``dist.reduce_scatter_single(output, tensor, group=group)``: a sum."""
+    if (call := _torchs_call(tensor, "reduce_scatter_single")) is not None:
+        return call(output, tensor, group=group)
+    options = c10d.ReduceScatterOptions()
+    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # as torch's call does
+    group.reduce_scatter_single(output, tensor, options).wait()
+
+
+def all_to_all(
+    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup,
+    output_splits: list[int] | None = None, input_splits: list[int] | None = None,
+) -> None:
+    """``dist.all_to_all_single(output, tensor, output_splits, input_splits, group=group)``."""
+    if (call := _torchs_call(tensor, "all_to_all_single")) is not None:
+        return call(output, tensor, output_splits, input_splits, group=group)
+    options = c10d.AllToAllOptions()
+    group.all_to_all_single(output, tensor, output_splits or [], input_splits or [], options).wait()
+
+
 def traced_all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     """``x`` reduced with ``op`` (``"sum"``, ``"max"``, ``"min"``) over the group; a new tensor.
 
@@ -181,8 +241,7 @@ def default_group() -> dist.ProcessGroup:
 
 def default_store() -> Store:
     """The store the default group was initialised with. Uses ``c10d._world.pg_map``."""
-    store: Store = c10d._world.pg_map[default_group()][1]
-    return store
+    return c10d._world.pg_map[default_group()][1]
 
 
 def rendezvous_keys(group_name: str, backend: str, size: int) -> list[str]:
@@ -219,8 +278,7 @@ def thread_store() -> Store:
 
 def default_timeout(backend: str) -> timedelta:
     """torch's default process-group timeout for ``backend``. Uses ``c10d._get_default_timeout``."""
-    timeout: timedelta = c10d._get_default_timeout(dist.Backend(backend))
-    return timeout
+    return c10d._get_default_timeout(dist.Backend(backend))
 
 
 def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup | None) -> None:
@@ -269,8 +327,7 @@ def forget_sharding_decisions() -> None:
 
 def bound_device(group: dist.ProcessGroup) -> torch.device | None:
     """The device a group was bound to at init (``device_id=``), if any."""
-    device: torch.device | None = getattr(group, "bound_device_id", None)
-    return device
+    return cast("torch.device | None", getattr(group, "bound_device_id", None))
 
 
 def destroy_group(group: dist.ProcessGroup) -> None:
@@ -401,12 +458,9 @@ def root_of(device_mesh: DeviceMesh) -> DeviceMesh:
 
 
 def mesh_copies(device_mesh: DeviceMesh) -> torch.Tensor:
-    """Global ranks of every copy of ``device_mesh`` in its root mesh.
-
-    ``device_mesh.mesh`` of a slice such as ``root["dp", "cp"]`` is only the
-    caller's copy; this returns them all, shape ``(copies, *device_mesh.shape)``.
-    Relies on ``DeviceMesh._layout``, ``DeviceMesh._rank_map`` and
-    ``_MeshLayout.remap_to_tensor``.
+    """Global ranks of every copy of ``device_mesh`` in its root mesh, shape ``(copies,
+    *device_mesh.shape)`` (``.mesh`` of a slice such as ``root["dp", "cp"]`` is the caller's
+    copy only). Relies on ``DeviceMesh._layout``, ``_rank_map``, ``_MeshLayout.remap_to_tensor``.
     """
     every_copy = device_mesh._layout.remap_to_tensor(device_mesh._rank_map)
     return every_copy.reshape(-1, *device_mesh.shape)
@@ -517,10 +571,8 @@ def follow_functorch_transforms(hooks: TransformHooks) -> None:
 
 
 transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
-"""Whether a torch.func transform (vmap, grad, ...) is running in this thread: its values
-are wrappers that only torch's functional ops handle. torch's
-``_are_functorch_transforms_active`` itself (a call layer around it costs the eager
-collectives their speed)."""
+"""Whether a torch.func transform (vmap, grad, ...) runs in this thread, so that values are
+wrappers only torch's functional ops handle (torch's own function: no call layer)."""
 
 
 def follow_reentrant_checkpoint(

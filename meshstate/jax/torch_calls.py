@@ -70,7 +70,7 @@ def reduce(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Te
     if traced:
         return _compat.traced_all_reduce(x, op, group.group_name)
     result = x.clone()
-    dist.all_reduce(result, op=_REDUCE_OPS[op], group=group.group)
+    _compat.all_reduce(result, group.group, _REDUCE_OPS[op])
     return result
 
 
@@ -79,7 +79,7 @@ def all_gather_on(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) 
     shape = x.shape
     if tiled and axis == 0 and shape and not traced and _in_order(x, group):
         gathered = x.new_empty(len(group.ranks) * shape[0], *shape[1:])
-        dist.all_gather_single(gathered, x, group=group.group)
+        _compat.all_gather(gathered, x, group.group)
         return gathered
     axis = checked_dim(axis, x.dim() + (not tiled), "all_gather", "axis")
     return gather(x, group, axis, tiled=tiled, traced=traced)
@@ -103,7 +103,7 @@ def gather(
         stacked = _compat.traced_all_gather(source, n, group.group_name)
     else:
         stacked = source.new_empty((n * source.numel(),))
-        dist.all_gather_single(stacked, source.view(-1), group=group.group)
+        _compat.all_gather(stacked, source.view(-1), group.group)
     stacked = stacked.view(n, *x.shape)
     if group.by_group_rank is not None:
         stacked = stacked[list(group.group_rank_at)]
@@ -121,14 +121,14 @@ def scatter(x: torch.Tensor, group: OrderedGroup, scatter_dimension: int, tiled:
         _in_order(x, group)
     ):
         scattered = x.new_empty(shape[0] // n, *shape[1:])
-        dist.reduce_scatter_single(scattered, x, group=group.group)
+        _compat.reduce_scatter(scattered, x, group.group)
         return scattered
     chunks = _chunks(x, group, scatter_dimension, tiled, "psum_scatter", "scatter_dimension")
     if traced:
         flat = _compat.traced_reduce_scatter(chunks.reshape(-1), n, group.group_name)
     else:
         flat = x.new_empty((chunks[0].numel(),))
-        dist.reduce_scatter_single(flat, chunks.reshape(-1), group=group.group)
+        _compat.reduce_scatter(flat, chunks.reshape(-1), group.group)
     return flat.view(chunks.shape[1:])
 
 
@@ -141,7 +141,7 @@ def exchange(
         shape[0] % len(group.ranks) == 0 and _in_order(x, group)
     ):
         exchanged = torch.empty_like(x)
-        dist.all_to_all_single(exchanged, x, group=group.group)
+        _compat.all_to_all(exchanged, x, group.group)
         return exchanged
     chunks = _chunks(x, group, split_axis, tiled, "all_to_all", "split_axis")
     concat_axis = checked_dim(concat_axis, chunks.dim() - 1 + (not tiled), "all_to_all", "concat_axis")
@@ -151,7 +151,7 @@ def exchange(
         flat = _compat.traced_all_to_all(chunks.reshape(-1), splits, splits, group.group_name)
     else:
         flat = torch.empty_like(chunks).view(-1)
-        dist.all_to_all_single(flat, chunks.reshape(-1), group=group.group)
+        _compat.all_to_all(flat, chunks.reshape(-1), group.group)
     received = flat.view(chunks.shape)
     if group.by_group_rank is not None:
         received = received[list(group.group_rank_at)]
@@ -174,9 +174,9 @@ def permute(
         group.index, pairs, group.group_rank_at, x.shape[0]
     )
     arrived = torch.zeros_like(x)
-    dist.all_to_all_single(
-        arrived if receiving else arrived[:0], x if sending else x[:0], receives, sends,
-        group=group.group,
+    _compat.all_to_all(
+        arrived if receiving else arrived[:0], x if sending else x[:0], group.group, receives,
+        sends,
     )
     return arrived
 
@@ -243,7 +243,7 @@ def sum_over(x: torch.Tensor, group: OrderedGroup, name: str) -> torch.Tensor:
     """``x`` summed over ``group``: backward the identity, or a sum in a legacy body."""
     if not use_functional(x, name):
         result: torch.Tensor = x.clone()
-        dist.all_reduce(result, group=group.group)
+        _compat.all_reduce(result, group.group)
         return result
     if recorded(x) and not body.legacy:
         return _sum_with_identity_gradient(x, group.group_name)

@@ -38,6 +38,7 @@ from meshstate.simulation import local_compat
 from meshstate.simulation.per_rank import (
     PerRankRanks,
     group_rank,
+    of_simulated_ranks,
     on_any_rank,
     per_rank_int,
     positions,
@@ -133,7 +134,8 @@ class LocalTensorSimulation:
         mismatch = tiling_mismatch(name, own.group, groups)
         if mismatch is not None:
             raise SimulationError(mismatch)
-        index, group_of_rank = positions(groups)
+        every_index, every_group_of_rank = positions(groups)
+        index, group_of_rank = of_simulated_ranks(every_index), of_simulated_ranks(every_group_of_rank)
         # A sequence like the tuple it stands for, one group per simulated rank.
         ranks = cast(tuple[int, ...], PerRankRanks(group_of_rank, len(own.ranks)))
         return replace(own, ranks=ranks, index=per_rank_int(index))
@@ -149,7 +151,9 @@ class LocalTensorSimulation:
             copies = _compat.mesh_copies(view)
             position = torch.arange(copies.numel()).view(copies.shape)
             position = position // math.prod(copies.shape[dim + 2:]) % copies.shape[dim + 1]
-            return per_rank_int(dict(zip(copies.flatten().tolist(), position.flatten().tolist())))
+            return per_rank_int(of_simulated_ranks(
+                dict(zip(copies.flatten().tolist(), position.flatten().tolist()))
+            ))
 
     def tiling_mismatch(
         self, name: str, group: dist.ProcessGroup | None, groups: Sequence[Sequence[int] | None]
@@ -174,6 +178,7 @@ def _enter_key(
     groups = _groups_of(layout, key)
     index, group_of_rank = positions(group for group in groups if group is not None)
     outside = sorted(ranks - index.keys())
+    index, group_of_rank = of_simulated_ranks(index), of_simulated_ranks(group_of_rank)
     sizes = sorted({len(members) for members in group_of_rank.values()})
     if outside or len(sizes) > 1:
         differs = (

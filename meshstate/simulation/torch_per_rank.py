@@ -61,8 +61,9 @@ def per_rank_torch() -> Iterator[None]:
     and rank (``get_process_group_ranks``, ``get_global_rank``, ``get_group_rank``,
     ``group.rank()``, ``DeviceMesh.mesh``), ``all_gather_object`` and
     ``broadcast_object_list`` are per rank; logging's ``%s`` arguments give a line per
-    rank. ``str()`` or a format of a per-rank value, point-to-point calls, a
-    ``new_group`` of some ranks, subgroups the simulation would read otherwise,
+    rank. ``str()`` or a format of a per-rank value, point-to-point calls (real between
+    the stages of a world simulated stage by stage: :mod:`meshstate.simulation.stages`),
+    a ``new_group`` of some ranks, subgroups the simulation would read otherwise,
     DistributedDataParallel and FSDP raise :class:`SimulationError`. torch's and
     meshstate's own modules keep c10d's answers (the process's, rank 0's).
     """
@@ -130,8 +131,16 @@ def _get_rank(group: dist.ProcessGroup | None = None) -> int:
     from meshstate.simulation.per_rank import group_rank, per_rank_int
 
     if group is None or group is c10d.GroupMember.WORLD:
-        return per_rank_int({rank: rank for rank in range(dist.get_world_size())})
+        return per_rank_int({rank: rank for rank in _simulated()})
     return group_rank(group)
+
+
+def _simulated() -> list[int]:
+    """The ranks this process simulates, in order: the world's, or one stage's of a world
+    simulated stage by stage (ask it before pausing the simulation)."""
+    from meshstate.simulation import local_compat
+
+    return sorted(local_compat.mode_ranks() or range(dist.get_world_size()))
 
 
 _create_group = c10d.new_group
@@ -212,7 +221,8 @@ def _refuse_point_to_point(name: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise SimulationError(
             f"torch.distributed.{name} in a simulated world: torch simulates send and recv "
-            f"only with a thread per rank (LocalRunnerMode); {_LOCAL_WORLD}"
+            f"only with a thread per rank (LocalRunnerMode); between pipeline stages, simulate "
+            f"the world stage by stage (simulated_world(world_size, stages=pp)), or {_LOCAL_WORLD}"
         )
 
     return refuse
@@ -243,12 +253,13 @@ def _per_rank_predicate(compare: Callable[..., bool]) -> Callable[..., bool]:
     from meshstate.simulation.per_rank import per_rank_bool
 
     def compare_on_every_rank(first: torch.Tensor, second: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        ranks = _simulated()
         with local_compat.simulation_paused():
             firsts, seconds = local_compat.tensor_by_rank(first), local_compat.tensor_by_rank(second)
             return per_rank_bool({
                 rank: compare(first if firsts is None else firsts[rank],
                               second if seconds is None else seconds[rank], *args, **kwargs)
-                for rank in range(dist.get_world_size())
+                for rank in ranks
             })
 
     return compare_on_every_rank
@@ -261,9 +272,10 @@ def _not_close_on_some_rank(not_close: Callable[..., list[Any]]) -> Callable[...
     from meshstate.simulation.per_rank import value_on
 
     def not_close_on_every_rank(actual: Any, expected: Any, **options: Any) -> list[Any]:
+        ranks = _simulated()
         with local_compat.simulation_paused():
             by_rank = {rank: not_close(value_on(actual, rank), value_on(expected, rank), **options)
-                       for rank in range(dist.get_world_size())}
+                       for rank in ranks}
         failed = sorted(rank for rank, failures in by_rank.items() if failures)
         if not failed:
             return []
@@ -278,7 +290,7 @@ _LIBRARIES = ("torch", "meshstate")
 """Packages whose modules work as the process (rank 0), whose groups they hold."""
 
 
-def _from_a_library(caller: FrameType) -> bool:
+def from_a_library(caller: FrameType) -> bool:
     """Whether ``caller`` runs code of torch or meshstate, not the body's."""
     return str(caller.f_globals.get("__name__", "")).partition(".")[0] in _LIBRARIES
 
@@ -288,7 +300,7 @@ def _in_the_body(per_rank: Callable[..., Any], process: Callable[..., Any]) -> C
     meshstate's own modules (torch's simulation reads a group's members to run its collectives)."""
 
     def answer(*args: Any, **kwargs: Any) -> Any:
-        return (process if _from_a_library(sys._getframe(1)) else per_rank)(*args, **kwargs)
+        return (process if from_a_library(sys._getframe(1)) else per_rank)(*args, **kwargs)
 
     return answer
 
@@ -341,10 +353,11 @@ def _all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGrou
     holds its group's objects."""
     from meshstate.simulation.per_rank import per_rank_value, value_on
 
-    ranks = _members(group)
+    ranks, simulated = _members(group), _simulated()
+    _refuse_other_stages("all_gather_object", group, simulated, [ranks.on(rank) for rank in simulated])
     for at in range(len(ranks)):
         object_list[at] = per_rank_value(
-            {rank: value_on(obj, ranks.on(rank)[at]) for rank in range(dist.get_world_size())},
+            {rank: value_on(obj, ranks.on(rank)[at]) for rank in simulated},
             "all_gather_object",
         )
 
@@ -357,15 +370,30 @@ def _broadcast_object_list(
     list becomes its source's (``src`` a global rank, or ``group_src`` one of its group)."""
     from meshstate.simulation.per_rank import per_rank_value, value_on
 
-    ranks = _members(group)
+    ranks, simulated = _members(group), _simulated()
     source = {
         rank: ranks.on(rank)[value_on(group_src, rank)] if group_src is not None
         else value_on(0 if src is None else src, rank)
-        for rank in range(dist.get_world_size())
+        for rank in simulated
     }
+    _refuse_other_stages("broadcast_object_list", group, simulated, [list(source.values())])
     for at, item in enumerate(list(object_list)):
         object_list[at] = per_rank_value(
             {rank: value_on(item, source[rank]) for rank in source}, "broadcast_object_list"
+        )
+
+
+def _refuse_other_stages(
+    what: str, group: dist.ProcessGroup | None, simulated: list[int], needed: list[Sequence[int]]
+) -> None:
+    """Refuse ``what`` where it needs ranks this process does not simulate (another stage's,
+    in a world simulated stage by stage)."""
+    outside = sorted({rank for ranks in needed for rank in ranks} - set(simulated))
+    if outside:
+        raise SimulationError(
+            f"{what} over the group of ranks {ranks_text(_members(group).on(simulated[0]))}: "
+            f"ranks {ranks_text(outside[:8])} are simulated in another stage's process, which "
+            f"exchanges objects only by send_object_list and recv_object_list; {_LOCAL_WORLD}"
         )
 
 
@@ -481,7 +509,7 @@ def _refuse_text(what: str, plainly: Callable[..., str]) -> Callable[..., str]:
     def text(value: Any, *spec: str) -> str:
         from meshstate.simulation.per_rank import holds_per_rank
 
-        if not holds_per_rank(value) or _from_a_library(sys._getframe(1)):
+        if not holds_per_rank(value) or from_a_library(sys._getframe(1)):
             return plainly(value, *spec)
         raise SimulationError(
             f"{what} of a value that differs between the simulated ranks ({value!r}): one string "
@@ -505,7 +533,7 @@ def _log_each_rank(logger: logging.Logger, record: logging.LogRecord) -> None:
         _handle(logger, record)
         return
     ranks_of_text: dict[str, list[int]] = {}
-    for rank in range(dist.get_world_size()):
+    for rank in _simulated():
         ranks_record = copy.copy(record)
         ranks_record.msg, ranks_record.args = value_on(record.msg, rank), value_on(record.args, rank)
         ranks_of_text.setdefault(ranks_record.getMessage(), []).append(rank)

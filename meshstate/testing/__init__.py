@@ -18,7 +18,9 @@ torch's fake backend (a *fake world*: the layout, no values; collectives do
 nothing). ``simulated_world`` and
 ``@distributed(world_size=8, simulate=True)`` run every rank of a world in the
 calling process instead, collectives included (torch's ``LocalTensorMode``):
-no processes to start, for tests that stick to collectives over regular groups.
+no processes to start, for tests that stick to collectives over regular groups;
+``stages=P`` runs a pipeline's world in P blocks, a process each, with real
+send/recv between them.
 ``threaded_world`` and ``@distributed(world_size=8, threads=True)`` run every
 rank as a thread of the calling process, with real values: FSDP2, DDP, DCP,
 pipelining and megatron-core's layers run there, and so do functions worker
@@ -90,6 +92,7 @@ def distributed(
     backend: str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     simulate: bool = False,
+    stages: int = 1,
     threads: bool = False,
 ) -> Callable[[_F], _F]:
     """Decorate a module-level test so its body runs on every rank of a local world.
@@ -102,7 +105,9 @@ def distributed(
     still running. With ``backend="nccl"`` the test is skipped unless there is
     a GPU per rank. ``simulate=True`` runs the body once for every rank in
     the test's own process (:func:`simulated_world`): no processes, no
-    ``backend``, no ``timeout``; its assertions hold for every rank or fail.
+    ``backend``, no ``timeout``; its assertions hold for every rank or fail;
+    with ``stages=P`` too, in P blocks of ranks (pipeline stages), a process each, with
+    real send/recv between them (``simulated_world(world_size, stages=P)``).
     ``threads=True`` runs each rank as a thread of the test's process
     (:func:`threaded_world`): real values, no ``backend``, the same ``timeout``.
     """
@@ -110,6 +115,8 @@ def distributed(
         raise MeshStateError(
             "a world is simulated or threaded, not both; got simulate=True, threads=True"
         )
+    if stages != 1 and not simulate:
+        raise MeshStateError(f"stages={stages!r} splits a simulated world; add simulate=True")
     if (simulate or threads) and backend is not None:
         kind = "simulated" if simulate else "threaded"
         raise MeshStateError(f"a {kind} world has no backend; got backend={backend!r}")
@@ -123,7 +130,7 @@ def distributed(
             import pytest
 
             if simulate:
-                simulated_world(world_size).run(body, *args, **kwargs)
+                simulated_world(world_size, stages).run(body, *args, **kwargs)
                 return
             if backend == "nccl" and torch.cuda.device_count() < world_size:
                 pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")

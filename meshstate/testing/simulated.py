@@ -31,6 +31,22 @@ ranks. A write into a tensor every rank shares (one made outside the body), a fl
 ``torch.compile`` cannot trace (dynamo alone traces a TP step; AOTAutograd does not)
 raise :class:`~meshstate.errors.SimulationError` naming the call.
 
+A pipeline's world can run stage by stage, as torch's own pipelines do:
+``simulated_world(1024, stages=4).run(fn)`` splits the world into 4 contiguous blocks
+of 256 ranks and runs ``fn`` once per block, each in a process of its own (forked from
+this one, so ``fn`` may be any function) that simulates the block's ranks. With pp the
+layout's outermost axis (Megatron's default order) a block is a pipeline stage: the
+mesh, collectives over groups inside the stage and everything above work as in a
+whole simulated world, and point-to-point between stages is real: a send from every
+rank of a stage to its peer in another (torch's ``PipelineStage`` and schedules such
+as ``Schedule1F1B``, ``dist.send`` over ``mesh.group("pp")``) is one message carrying
+every rank's tensor, received into the other stage's per-rank tensor
+(:mod:`meshstate.simulation.stages`). ``all_reduce`` and ``all_gather_into_tensor``
+over a group that spans stages (pp, a joint group with pp) run through that channel
+too; any other collective over one is refused with a
+:class:`~meshstate.errors.SimulationError` naming it, and so is a layout whose pp is
+not the outermost axis. ``run`` still gives every rank's result, in rank order.
+
 Example::
 
     def world_sum() -> float:
@@ -43,83 +59,224 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import tempfile
+import threading
+import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 
 from meshstate.errors import MeshStateError, SimulationError
 from meshstate.core.mesh import destroy_every_mesh
 from meshstate.testing import torch_internals
+from meshstate.testing.launch import DEFAULT_TIMEOUT
 
 _LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
+_FORK = multiprocessing.get_context("fork")
 
 
 class SimulatedWorld:
-    """A world of ``world_size`` ranks simulated in this process; see the module docstring.
+    """A world of ``world_size`` ranks simulated in this process (or, in ``stages`` blocks,
+    in a process per stage); see the module docstring.
 
     Like a :class:`~meshstate.testing.launch.LocalWorld` it is also a context
     manager (with nothing to close): every ``run`` initialises the fake
     default group, and destroys it and every mesh left alive on the way out.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, stages: int = 1) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise MeshStateError(f"world size must be a positive integer, got {world_size!r}")
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or world_size % stages:
+            raise SimulationError(
+                f"stages={stages!r} does not split a world of {world_size} ranks into blocks of "
+                "equal size: give a positive integer that divides the world size"
+            )
         self.world_size = world_size
+        self.stages = stages
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` once for every simulated rank; the results by rank."""
         from meshstate.simulation.per_rank import value_on
 
+        if self.stages > 1:
+            by_stage = self._run_stages(fn, args, kwargs, each_rank=True)
+            return [result for stage_results in by_stage for result in stage_results]
         result = self.call(fn, *args, **kwargs)
         return [value_on(result, rank) for rank in range(self.world_size)]
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` once for every simulated rank; its result as it is,
-        per-rank values and all (for a caller that reads every rank's itself)."""
-        from meshstate.simulation import local_compat
-        from meshstate.simulation.torch_per_rank import per_rank_torch
+        per-rank values and all (for a caller that reads every rank's itself). In a world
+        of stages, each stage's result as its process returned it (pickled), by stage."""
+        if self.stages > 1:
+            return self._run_stages(fn, args, kwargs, each_rank=False)
+        return _simulate(self.world_size, range(self.world_size), contextlib.nullcontext, fn, args, kwargs)
 
+    def _run_stages(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], each_rank: bool
+    ) -> list[Any]:
+        """Run ``fn`` in a forked process per stage; each stage's result (by rank if
+        ``each_rank``), by stage. The first stage to fail ends the others; every stage's
+        process ends once all have answered."""
         if dist.is_initialized():
             raise SimulationError(
                 "this process already has a default process group; a simulated world needs "
                 "one of its own (destroy it first, or run this where none is initialised)"
             )
-        ranks = frozenset(range(self.world_size))
-        dist.init_process_group(
-            "fake", store=torch_internals.fake_store(), rank=0, world_size=self.world_size
-        )
+        processes: dict[multiprocessing.connection.Connection, tuple[int, Any]] = {}
+        results: dict[int, Any] = {}
+        # Garbage here (a threaded world's gloo groups, say) is destroyed here, where its
+        # threads live: in a fork its locks may be copied held, and destroying it there aborts.
+        gc.collect()
+        with tempfile.TemporaryDirectory(prefix="meshstate-stages-") as folder:
+            try:
+                for stage in range(self.stages):
+                    reader, writer = _FORK.Pipe(duplex=False)
+                    process = _FORK.Process(
+                        target=self._stage_process, name=f"meshstate stage {stage}",
+                        args=(stage, os.path.join(folder, "store"), writer, fn, args, kwargs, each_rank),
+                    )
+                    process.start()
+                    writer.close()
+                    processes[reader] = (stage, process)
+                waiting = dict(processes)
+                while waiting:
+                    for ready in multiprocessing.connection.wait(list(waiting)):
+                        reader = cast(multiprocessing.connection.Connection, ready)
+                        stage, process = waiting.pop(reader)
+                        results[stage] = self._outcome(stage, reader, process)
+            finally:
+                for reader, (_, process) in processes.items():
+                    if process.is_alive():
+                        process.kill()
+                    process.join()
+                    reader.close()
+        return [results[stage] for stage in range(self.stages)]
+
+    def _stage_process(
+        self, stage: int, store_path: str, writer: multiprocessing.connection.Connection,
+        fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], each_rank: bool,
+    ) -> None:
+        """A stage's process: simulate the stage's ranks running ``fn``, send back the result
+        (or the error) through ``writer``."""
+        from meshstate.simulation import stages as staged
+        from meshstate.simulation.per_rank import value_on
+
+        gc.freeze()  # nothing of the caller's is collected (destroyed) in this fork
+        parent = multiprocessing.parent_process()
+        assert parent is not None, "a stage's process is forked by its caller"
+        # Whatever this process is doing, it ends when its caller does (killed, even by SIGKILL).
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
+        torch.set_num_threads(1)  # the stages share the machine's cores
+        stage_size = self.world_size // self.stages
+        ranks = range(stage * stage_size, (stage + 1) * stage_size)
+
         try:
-            with local_compat.local_tensor_mode(ranks), per_rank_torch():
-                result = fn(*args, **kwargs)
-        except (AssertionError, AttributeError, NotImplementedError, RuntimeError) as error:
-            if isinstance(error, MeshStateError):
-                raise
-            if local_compat.failed_compiling(error):
-                cause = _root_cause(error)
-                raise SimulationError(
-                    f"torch.compile cannot trace this with every rank's values in one process "
-                    f"({type(error).__name__}: {type(cause).__name__}: {_first_line(cause)}); "
-                    f"{_LOCAL_WORLD}"
-                ) from error
-            if not local_compat.raised_inside(error):
-                raise
+            channel = staged.StageChannel(store_path, stage, self.stages, self.world_size, DEFAULT_TIMEOUT)
+            result = _simulate(
+                self.world_size, ranks, lambda: staged.between_stages(channel), fn, args, kwargs)
+            outcome = ("result", [value_on(result, rank) for rank in ranks] if each_rank else result)
+            writer.send_bytes(pickle.dumps(outcome))
+        except BaseException as error:
+            writer.send_bytes(_pickled_error(error))
+        # Held, channel and all, until the caller ends this process: another stage may still be
+        # reading this one's last messages, and a failed stage's closed connections would make
+        # the stages waiting for it fail too, hiding its error behind theirs.
+        multiprocessing.connection.wait([parent.sentinel])
+
+    def _outcome(
+        self, stage: int, reader: multiprocessing.connection.Connection, process: Any
+    ) -> Any:
+        """What stage ``stage``'s process sent: its result, else its error raised here."""
+        stage_size = self.world_size // self.stages
+        where = f"stage {stage} (ranks {stage * stage_size}-{(stage + 1) * stage_size - 1})"
+        try:
+            kind, value = pickle.loads(reader.recv_bytes())
+        except EOFError:
+            process.join()
             raise SimulationError(
-                f"torch's simulation of every rank in one process cannot run this "
-                f"({type(error).__name__}: {error}); {_LOCAL_WORLD}"
-            ) from error
-        finally:
-            destroy_every_mesh()
-            dist.destroy_process_group()
-            local_compat.forget_random_state()
-        return result
+                f"the process of {where} ended without a result (exit code {process.exitcode})"
+            ) from None
+        if kind == "result":
+            return value
+        error, text = value
+        error.add_note(f"raised in the process of {where}:\n{text}")
+        raise error
 
     def __enter__(self) -> SimulatedWorld:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         pass
+
+
+def _simulate(
+    world_size: int, ranks: range, between_stages: Callable[[], contextlib.AbstractContextManager[None]],
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+) -> Any:
+    """``fn`` run once for ``ranks`` of a world of ``world_size`` (the whole world, or one
+    stage), simulated in this process as rank 0 of the fake backend; its result as it is."""
+    from meshstate.simulation import local_compat
+    from meshstate.simulation.torch_per_rank import per_rank_torch
+
+    if dist.is_initialized():
+        raise SimulationError(
+            "this process already has a default process group; a simulated world needs "
+            "one of its own (destroy it first, or run this where none is initialised)"
+        )
+    # Rank 0 even for another stage: torch's simulation reads a group's root (broadcast,
+    # scatter) relative to the process's group, which it takes to start at 0.
+    dist.init_process_group("fake", store=torch_internals.fake_store(), rank=0, world_size=world_size)
+    try:
+        with local_compat.local_tensor_mode(frozenset(ranks)), per_rank_torch(), between_stages():
+            return fn(*args, **kwargs)
+    except (AssertionError, AttributeError, NotImplementedError, RuntimeError) as error:
+        if isinstance(error, MeshStateError):
+            raise
+        if local_compat.failed_compiling(error):
+            cause = _root_cause(error)
+            raise SimulationError(
+                f"torch.compile cannot trace this with every rank's values in one process "
+                f"({type(error).__name__}: {type(cause).__name__}: {_first_line(cause)}); "
+                f"{_LOCAL_WORLD}"
+            ) from error
+        if not local_compat.raised_inside(error):
+            raise
+        raise SimulationError(
+            f"torch's simulation of every rank in one process cannot run this "
+            f"({type(error).__name__}: {error}); {_LOCAL_WORLD}"
+        ) from error
+    finally:
+        destroy_every_mesh()
+        dist.destroy_process_group()
+        local_compat.forget_random_state()
+
+
+def _exit_with(sentinel: int) -> None:
+    """Wait until ``sentinel`` (the caller's) is ready, then end this process at once."""
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
+
+
+def _pickled_error(error: BaseException) -> bytes:
+    """``error`` and its traceback's text, pickled to cross to the parent process; an error
+    that does not pickle crosses as a :class:`SimulationError` of its type and message."""
+    text = "".join(traceback.format_exception(error)).rstrip()
+    try:
+        pickle.loads(pickle.dumps(error))  # some errors pickle but do not unpickle
+        return pickle.dumps(("error", (error, text)))
+    except Exception:
+        stand_in = SimulationError(f"{type(error).__name__}: {error}")
+        return pickle.dumps(("error", (stand_in, text)))
 
 
 def _root_cause(error: BaseException) -> BaseException:
@@ -133,10 +290,13 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 
-def simulated_world(world_size: int) -> SimulatedWorld:
-    """A :class:`SimulatedWorld` of ``world_size`` ranks in this process.
+def simulated_world(world_size: int, stages: int = 1) -> SimulatedWorld:
+    """A :class:`SimulatedWorld` of ``world_size`` ranks in this process, or in ``stages``
+    blocks of contiguous ranks, each simulated in a process of its own.
 
     Example: ``simulated_world(8).run(body) == local_world(8).run(body)`` for a
-    body that sticks to collectives over regular groups.
+    body that sticks to collectives over regular groups, and
+    ``simulated_world(8, stages=2).run(pipeline_step) == local_world(8).run(pipeline_step)``
+    for a pipeline with pp=2 outermost (Megatron's default order).
     """
-    return SimulatedWorld(world_size)
+    return SimulatedWorld(world_size, stages)

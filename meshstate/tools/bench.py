@@ -11,7 +11,8 @@ Five measurements, each in its own module, in this order:
   and compiled, beside torch's own;
 - :mod:`~meshstate.tools.bench_harness`: how long a test suite takes to start N ranks;
 - :mod:`~meshstate.tools.bench_simulated`: ``check --simulate`` of whole worlds in one
-  process, its time and peak memory.
+  process, its time and peak memory, and one 1F1B step of a pipeline simulated stage by
+  stage (a process per stage), against one process's computation.
 
 Example: ``print(format_report(run([1024], dict(tp=8), process_world_sizes=())))``.
 """
@@ -55,11 +56,13 @@ from meshstate.tools.bench_settings import (
     MAX_FAKE_WORLD,
     PROCESS_SIZES,
     SIMULATED_CHECK_SIZES,
+    SIMULATED_PIPELINE_SIZES,
 )
 from meshstate.tools.bench_simulated import (
     SimulatedCheckRow,
     format_simulated_checks,
     measure_simulated_checks,
+    time_simulated_pipeline,
 )
 from meshstate.layout.config import sizes_text
 
@@ -95,16 +98,21 @@ def run(
     harness_tests: Sequence[int] = (),
     harness_world_size: int = 8,
     simulated_checks: Sequence[int] = (),
+    simulated_pipeline: int = 0,
     progress: Callable[[str], object] = lambda message: None,
 ) -> Report:
     """Measure every approach; see the module docstring.
 
-    Every argument is checked before anything is measured; ``progress`` is told
+    ``simulated_pipeline``, unless 0, is the world a 1F1B step is timed at, simulated
+    stage by stage with :data:`SIMULATED_PIPELINE_SIZES`; its row joins the simulated
+    checks'. Every argument is checked before anything is measured; ``progress`` is told
     each world size and approach as it starts.
     """
     process_sizes = process_sizes or dict(PROCESS_SIZES)
     _check_worlds(world_sizes, sizes, rank, process_world_sizes, process_sizes)
     _check_simulated_checks(simulated_checks)
+    if simulated_pipeline:
+        _check_layout("simulated 1F1B step", simulated_pipeline, SIMULATED_PIPELINE_SIZES)
     check_positive_int("repeats", repeats)
     report = Report(machine=machine(), config={"world_sizes": list(world_sizes), **sizes})
     approaches = _peers(with_megatron, with_titan, report.notes)
@@ -123,6 +131,10 @@ def run(
     report.simulated_check_rows = measure_simulated_checks(
         simulated_checks, SIMULATED_CHECK_SIZES, progress
     )
+    if simulated_pipeline:
+        progress(f"a 1F1B step of {simulated_pipeline} ranks, simulated stage by stage")
+        report.simulated_check_rows.append(
+            time_simulated_pipeline(simulated_pipeline, SIMULATED_PIPELINE_SIZES))
     return report
 
 

@@ -18,3 +18,7 @@ SIMULATED_CHECK_SIZES: dict[str, Any] = dict(tp=2, cp=2, pp=2)
 """The layout ``bench`` times ``check --simulate`` with, at every world size."""
 SIMULATED_CHECK_WORLDS = "8,1024,16384"
 """The worlds ``bench`` times ``check --simulate`` at unless told otherwise."""
+SIMULATED_PIPELINE_SIZES: dict[str, Any] = dict(tp=8, pp=4)
+"""The layout ``bench`` times one 1F1B step with, simulated stage by stage (dp inferred)."""
+SIMULATED_PIPELINE_WORLD = 1024
+"""The world ``bench`` times the 1F1B step at unless told otherwise."""

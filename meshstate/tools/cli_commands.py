@@ -46,10 +46,12 @@ from meshstate.layout.topology import (
     nodes_spanned,
 )
 from meshstate.tools.verify import (
+    PIPELINE_SENDS,
     KindSummary,
     check_every_rank,
     check_layout,
     format_summary,
+    merge_stages,
     summarize,
     verify_mesh,
 )
@@ -347,11 +349,17 @@ def _check_simulated(args: argparse.Namespace, progress: Progress) -> tuple[Mesh
             f"--simulate builds at most {MAX_SIMULATED_CHECK} ranks in one process, got "
             f"{world_size}; `meshstate plan --world-size {world_size}` shows the groups"
         )
-    progress(f"simulating {world_size} ranks in this process (torch's LocalTensorMode)")
+    stages = args.stages
+    progress(f"simulating {world_size} ranks in this process (torch's LocalTensorMode)" if stages == 1
+             else f"simulating {world_size} ranks in {stages} stages, a process each (torch's "
+             "LocalTensorMode), with real send/recv between them")
     with progress.if_slow("importing torch's simulation"):
         from meshstate.testing.simulated import simulated_world
-    summaries: list[KindSummary] = simulated_world(world_size).call(check_every_rank, config, progress)
-    return config, summaries
+    world = simulated_world(world_size, stages)
+    if stages == 1:
+        summaries: list[KindSummary] = world.call(check_every_rank, config, progress)
+        return config, summaries
+    return config, merge_stages(world.call(check_every_rank, config, progress))
 
 
 def run_check(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
@@ -372,8 +380,12 @@ def run_check(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
         return status, ""
     failed = [row.key for row in summaries if not row.ok]
     world_size = config.world_size
+    kinds = sum(row.key != PIPELINE_SENDS for row in summaries)
+    verified = f"all {kinds} group kinds" + (" and the pp send/recv" if kinds < len(summaries) else "")
     last = (f"FAILED kinds: {', '.join(failed)}" if failed else
-            f"all {len(summaries)} group kinds verified on {world_size} ranks")
+            f"{verified} verified on {world_size} ranks")
+    if args.simulate and args.stages > 1:
+        backend = f"simulated in {args.stages} stages"
     header = f"meshstate check: {world_size} ranks ({backend}), {_describe(config)}"
     return status, "\n".join([header, format_summary(summaries), last])
 
@@ -390,6 +402,7 @@ def run_bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
         process_world_sizes=args.processes, with_megatron=not args.without_megatron,
         with_titan=not args.without_torchtitan, with_runtime=not args.without_runtime,
         harness_tests=args.harness_tests, simulated_checks=args.simulated_checks,
+        simulated_pipeline=args.simulated_pipeline,
         progress=progress,
     )
     return 0, bench.report_json(report) if args.json else bench.format_report(report)

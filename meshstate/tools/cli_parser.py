@@ -26,6 +26,8 @@ from meshstate.tools.bench_settings import (
     PROCESS_SIZES,
     SIMULATED_CHECK_SIZES,
     SIMULATED_CHECK_WORLDS,
+    SIMULATED_PIPELINE_SIZES,
+    SIMULATED_PIPELINE_WORLD,
 )
 from meshstate.tools.cli_shared import EXIT_BAD_INPUT
 
@@ -113,6 +115,11 @@ def _world_sizes(text: str) -> list[int]:
 def _process_world_sizes(text: str) -> list[int]:
     """Like :func:`_world_sizes`, and ``"0"`` alone means none."""
     return [] if text.strip() == "0" else _world_sizes(text)
+
+
+def _world_size_or_none(text: str) -> int:
+    """A world size, or ``"0"`` for none (0)."""
+    return 0 if text.strip() == "0" else _rank_count(text)
 
 
 def _add_layout_flags(
@@ -213,6 +220,12 @@ def _add_check(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         f"worlds far larger than the machine (up to {MAX_SIMULATED_CHECK} ranks)",
     )
     check.add_argument(
+        "--stages", type=_positive_int, default=1,
+        help="with --simulate: run the world as this many pipeline stages (pp, the outermost "
+        "axis, of this size), each simulated in a process of its own, with real send/recv "
+        "between them, and check the pp send/recv too",
+    )
+    check.add_argument(
         "--timeout", type=_timeout_seconds, default=120,
         help="seconds every rank and collective gets",
     )
@@ -225,15 +238,16 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "bench", help="init time, groups, getter cost and memory beside megatron-core",
         description="Stand one rank in for each world on torch's fake backend (a fake world) "
         "and time every approach, then time init on real local processes and what each "
-        "JAX-layer call costs, eager and compiled, beside torch's own, and what check "
-        "--simulate costs at whole worlds. The layout defaults to a large model's, tp=8 cp=2 "
-        "ep=8 etp=1 pp=8, unlike plan and check, whose sizes default to 1.",
+        "JAX-layer call costs, eager and compiled, beside torch's own, what check "
+        "--simulate costs at whole worlds and a 1F1B step simulated stage by stage. The "
+        "layout defaults to a large model's, tp=8 cp=2 ep=8 etp=1 pp=8, unlike plan and "
+        "check, whose sizes default to 1.",
     )
     bench.add_argument(
         "--world-sizes", type=_world_sizes, default="1024,16384,131072",
         help=f"fake worlds, comma-separated, each at most {MAX_FAKE_WORLD}",
     )
-    _add_layout_flags(bench, _BENCH_DEFAULTS, " of the layout")
+    _add_layout_flags(bench, _BENCH_DEFAULTS, " of the simulated layout")
     bench.add_argument(
         "--rank", type=int, help="the rank that stands in (default: world/2 + 1, at most world - 1)"
     )
@@ -264,6 +278,12 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         help="worlds to time check --simulate at (every rank in one process, "
         + sizes_text(SIMULATED_CHECK_SIZES)
         + "), each in a fresh process, with its peak memory; 0 for none",
+    )
+    bench.add_argument(
+        "--simulated-pipeline", type=_world_size_or_none, default=SIMULATED_PIPELINE_WORLD,
+        help="the world to time one 1F1B training step at, simulated stage by stage (a process "
+        "per stage, " + sizes_text(SIMULATED_PIPELINE_SIZES) + ", dp inferred) in a fresh "
+        "process, beside the simulated checks; 0 for none",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     _add_force_flag(bench)
@@ -337,6 +357,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``meshstate``'s arguments; a user's mistake exits 2 with one line on stderr."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "check" and args.stages > 1 and not args.simulate:
+        parser.exit(EXIT_BAD_INPUT, "meshstate check: error: argument --stages: needs --simulate\n")
     hint = inferred_size_hint(args)
     if hint is not None:
         parser.exit(EXIT_BAD_INPUT, f"meshstate {args.command}: error: {hint}\n")
