@@ -79,6 +79,11 @@ class SimulationError(MeshStateError, NotImplementedError):
 
     Raised instead of a wrong value: a Python branch on a value that differs
     between the simulated ranks, send/recv, a group that only some ranks have
-    or that is no regular grid. The message names the values and points to a
-    world of processes (``meshstate.testing.local_world``), which can.
+    or that is no regular grid. The message names the values and ends with
+    :data:`OTHER_WORLDS`, the worlds that can.
     """
+
+
+OTHER_WORLDS = ("run it with a thread per rank (meshstate.testing.threaded_world) "
+                "or in processes (meshstate.testing.local_world)")
+"""The end of every :class:`SimulationError`: where a body one simulated program cannot follow runs."""

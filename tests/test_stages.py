@@ -1,5 +1,6 @@
 """A world simulated stage by stage: each pipeline stage's ranks simulated in a process of its
-own, point-to-point between stages real.
+own, point-to-point between stages real. (A 1F1B step and every way of sending between
+stages, equal to processes rank by rank, are in test_every_world.py.)
 
 ``simulated_world(8, stages=2)`` runs ranks 0-3 and ranks 4-7 as two programs; with
 ``init_mesh(tp=2, pp=2)`` (pp outermost, Megatron's default order) each is a pipeline
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from typing import Any
 
 import pytest
@@ -38,69 +38,10 @@ MADE_OUTSIDE = torch.tensor([7, 8, 9])
 """Made outside the bodies: every rank holds the same."""
 
 
-def test_a_1f1b_step_in_two_stages_gives_every_rank_what_its_process_gets() -> None:
-    # pp=2 tp=2 dp=2: Schedule1F1B over mesh.group("pp"), TP inside each stage, dp all-reduce.
-    simulated = simulated_world(8, stages=2).run(pipeline_step, 2, 2)
-    processes = local_world(8).run(pipeline_step, 2, 2)
-    for rank in range(8):
-        torch.testing.assert_close(simulated[rank], processes[rank], msg=lambda m: f"rank {rank}: {m}")
-    assert [rank for rank in range(8) if simulated[rank]["loss"] is not None] == [4, 5, 6, 7]
-
-
 def test_a_1f1b_step_of_64_ranks_in_four_stages_equals_one_process() -> None:
     # pp=4 tp=2 dp=8: the meshstate bench times the same step at 1,024 ranks (pp=4 tp=8 dp=32).
     got = simulated_world(64, stages=4).run(pipeline_step, 2, 4)
     torch.testing.assert_close(got, pipeline_expected(64, 2, 4))
-
-
-def point_to_point() -> dict[str, Any]:
-    """Every way values cross between the two stages of init_mesh(tp=2, pp=2) on 8 ranks."""
-    mesh = meshstate.init_mesh(tp=2, pp=2)
-    pp, stage, rank = mesh.group("pp"), mesh.rank("pp"), dist.get_rank()
-    mine = torch.tensor([rank, 10 * rank])
-    received = torch.zeros(2, dtype=torch.long)
-    if stage == 0:
-        dist.send(mine, dst=mesh.next_rank("pp"), group=pp)  # a peer per rank: 0 -> 4, 1 -> 5, ...
-        sender = dist.recv(received, group=pp, group_src=1)
-    else:
-        sender = dist.recv(received, src=mesh.prev_rank("pp"), group=pp)
-        dist.send(mine * 2, group=pp, group_dst=0)
-    batched = torch.zeros(2, dtype=torch.long)
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, mine + 100, group=pp, group_peer=1 - stage),
-        dist.P2POp(dist.irecv, batched, group=pp, group_peer=1 - stage),
-    ])
-    for work in works:
-        work.wait()
-    objects: list[Any] = [None, None]
-    shared = torch.zeros(3, dtype=torch.long)
-    if stage == 0:
-        dist.send_object_list([{"from": rank}, "text"], group=pp, group_dst=1)
-        dist.send(MADE_OUTSIDE, group=pp, group_dst=1)  # every rank's the same
-    else:
-        dist.recv_object_list(objects, group=pp, group_src=0)
-        dist.recv(shared, group=pp, group_src=0)
-    over_pp, over_world = torch.tensor([rank]), torch.tensor([rank])
-    dist.all_reduce(over_pp, group=pp, async_op=True).wait()
-    dist.all_reduce(over_world, op=dist.ReduceOp.MAX)
-    gathered, gathered_too = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
-    dist.all_gather_single(gathered, torch.tensor([rank]), group=mesh.group("tp-pp"))
-    with warnings.catch_warnings():  # torch names all_gather_single its successor
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.all_gather_into_tensor(gathered_too, torch.tensor([-rank]), group=mesh.group("tp-pp"))
-    return {"received": received, "sender": sender, "batched": batched, "objects": objects,
-            "a tensor made outside": shared, "all_reduce over pp": over_pp,
-            "max over the world": over_world, "all_gather over tp-pp": gathered,
-            "all_gather_into_tensor over tp-pp": gathered_too}
-
-
-def test_send_and_recv_between_stages_carry_every_ranks_values() -> None:
-    simulated = _listed(simulated_world(8, stages=2).run(point_to_point))
-    assert simulated == _listed(local_world(8).run(point_to_point))
-    assert simulated[5]["received"] == [1, 10] and simulated[1]["received"] == [10, 100]
-    assert simulated[6]["objects"] == [{"from": 2}, "text"]
-    assert simulated[0]["all_gather over tp-pp"] == [0, 1, 4, 5]
-    assert simulated[7]["a tensor made outside"] == [7, 8, 9]
 
 
 @distributed(world_size=4, simulate=True, stages=2)

@@ -1,7 +1,7 @@
 """threaded_world: every rank a thread of this process, with real values.
 
-The oracle is the same body on real processes (``local_world``), compared rank
-by rank; the bodies are in threaded_bodies.py so the workers can import them.
+Every kind of body compared rank by rank with processes is test_every_world.py's;
+here is what only threads do: failures, hangs, state per rank and what they leave.
 """
 
 import os
@@ -18,51 +18,13 @@ import torch.distributed as dist
 
 import meshstate
 from meshstate.errors import MeshStateError
-from meshstate.megatron import install, uninstall
 from meshstate.megatron import parallel_state as mpu
-from meshstate.testing import distributed, fake_world, local_world, threaded_world
-from meshstate.testing.launch import LocalWorld
+from meshstate.testing import distributed, fake_world, threaded_world
 from meshstate.testing.report import RankFailure, RankTimeout
 
-import threaded_bodies as bodies
+import world_bodies as bodies
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-
-
-def assert_same(threads, processes, path="result"):
-    """Equal results, tensors within float tolerance (the two worlds reduce in different orders)."""
-    if isinstance(processes, dict):
-        assert threads.keys() == processes.keys(), path
-        for key in processes:
-            assert_same(threads[key], processes[key], f"{path}[{key!r}]")
-    elif isinstance(processes, torch.Tensor):
-        torch.testing.assert_close(threads, processes, msg=lambda message: f"{path}: {message}")
-    else:
-        assert threads == processes, path
-
-
-def in_both_worlds(body, *args):
-    """``body`` on 4 threads and on 4 processes: the results, which must agree rank by rank."""
-    threads = threaded_world(4).run(body, *args)
-    processes = local_world(4).run(body, *args)
-    for rank, (by_thread, by_process) in enumerate(zip(threads, processes, strict=True)):
-        assert_same(by_thread, by_process, f"rank {rank}")
-    return threads
-
-
-def test_collectives_and_meshstates_answer_as_on_processes():
-    results = in_both_worlds(bodies.collectives_on_a_tp_mesh)
-    assert results[2]["psum"].tolist() == [50.0, 52.0, 54.0, 56.0]   # ranks 2 and 3: tp group
-    assert results[3]["ppermute"].tolist() == [20.0, 21.0, 22.0, 23.0]
-
-
-def test_each_rank_has_its_own_megatron_state():
-    results = in_both_worlds(bodies.megatron_getters_per_rank)
-    assert [r["tp size override before init"] for r in results] == [1, 2, 3, 4]
-    assert [r["vpp size"] for r in results] == [5, 6, 7, 8]
-    assert [r["dp group"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    assert [r["initialized after rank 0 destroyed"] for r in results] == [False, True, True, True]
-    assert not any(r["initialized after destroy"] for r in results)
 
 
 def test_the_process_megatron_state_and_getter_come_back_after_a_threaded_world():
@@ -77,48 +39,6 @@ def test_the_process_megatron_state_and_getter_come_back_after_a_threaded_world(
             assert dist.get_world_size() == 8 and dist.get_backend() == "fake"
         finally:
             mpu.destroy_model_parallel()
-
-
-def test_ddp_step_as_on_processes():
-    results = in_both_worlds(bodies.ddp_step)
-    assert all(torch.equal(r["weight.grad"], results[0]["weight.grad"]) for r in results)
-
-
-def test_fsdp2_step_as_on_processes():
-    in_both_worlds(bodies.fsdp_step)
-
-
-def test_send_receive_and_a_ring_that_receives_first():
-    results = in_both_worlds(bodies.send_receive_and_ring)
-    assert results[1]["pair"].tolist() == [1.0, 2.0, 3.0]
-    assert [r["ring"][0].item() for r in results] == [3.0, 0.0, 1.0, 2.0]
-
-
-def test_a_1f1b_pipeline_over_pp_matches_one_process():
-    for result in in_both_worlds(bodies.pipeline_1f1b):
-        assert_same(result["pipelined"], result["one process"])
-
-
-def test_dcp_saves_and_loads(tmp_path):
-    threads = threaded_world(4).run(bodies.dcp_save_and_load, tmp_path / "threads")
-    processes = local_world(4).run(bodies.dcp_save_and_load, tmp_path / "processes")
-    for by_thread, by_process in zip(threads, processes, strict=True):
-        assert_same(by_thread, by_process)
-        assert torch.equal(by_thread["whole"], torch.arange(32.0).reshape(8, 4))
-    assert by_thread["step"].item() == 7
-
-
-def test_megatron_core_layers_under_install(monkeypatch):
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron-core's CUDA tuning hint
-    install()
-    try:
-        threads = threaded_world(4).run(bodies.megatron_core_layers)
-    finally:
-        uninstall()
-    with LocalWorld(4) as world:  # its workers install, so they are not the pooled ones
-        processes = world.run(bodies.megatron_core_layers)
-    for by_thread, by_process in zip(threads, processes, strict=True):
-        assert_same(by_thread, by_process)
 
 
 def test_each_rank_prints_its_lines(capfd):
@@ -149,7 +69,7 @@ def test_a_hung_rank_times_out_with_its_stack_and_is_woken(capfd):
     message = str(hung.value)
     assert message.startswith("receive_forever_on_rank_two: rank 2 of 4 did not finish within 1 s\n"
                               "--- rank 2 stack (most recent call first) ---\n")
-    assert "threaded_bodies.py" in message and " in receive_forever_on_rank_two" in message
+    assert "world_bodies.py" in message and " in receive_forever_on_rank_two" in message
     assert "could not be woken" not in message
     assert not [t for t in threading.enumerate() if t.name.startswith("meshstate-rank")]
     err = capfd.readouterr().err
@@ -245,7 +165,7 @@ def test_groups_named_by_a_count_of_builds_agree_between_threads():
 
 
 AFTER_GLOO_GROUPS_PROGRAM = textwrap.dedent("""
-    import threaded_bodies as bodies
+    import world_bodies as bodies
     import torch.distributed as dist
     from meshstate.testing import local_world, simulated_world, threaded_world
 
@@ -266,3 +186,14 @@ def test_forks_start_after_a_threaded_world_that_made_gloo_groups():
                           text=True, timeout=120, cwd=Path(__file__).parent,
                           env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
     assert (done.returncode, done.stdout) == (0, "4\n[0, 1, 2, 3]\n"), done.stderr[-2000:]
+
+
+def test_each_rank_draws_from_a_default_generator_of_its_own():
+    state = torch.get_rng_state()
+    results = threaded_world(4).run(bodies.seeded_then_drawn_between_barriers)
+    expected = torch.Generator().manual_seed(0)
+    first, second = torch.randn(2, generator=expected), torch.randn(2, generator=expected)
+    for result in results:
+        assert torch.equal(result["first"], first) and torch.equal(result["second"], second)
+        assert result["initial seed"] == 0
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's, untouched

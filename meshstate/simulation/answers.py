@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
 from meshstate.core.ordered import OrderedGroup
-from meshstate.errors import SimulationError
+from meshstate.errors import OTHER_WORLDS, SimulationError
 from meshstate.layout.layout import Key, MeshLayout
 from meshstate.simulation import local_compat
 from meshstate.simulation.per_rank import (
@@ -47,7 +47,6 @@ from meshstate.simulation.per_rank import (
 
 V = TypeVar("V")
 
-_LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
 
 
 class PerRankTable(dict[Key, V]):
@@ -188,7 +187,7 @@ def _enter_key(
         )
         return (
             f"{differs}, so its answers differ in kind between the simulated ranks, which "
-            f"one simulated program cannot follow; {_LOCAL_WORLD}"
+            f"one simulated program cannot follow; {OTHER_WORLDS}"
         )
     rank_in, size_of, group_of, ranks_of = tables
     mismatch = tiling_mismatch(str(key), group, groups)  # a message where group is None

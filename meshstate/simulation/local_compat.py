@@ -15,6 +15,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping
+from types import FrameType
 from typing import Any, cast
 from unittest import mock
 
@@ -38,7 +39,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from meshstate.errors import SimulationError
+from meshstate.errors import OTHER_WORLDS, SimulationError
 
 
 def enabled_ranks() -> frozenset[int] | None:
@@ -142,12 +143,28 @@ def _scalar(tensor: LocalTensor) -> Any:
     raise SimulationError(
         f"Tensor.item() (or float()) of a {tensor.dtype} tensor whose value differs between the "
         f"simulated ranks ({describe(values)}): torch's simulation has no per-rank floats; keep "
-        "it a tensor, or run it in processes with meshstate.testing.local_world"
+        "it a tensor, or " + OTHER_WORLDS
     )
 
 
 def _is_per_rank_int(value: object) -> bool:
     return isinstance(value, torch.SymInt) and isinstance(value.node, LocalIntNode)
+
+
+def _cloning_a_storage() -> bool:
+    """Whether the write is torch filling a storage it just made (``UntypedStorage.clone``, as
+    ``copy.deepcopy`` of a tensor does: dynamo's guard on a DTensor's spec copies its mesh)."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "clone" and frame.f_code.co_filename == _STORAGE_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_STORAGE_FILE = torch.storage.__file__
 
 
 def _refuse_shared_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -159,13 +176,13 @@ def _refuse_shared_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
             continue
         value = kwargs.get(argument.name) if argument.kwarg_only or index >= len(args) else args[index]
         for tensor in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(tensor, torch.Tensor) and shared_between_ranks(tensor):
+            if isinstance(tensor, torch.Tensor) and shared_between_ranks(tensor) and not _cloning_a_storage():
                 raise SimulationError(
                     f"{func.overloadpacket.__name__}() writes per rank into a tensor of shape "
                     f"{tuple(tensor.shape)} that every simulated rank shares (one made outside "
                     "the body, or a view of one): each rank's write would reach the others; "
                     "copy it into one the body makes first (torch.empty(shape).copy_(tensor) is "
-                    "each rank's own), or run it in processes with meshstate.testing.local_world"
+                    "each rank's own), or " + OTHER_WORLDS
                 )
 
 
@@ -183,6 +200,30 @@ def _holds_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` has data of its own: not a meta or empty tensor, nor one
     ``torch.compile`` makes while it traces."""
     return not isinstance(tensor, FakeTensor) and tensor.untyped_storage().data_ptr() != 0
+
+
+def rng_states() -> torch.Tensor | None:
+    """Each simulated rank's CPU generator state (a ``LocalTensor``), or ``None`` while the
+    ranks draw from the process's (torch keeps them in ``LocalTensorMode._per_rank_rng_states``
+    once a per-rank seed set them apart)."""
+    mode = enabled_local_tensor_mode()
+    if mode is None or not mode._per_rank_rng_states:
+        return None
+    with mode.disable():
+        states: torch.Tensor = LocalTensor(  # type: ignore[no-untyped-call]
+            {rank: mode._per_rank_rng_states[rank][0].clone() for rank in mode.ranks})
+    return states
+
+
+def set_rng_states(state: torch.Tensor) -> None:
+    """Set each simulated rank's CPU generator state: its own from a ``LocalTensor``, else the
+    same for all; their accelerator states stay."""
+    mode = enabled_local_tensor_mode()
+    assert mode is not None
+    for rank in mode.ranks:
+        own = state._local_tensors[rank] if isinstance(state, LocalTensor) else state
+        accelerators = mode._per_rank_rng_states[rank][1] if rank in mode._per_rank_rng_states else {}
+        mode._per_rank_rng_states[rank] = (own.clone(), accelerators)
 
 
 _streams: dict[bytes, dict[int, torch.Tensor]] = {}

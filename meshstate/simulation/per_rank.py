@@ -25,8 +25,12 @@ Example, simulating 4 ranks with ``tp=2``::
 
 from __future__ import annotations
 
+import linecache
 import operator
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import FrameType
 from typing import Any, TypeVar, cast, overload
 
 import torch
@@ -35,10 +39,35 @@ from torch.distributed import ProcessGroup
 from meshstate.layout.ranks import ranks_text
 from meshstate.simulation import local_compat
 from meshstate.simulation.local_compat import describe
-from meshstate.errors import SimulationError
+from meshstate.errors import OTHER_WORLDS, SimulationError
 
-_LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
 V = TypeVar("V")
+
+
+_LIBRARIES = ("torch", "meshstate")
+"""Packages whose modules work as the process (rank 0), whose groups they hold."""
+
+
+def from_a_library(caller: FrameType) -> bool:
+    """Whether ``caller`` runs code of torch or meshstate, not the body's."""
+    return str(caller.f_globals.get("__name__", "")).partition(".")[0] in _LIBRARIES
+
+
+def the_bodys_line() -> str:
+    """Where the running body (or the code it called: megatron-core, a test helper) reached
+    torch or meshstate: ``" at file.py:12 (x = W[t])"``, ``""`` if nothing but libraries runs."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and (from_a_library(frame) or frame.f_code.co_filename.startswith(_STDLIB)):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    path = frame.f_code.co_filename
+    source = linecache.getline(path, frame.f_lineno).strip()
+    shown = path.partition("site-packages" + os.sep)[2] or os.path.relpath(path)
+    return f" at {shown}:{frame.f_lineno}" + (f" ({source})" if source else "")
+
+
+_STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
 def _on(value: object, rank: int) -> Any:
@@ -123,8 +152,8 @@ class PerRankIntNode(local_compat.LocalIntNode):
     def int_(self) -> int:
         raise SimulationError(
             f"int() or bool() of a value that differs between the simulated ranks "
-            f"({describe(self.values)}); "
-            f"use it in tensor ops (it reaches each rank's op as that rank's value), or {_LOCAL_WORLD}"
+            f"({describe(self.values)}){the_bodys_line()}; "
+            f"use it in tensor ops (it reaches each rank's op as that rank's value), or {OTHER_WORLDS}"
         )
 
     def guard_int(self, file: str, line: int) -> int:
@@ -133,8 +162,8 @@ class PerRankIntNode(local_compat.LocalIntNode):
     def sym_float(self) -> Any:
         raise SimulationError(
             f"a float of a value that differs between the simulated ranks "
-            f"({describe(self.values)}): torch's simulation has no per-rank floats; make it a "
-            f"tensor first (torch.full((), value)), or {_LOCAL_WORLD}"
+            f"({describe(self.values)}){the_bodys_line()}: torch's simulation has no per-rank floats; make it a "
+            f"tensor first (torch.full((), value)), or {OTHER_WORLDS}"
         )
 
     def _str(self) -> str:
@@ -173,8 +202,8 @@ class PerRankBoolNode:
     def bool_(self) -> bool:
         raise SimulationError(
             f"a Python branch on a value that differs between the simulated ranks "
-            f"({describe(self.values)}): every simulated rank takes the same branch; "
-            f"compute both sides with tensor ops, or {_LOCAL_WORLD}"
+            f"({describe(self.values)}){the_bodys_line()}: every simulated rank takes the same branch; "
+            f"compute both sides with tensor ops, or {OTHER_WORLDS}"
         )
 
     def guard_bool(self, file: str, line: int) -> bool:
@@ -318,7 +347,7 @@ class PerRankRanks(Sequence[int]):
             raise ValueError(f"rank {shown} is in no group of {self!r}")
         raise SimulationError(
             f"rank {shown} is in the group of some simulated ranks only (not of ranks "
-            f"{ranks_text(missing)}), so they would go apart; {_LOCAL_WORLD}"
+            f"{ranks_text(missing)}), so they would go apart; {OTHER_WORLDS}"
         )
 
     def __eq__(self, other: object) -> bool:
@@ -374,7 +403,7 @@ class PerRankParts(tuple[torch.Tensor, ...]):
         if len(picked) < len(indices):
             raise SimulationError(
                 f"a part index ({describe(indices)}) out of range for {len(self)} parts on some "
-                f"simulated ranks; {_LOCAL_WORLD}"
+                f"simulated ranks; {OTHER_WORLDS}"
             )
         if self.unbound:
             return self.whole.select(self.dim, per_rank_int(picked))
@@ -436,7 +465,7 @@ def per_rank_value(values: Mapping[int, Any], what: str) -> Any:
         f"{what} gives the simulated ranks values that differ "
         f"({describe({rank: repr(value) for rank, value in values.items()})}), which one "
         "simulated program holds only as tensors, ints and bools (in lists, tuples and "
-        f"dicts); {_LOCAL_WORLD}"
+        f"dicts); {OTHER_WORLDS}"
     )
 
 
@@ -497,7 +526,7 @@ def simulated_groups(group: ProcessGroup) -> list[tuple[int, ...]]:
     except AssertionError as error:
         raise SimulationError(
             f"torch's simulation cannot run a collective over ranks {_short(group)}: "
-            f"they are no regular grid ({error}); {_LOCAL_WORLD}"
+            f"they are no regular grid ({error}); {OTHER_WORLDS}"
         ) from None
 
 
@@ -514,14 +543,14 @@ def tiling_mismatch(
     """
     layout = {frozenset(ranks) for ranks in groups if ranks is not None}
     if group is None:
-        return f"rank 0 is in no {name!r} group, so only some ranks are; {_LOCAL_WORLD}"
+        return f"rank 0 is in no {name!r} group, so only some ranks are; {OTHER_WORLDS}"
     simulated = {frozenset(ranks) for ranks in simulated_groups(group)}
     if simulated == layout:
         return None
     first = min(simulated - layout, key=min)
     return (
         f"torch's simulation would run collectives over the {name!r} groups on ranks such as "
-        f"{sorted(first)}, which are no group of them; {_LOCAL_WORLD}"
+        f"{sorted(first)}, which are no group of them; {OTHER_WORLDS}"
     )
 
 

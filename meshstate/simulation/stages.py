@@ -46,10 +46,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore
 from torch.distributed import distributed_c10d as c10d
 
-from meshstate.errors import SimulationError
+from meshstate.errors import OTHER_WORLDS, SimulationError
 from meshstate.layout.ranks import ranks_text
 from meshstate.simulation import local_compat
 from meshstate.simulation.per_rank import (
+    from_a_library,
     holds_per_rank,
     members,
     per_rank_int,
@@ -58,7 +59,6 @@ from meshstate.simulation.per_rank import (
     value_on,
 )
 
-_LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
                    "recv_object_list")
 """What :func:`between_stages` replaces in ``torch.distributed`` and in c10d (whose
@@ -104,7 +104,7 @@ class StageChannel:
             raise SimulationError(
                 f"{what} in {self.describe()} of a world simulated in stages: the ranks' peers "
                 f"({shown}, …) are not each rank's own rank shifted alike, so no one message "
-                f"carries them; send over mesh.group('pp'), or {_LOCAL_WORLD}"
+                f"carries them; send over mesh.group('pp'), or {OTHER_WORLDS}"
             )
         distance = distances.pop()
         target = self.ranks.start + distance
@@ -113,7 +113,7 @@ class StageChannel:
                 f"{what} in {self.describe()} to ranks {distance:+d} away: a world simulated in "
                 "stages sends only between stages (to a rank of another stage, the same "
                 f"place in it); torch simulates send and recv inside a stage only with a thread "
-                f"per rank; {_LOCAL_WORLD}"
+                f"per rank; {OTHER_WORLDS}"
             )
         return target // self.stage_size
 
@@ -133,7 +133,7 @@ class StageChannel:
                 f"{what} into a tensor of shape {tuple(tensor.shape)} that the simulated ranks "
                 "share (one made outside the body, or a view of one): each rank receives its "
                 "own values; make it inside the body (torch.empty, torch.zeros), or "
-                f"{_LOCAL_WORLD}"
+                f"{OTHER_WORLDS}"
             )
         first = values[self.ranks.start]
         self._same_shapes(values, what)
@@ -189,7 +189,7 @@ class StageChannel:
                     f"in {self.describe()} of a world simulated in stages: its ranks are in "
                     "different stages' processes, which exchange point-to-point messages (send, "
                     "recv, batch_isend_irecv), all_reduce and all_gather_into_tensor only; "
-                    f"{_LOCAL_WORLD}"
+                    f"{OTHER_WORLDS}"
                 )
 
     def _values(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
@@ -205,7 +205,7 @@ class StageChannel:
             raise SimulationError(
                 f"{what} of a tensor whose shape differs between the simulated ranks "
                 f"({', '.join(map(str, sorted(shapes)[:4]))}): one message carries every rank's "
-                f"of one shape; {_LOCAL_WORLD}"
+                f"of one shape; {OTHER_WORLDS}"
             )
 
 
@@ -261,7 +261,7 @@ class _PointToPoint:
         if peer is None and group_peer is None:
             raise SimulationError(
                 f"{what} without a peer (from any source) in a world simulated in stages: name "
-                f"the peer (src or group_src), or {_LOCAL_WORLD}"
+                f"the peer (src or group_src), or {OTHER_WORLDS}"
             )
         if peer is not None and group_peer is None and not holds_per_rank(peer):
             if not library:
@@ -348,7 +348,7 @@ class _PointToPoint:
             if op not in _REDUCTIONS:
                 raise SimulationError(
                     f"all_reduce with {op} over {group_name(group)} across stages; "
-                    f"SUM, AVG, PRODUCT, MAX and MIN run there; {_LOCAL_WORLD}"
+                    f"SUM, AVG, PRODUCT, MAX and MIN run there; {OTHER_WORLDS}"
                 )
             with local_compat.simulation_paused():
                 parts = torch.stack([_REDUCTIONS[op](torch.stack([values[rank] for rank in ranks]))
@@ -413,8 +413,6 @@ def between_stages(channel: StageChannel) -> Iterator[None]:
 def _entry(call: Callable[..., Any]) -> Callable[..., Any]:
     """``call`` as ``torch.distributed`` offers it, told whether torch's or meshstate's own
     modules called it (they speak as the process)."""
-    from meshstate.simulation.torch_per_rank import from_a_library
-
     if call.__name__ == "batch_isend_irecv":
         return call
 

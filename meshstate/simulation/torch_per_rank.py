@@ -21,7 +21,6 @@ import copy
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
 
@@ -30,13 +29,14 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshstate.errors import SimulationError
+from meshstate.errors import OTHER_WORLDS, SimulationError
 from meshstate.layout.ranks import ranks_text
+from meshstate.simulation import local_compat
+from meshstate.simulation.per_rank import from_a_library
 
 if TYPE_CHECKING:
     from meshstate.simulation.per_rank import GroupMembers
 
-_LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
 _NOT_SIMULATED = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 """Point-to-point calls: torch simulates them only with a thread per rank (LocalRunnerMode)."""
 _IN_PLACE_COLLECTIVES = (
@@ -67,7 +67,6 @@ def per_rank_torch() -> Iterator[None]:
     DistributedDataParallel and FSDP raise :class:`SimulationError`. torch's and
     meshstate's own modules keep c10d's answers (the process's, rank 0's).
     """
-    from meshstate.simulation import local_compat
     from meshstate.simulation.per_rank import PerRankIntNode, per_rank_int
 
     with contextlib.ExitStack() as patches:
@@ -82,8 +81,6 @@ def _replaced() -> list[tuple[object, str, Any]]:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    from meshstate.simulation import local_compat
-
     comparison = local_compat.comparison()
     replaced: list[tuple[object, str, Any]] = [
         (dist, "get_rank", _get_rank), (dist, "new_group", _new_group),
@@ -97,6 +94,11 @@ def _replaced() -> list[tuple[object, str, Any]]:
         (dist.ProcessGroup, "rank", _in_the_body(_group_rank_of, dist.ProcessGroup.rank)),
         (DeviceMesh, "mesh", property(_in_the_body(_mesh_of, vars(DeviceMesh)["mesh"].fget))),
         (torch, "Generator", _Generator),
+        *[(module, "get_rng_state", _in_the_body(_get_rng_state, torch.random.get_rng_state))
+          for module in (torch, torch.random)],
+        *[(module, "set_rng_state", _in_the_body(_set_rng_state, torch.random.set_rng_state))
+          for module in (torch, torch.random)],
+        (torch.random, "fork_rng", _fork_rng),
         (torch.Tensor, "__getitem__", _getitem), (torch.Tensor, "__setitem__", _setitem),
         (torch.Tensor, "split", _cut(torch.Tensor.split)),  # torch.split calls it
         (logging.Logger, "handle", _log_each_rank),
@@ -126,6 +128,32 @@ def _replaced() -> list[tuple[object, str, Any]]:
     return replaced
 
 
+def _get_rng_state() -> torch.Tensor:
+    """``torch.get_rng_state`` in a simulated body: each rank's once their streams differ."""
+    states = local_compat.rng_states()
+    return torch.random.get_rng_state() if states is None else states
+
+
+def _set_rng_state(state: torch.Tensor) -> None:
+    if local_compat.rng_states() is None and not local_compat.is_simulated(state):
+        torch.random.set_rng_state(state)
+    else:
+        local_compat.set_rng_states(state)
+
+
+@contextlib.contextmanager
+def _fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
+    """``torch.random.fork_rng`` in a simulated body: each rank's state comes back too."""
+    states = local_compat.rng_states()
+    with _fork_rng_of_torch(*args, **kwargs):
+        yield
+    if states is not None and kwargs.get("enabled", True):
+        local_compat.set_rng_states(states)
+
+
+_fork_rng_of_torch = torch.random.fork_rng
+
+
 def _get_rank(group: dist.ProcessGroup | None = None) -> int:
     """``torch.distributed.get_rank`` for every simulated rank at once."""
     from meshstate.simulation.per_rank import group_rank, per_rank_int
@@ -138,8 +166,6 @@ def _get_rank(group: dist.ProcessGroup | None = None) -> int:
 def _simulated() -> list[int]:
     """The ranks this process simulates, in order: the world's, or one stage's of a world
     simulated stage by stage (ask it before pausing the simulation)."""
-    from meshstate.simulation import local_compat
-
     return sorted(local_compat.mode_ranks() or range(dist.get_world_size()))
 
 
@@ -153,7 +179,7 @@ def _new_group(ranks: Sequence[int] | None = None, *args: Any, **kwargs: Any) ->
         raise SimulationError(
             f"new_group(ranks={ranks_text(ranks)}) in a simulated world of {world_size} ranks: "
             "every simulated rank takes part in each collective over it, not only its "
-            f"members; make groups with meshstate.init_mesh, or {_LOCAL_WORLD}"
+            f"members; make groups with meshstate.init_mesh, or {OTHER_WORLDS}"
         )
     return _create_group(ranks, *args, **kwargs)
 
@@ -179,7 +205,6 @@ def _for_every_rank(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     """``torch.tensor`` (or ``as_tensor``) making a tensor every simulated rank holds: torch's
     simulation leaves what these make a plain tensor, which its collectives skip; of data
     holding per-rank integers (``torch.tensor([rank, 1])``), each rank's own."""
-    from meshstate.simulation import local_compat
     from meshstate.simulation.per_rank import holds_per_rank, per_rank_value, value_on
 
     def made_for_every_rank(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -198,8 +223,6 @@ def _for_every_rank(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
 def _simulated_only(name: str) -> Callable[..., Any]:
     """``torch.distributed.<name>``, refusing a plain tensor, which torch's simulation would
     leave as it was (a wrong value on every rank)."""
-    from meshstate.simulation import local_compat
-
     collective = getattr(dist, name)
 
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -210,7 +233,7 @@ def _simulated_only(name: str) -> Callable[..., Any]:
                 f"torch.distributed.{name} of a tensor made outside the simulated world "
                 f"(shape {tuple(plain[0].shape)}): torch's simulation computes collectives only "
                 "for tensors that hold a value per rank; make it inside the body (an op, "
-                f"torch.tensor, torch.full) or {_LOCAL_WORLD}"
+                f"torch.tensor, torch.full) or {OTHER_WORLDS}"
             )
         return collective(*args, **kwargs)
 
@@ -222,7 +245,7 @@ def _refuse_point_to_point(name: str) -> Callable[..., Any]:
         raise SimulationError(
             f"torch.distributed.{name} in a simulated world: torch simulates send and recv "
             f"only with a thread per rank (LocalRunnerMode); between pipeline stages, simulate "
-            f"the world stage by stage (simulated_world(world_size, stages=pp)), or {_LOCAL_WORLD}"
+            f"the world stage by stage (simulated_world(world_size, stages=pp)), or {OTHER_WORLDS}"
         )
 
     return refuse
@@ -249,7 +272,6 @@ def _all_gather(
 def _per_rank_predicate(compare: Callable[..., bool]) -> Callable[..., bool]:
     """``torch.equal`` (or ``allclose``) on every simulated rank: a per-rank bool (torch's
     simulation answers ``True`` for all ranks when only some are equal)."""
-    from meshstate.simulation import local_compat
     from meshstate.simulation.per_rank import per_rank_bool
 
     def compare_on_every_rank(first: torch.Tensor, second: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
@@ -268,7 +290,6 @@ def _per_rank_predicate(compare: Callable[..., bool]) -> Callable[..., bool]:
 def _not_close_on_some_rank(not_close: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     """torch.testing's check behind ``assert_close``, on every simulated rank: a failure
     names the ranks it fails on."""
-    from meshstate.simulation import local_compat
     from meshstate.simulation.per_rank import value_on
 
     def not_close_on_every_rank(actual: Any, expected: Any, **options: Any) -> list[Any]:
@@ -284,15 +305,6 @@ def _not_close_on_some_rank(not_close: Callable[..., list[Any]]) -> Callable[...
         return [first]
 
     return not_close_on_every_rank
-
-
-_LIBRARIES = ("torch", "meshstate")
-"""Packages whose modules work as the process (rank 0), whose groups they hold."""
-
-
-def from_a_library(caller: FrameType) -> bool:
-    """Whether ``caller`` runs code of torch or meshstate, not the body's."""
-    return str(caller.f_globals.get("__name__", "")).partition(".")[0] in _LIBRARIES
 
 
 def _in_the_body(per_rank: Callable[..., Any], process: Callable[..., Any]) -> Callable[..., Any]:
@@ -339,7 +351,6 @@ def _group_rank_of(group: dist.ProcessGroup) -> int:
 def _mesh_of(view: DeviceMesh) -> torch.Tensor:
     """``DeviceMesh.mesh`` for every simulated rank: the copy of ``view`` it is in."""
     from meshstate.core.compat import mesh_copies
-    from meshstate.simulation import local_compat
     from meshstate.simulation.per_rank import per_rank_value
 
     with local_compat.simulation_paused():
@@ -393,7 +404,7 @@ def _refuse_other_stages(
         raise SimulationError(
             f"{what} over the group of ranks {ranks_text(_members(group).on(simulated[0]))}: "
             f"ranks {ranks_text(outside[:8])} are simulated in another stage's process, which "
-            f"exchanges objects only by send_object_list and recv_object_list; {_LOCAL_WORLD}"
+            f"exchanges objects only by send_object_list and recv_object_list; {OTHER_WORLDS}"
         )
 
 
@@ -415,7 +426,6 @@ class _Generator(torch.Generator, metaclass=_GeneratorType):
     rank's stream with its own (``torch.Generator().manual_seed(rank)``)."""
 
     def manual_seed(self, seed: Any) -> torch.Generator:
-        from meshstate.simulation import local_compat
         from meshstate.simulation.per_rank import holds_per_rank
 
         if not holds_per_rank(seed):
@@ -448,7 +458,7 @@ def _getitem(tensor: torch.Tensor, index: Any) -> Any:
             raise SimulationError(
                 f"tensor[...] with an integer that differs between the simulated ranks beside a "
                 f"{kind} index: index with the integer alone first (tensor.select(dim, index)), "
-                f"or {_LOCAL_WORLD}"
+                f"or {OTHER_WORLDS}"
             )
         plain.append(item)
         if item is ...:
@@ -487,7 +497,6 @@ def _cut(
     """``chunk`` (``split``, ``tensor_split``, ``unbind``) whose parts a per-rank integer
     indexes (``W.chunk(2, 1)[t]`` is each rank's part); ``dim_at``: where ``dim`` is among
     the arguments after the tensor."""
-    from meshstate.simulation import local_compat
     from meshstate.simulation.per_rank import PerRankParts
 
     def cut_for_every_rank(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Sequence[torch.Tensor]:

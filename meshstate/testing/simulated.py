@@ -74,12 +74,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from meshstate.errors import MeshStateError, SimulationError
+from meshstate.errors import OTHER_WORLDS, MeshStateError, SimulationError
 from meshstate.core.mesh import destroy_every_mesh
 from meshstate.testing import torch_internals
 from meshstate.testing.launch import DEFAULT_TIMEOUT
 
-_LOCAL_WORLD = "run it in processes with meshstate.testing.local_world"
 _FORK = multiprocessing.get_context("fork")
 
 
@@ -247,13 +246,13 @@ def _simulate(
             raise SimulationError(
                 f"torch.compile cannot trace this with every rank's values in one process "
                 f"({type(error).__name__}: {type(cause).__name__}: {_first_line(cause)}); "
-                f"{_LOCAL_WORLD}"
+                f"{OTHER_WORLDS}"
             ) from error
         if not local_compat.raised_inside(error):
             raise
         raise SimulationError(
             f"torch's simulation of every rank in one process cannot run this "
-            f"({type(error).__name__}: {error}); {_LOCAL_WORLD}"
+            f"({type(error).__name__}: {error}); {OTHER_WORLDS}"
         ) from error
     finally:
         destroy_every_mesh()

@@ -13,9 +13,10 @@ state. A failure or a timeout is reported as a local world reports it; ranks
 waiting in a receive or a collective are woken, and a thread that cannot be
 woken is left running as a daemon and named.
 
-The threads share the process: ``torch.manual_seed`` and the numbers drawn
-after it (give each rank a ``torch.Generator``, or copy weights in),
-``os.environ`` and other libraries' globals. One threaded world runs at a time.
+Each rank draws random numbers from a default generator of its own, as a process
+does (:mod:`meshstate.testing.threaded_random`), starting from the caller's state.
+The threads share the rest of the process: ``os.environ`` and other libraries'
+globals. One threaded world runs at a time.
 
 Example::
 
@@ -49,6 +50,7 @@ from meshstate.core.world import state_per_thread
 from meshstate.testing import torch_internals
 from meshstate.testing.launch import _FAILURE_GRACE_SECONDS, _STACK_WAIT_SECONDS, DEFAULT_TIMEOUT
 from meshstate.testing.report import _describe_ranks, _report
+from meshstate.testing.threaded_random import RankRandomness, seeding_per_rank
 from meshstate.testing.worker import _failure
 
 __all__ = ["BACKEND", "ThreadedWorld", "threaded_world"]
@@ -258,9 +260,10 @@ class _Run:
         kwargs: dict[str, Any],
         timeout: timedelta,
     ) -> None:
+        random_state = torch.default_generator.get_state()
         for rank in range(self.world_size):
             thread = threading.Thread(
-                target=self._rank_main, args=(rank, fn, args, kwargs, timeout),
+                target=self._rank_main, args=(rank, fn, args, kwargs, timeout, random_state.clone()),
                 name=f"meshstate-rank{rank}", daemon=True,
             )
             thread.start()
@@ -268,7 +271,7 @@ class _Run:
 
     def _rank_main(
         self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-        timeout: timedelta,
+        timeout: timedelta, random_state: torch.Tensor,
     ) -> None:
         _thread_rank.rank = rank
         outcome: tuple[str, Any]
@@ -276,7 +279,8 @@ class _Run:
             dist.init_process_group(
                 BACKEND, store=self.store, rank=rank, world_size=self.world_size, timeout=timeout
             )
-            outcome = ("ok", fn(*args, **kwargs))
+            with RankRandomness(random_state):
+                outcome = ("ok", fn(*args, **kwargs))
         except BaseException as error:
             outcome = self._outcome_of(rank, error)
         try:
@@ -404,7 +408,7 @@ def _claim(world_size: int) -> Iterator[_Run]:
     try:
         torch_internals.install_thread_per_rank_world()
         try:
-            with state_per_thread():
+            with state_per_thread(), seeding_per_rank():
                 yield run
         finally:
             torch_internals.reset_threaded_collectives()

@@ -16,6 +16,7 @@ Example: ``measure(MeshConfig(1024, tp=8), INIT_MESH, rank=513, repeats=3)``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -24,7 +25,7 @@ import time
 import timeit
 import tracemalloc
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -260,9 +261,11 @@ def _median_seconds(action: Callable[[], object], repeats: int) -> float:
 
 def _ns_per_call(statement: str, function: Callable[..., object], repeats: int) -> float:
     """Nanoseconds per call, the timing loop's own cost taken off: the best of ``repeats``
-    (at most 5) rounds of 50,000 calls."""
-    calls, rounds = 50000, max(1, min(repeats, 5))
-    best = min(timeit.repeat(statement, globals={"f": function}, number=calls, repeat=rounds))
+    (at most 5) rounds of as many calls as take 20 ms (at least 1,000)."""
+    timer, calls, rounds = timeit.Timer(statement, globals={"f": function}), 1000, max(1, min(repeats, 5))
+    while (took := timer.timeit(calls)) < 0.02:
+        calls = int(calls * min(10.0, 0.025 / max(took, 1e-9)))
+    best = min([took, *timer.repeat(number=calls, repeat=rounds - 1)])
     loop = min(timeit.repeat("pass", number=calls, repeat=rounds))
     return (best - loop) / calls * 1e9
 
@@ -338,23 +341,36 @@ def measure_worlds(
     last world) to take over ``PEER_BUDGET_SECONDS`` per init is left out, with a note."""
     rows: list[Row] = []
     last: dict[str, Row] = {}
-    for world_size in world_sizes:
-        config = MeshConfig(world_size, **sizes)
-        measured_rank = default_rank(world_size) if rank is None else rank
-        for approach in approaches:
-            before = last.get(approach)
-            if before is not None:
-                predicted = before.init_seconds * world_size / before.world_size
-                if predicted > PEER_BUDGET_SECONDS:
-                    notes.append(
-                        f"{approach} left out at world {world_size}: about {predicted:.0f} s "
-                        f"per init, predicted from world {before.world_size}"
-                    )
-                    continue
-            progress(f"world {world_size}, rank {measured_rank}: {approach}")
-            last[approach] = measure(config, approach, measured_rank, repeats)
-            rows.append(last[approach])
+    with _old_objects_frozen():
+        for world_size in world_sizes:
+            config = MeshConfig(world_size, **sizes)
+            measured_rank = default_rank(world_size) if rank is None else rank
+            for approach in approaches:
+                before = last.get(approach)
+                if before is not None:
+                    predicted = before.init_seconds * world_size / before.world_size
+                    if predicted > PEER_BUDGET_SECONDS:
+                        notes.append(
+                            f"{approach} left out at world {world_size}: about {predicted:.0f} s "
+                            f"per init, predicted from world {before.world_size}"
+                        )
+                        continue
+                progress(f"world {world_size}, rank {measured_rank}: {approach}")
+                last[approach] = measure(config, approach, measured_rank, repeats)
+                rows.append(last[approach])
     return rows
+
+
+@contextlib.contextmanager
+def _old_objects_frozen() -> Iterator[None]:
+    """Collect once, then keep what is alive out of every ``gc.collect()`` inside, which looks
+    at new objects only (with torch imported, a full collection takes a quarter of a second)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def default_rank(world_size: int) -> int:
