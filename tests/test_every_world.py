@@ -93,15 +93,15 @@ def run_in(world: str, kind: Kind, folder: Path) -> list[Any]:
             with LocalWorld(kind.world_size) as fresh:
                 return fresh.run(kind.body, *args)
         return local_world(kind.world_size).run(kind.body, *args)
-    if world == "threads":
-        if kind.installs_megatron:
-            install()
-            try:
-                return threaded_world(kind.world_size).run(kind.body, *args)
-            finally:
-                uninstall()
-        return threaded_world(kind.world_size).run(kind.body, *args)
-    return simulated_world(kind.world_size, stages=kind.stages).run(kind.body, *args)
+    one_process = (threaded_world(kind.world_size) if world == "threads"
+                   else simulated_world(kind.world_size, stages=kind.stages))
+    if not kind.installs_megatron:
+        return one_process.run(kind.body, *args)
+    install()  # the body installs in this process too: uninstalled here, whatever it raised
+    try:
+        return one_process.run(kind.body, *args)
+    finally:
+        uninstall()
 
 
 @pytest.fixture

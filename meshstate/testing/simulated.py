@@ -133,6 +133,7 @@ class SimulatedWorld:
             )
         processes: dict[multiprocessing.connection.Connection, tuple[int, Any]] = {}
         results: dict[int, Any] = {}
+        _import_for_the_stages()
         # Garbage here (a threaded world's gloo groups, say) is destroyed here, where its
         # threads live: in a fork its locks may be copied held, and destroying it there aborts.
         gc.collect()
@@ -216,6 +217,14 @@ class SimulatedWorld:
 
     def __exit__(self, *exc_info: object) -> None:
         pass
+
+
+def _import_for_the_stages() -> None:
+    """Import here, once, what every stage's process would import on each run: the
+    simulation, and dynamo (torch's ops under ``LocalTensorMode`` import it; 0.6 s)."""
+    import torch._dynamo  # noqa: F401
+
+    from meshstate.simulation import stages, torch_per_rank  # noqa: F401
 
 
 def _simulate(
