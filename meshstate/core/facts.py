@@ -8,6 +8,8 @@ made from them, after which every read raises the error that names where.
 
 from __future__ import annotations
 
+import sys
+
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -98,8 +100,8 @@ def answered(names: Mapping[str, Key], tables: tuple[Mapping[Key, Any], ...]) ->
                 present = key in table
             except SimulationError:
                 continue
-            if present:
-                answers[f"{name}_{field}"] = table[key]
+            if present:  # interned, as the names in code are: CPython's fast read compares identity
+                answers[sys.intern(f"{name}_{field}")] = table[key]
     return answers
 
 
