@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshstate.errors import OTHER_WORLDS, SimulationError
 from meshstate.layout.ranks import ranks_text
 from meshstate.simulation import local_compat
-from meshstate.simulation.per_rank import from_a_library
+from meshstate.simulation.per_rank import from_a_library, the_bodys_line
 
 if TYPE_CHECKING:
     from meshstate.simulation.per_rank import GroupMembers
@@ -521,7 +521,8 @@ def _refuse_text(what: str, plainly: Callable[..., str]) -> Callable[..., str]:
         if not holds_per_rank(value) or from_a_library(sys._getframe(1)):
             return plainly(value, *spec)
         raise SimulationError(
-            f"{what} of a value that differs between the simulated ranks ({value!r}): one string "
+            f"{what} of a value that differs between the simulated ranks ({value!r})"
+            f"{the_bodys_line()}: one string "
             "cannot hold every rank's text; keep it a number (value_on reads each rank's), "
             "log it as an argument (logger.info('%s', value) logs a line per rank), or run it "
             "with a thread per rank (meshstate.testing.threaded_world)"
