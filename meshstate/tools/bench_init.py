@@ -260,9 +260,11 @@ def _median_seconds(action: Callable[[], object], repeats: int) -> float:
 
 
 def _ns_per_call(statement: str, function: Callable[..., object], repeats: int) -> float:
-    """Nanoseconds per call, the timing loop's own cost taken off: the best of ``repeats``
-    (at most 5) rounds of as many calls as take 20 ms (at least 1,000)."""
+    """Nanoseconds per call once warm (a first call may build what later ones read), the
+    timing loop's own cost taken off: the best of ``repeats`` (at most 5) rounds of as many
+    calls as take 20 ms (at least 1,000)."""
     timer, calls, rounds = timeit.Timer(statement, globals={"f": function}), 1000, max(1, min(repeats, 5))
+    timer.timeit(1)
     while (took := timer.timeit(calls)) < 0.02:
         calls = int(calls * min(10.0, 0.025 / max(took, 1e-9)))
     best = min([took, *timer.repeat(number=calls, repeat=rounds - 1)])
