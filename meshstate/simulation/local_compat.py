@@ -202,12 +202,19 @@ def _holds_storage(tensor: torch.Tensor) -> bool:
     return not isinstance(tensor, FakeTensor) and tensor.untyped_storage().data_ptr() != 0
 
 
+def ranks_draw_apart() -> bool:
+    """Whether the simulated ranks' CPU generators have states of their own (a per-rank seed
+    set them apart), rather than all drawing from the process's."""
+    mode = enabled_local_tensor_mode()
+    return mode is not None and bool(mode._per_rank_rng_states)
+
+
 def rng_states() -> torch.Tensor | None:
     """Each simulated rank's CPU generator state (a ``LocalTensor``), or ``None`` while the
     ranks draw from the process's (torch keeps them in ``LocalTensorMode._per_rank_rng_states``
     once a per-rank seed set them apart)."""
     mode = enabled_local_tensor_mode()
-    if mode is None or not mode._per_rank_rng_states:
+    if not ranks_draw_apart() or mode is None:
         return None
     with mode.disable():
         states: torch.Tensor = LocalTensor(  # type: ignore[no-untyped-call]

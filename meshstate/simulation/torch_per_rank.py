@@ -135,7 +135,7 @@ def _get_rng_state() -> torch.Tensor:
 
 
 def _set_rng_state(state: torch.Tensor) -> None:
-    if local_compat.rng_states() is None and not local_compat.is_simulated(state):
+    if not local_compat.ranks_draw_apart() and not local_compat.is_simulated(state):
         torch.random.set_rng_state(state)
     else:
         local_compat.set_rng_states(state)
