@@ -308,3 +308,18 @@ def test_reshard_on_a_mesh_built_again_uses_its_groups():
             moved = reshard(reshard(table, P(("cp", "tp"))), P("tp"))
             assert moved.to_local().tolist() == table[4 * (rank % 2) : 4 * (rank % 2) + 4].tolist()
         mesh.destroy()
+
+
+def test_a_compiled_ppermute_warns_nothing(fake_mesh):
+    """Tracing ppermute asks no cached function (dynamo warns once per process about an
+    ``lru_cache`` it traces through, so its record of what it warned is cleared first)."""
+    import warnings
+
+    import torch._dynamo.utils
+
+    torch._dynamo.utils.warn_once_cache.clear()
+    x = torch.randn(4, 3, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert explained(lambda v: lax.ppermute(v, "tp", ring(2)) * 2, x) == (1, 0)
+    assert [str(w.message) for w in caught] == []

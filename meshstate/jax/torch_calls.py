@@ -383,7 +383,10 @@ def _chunks(
 
 def check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, int], ...]:
     """``perm`` as a tuple of ``(source, destination)`` pairs of indices below ``size``,
-    each index once as a source and once as a destination at most; a ConfigError else."""
+    each index once as a source and once as a destination at most; a ConfigError else.
+    Traced, the check runs uncached (dynamo warns of a cache it traces through)."""
+    if _compiling():
+        return _checked_perm.__wrapped__(tuple(map(tuple, perm)), size)
     try:
         return _checked_perm(tuple(perm), size)
     except TypeError:  # a pair given as a list: no key to keep the answer under
