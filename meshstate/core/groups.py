@@ -21,6 +21,7 @@ without comm splitting).
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -88,11 +89,37 @@ class ProcessGroupSet:
     timeout: timedelta | None = None
 
     def destroy(self) -> None:
-        """Destroy every group this build created; safe to call twice."""
-        for group in self.owned:
-            _compat.destroy_group(group)
-        self.owned.clear()
+        """Destroy every group this build created; safe to call twice. Where this set
+        holds a group's last reference (a mesh clears its tables first), the teardowns
+        run side by side (see :func:`_release_side_by_side`)."""
+        _unregister(self.owned)
         self.by_name.clear()
+        _release_side_by_side(self.owned)
+
+
+def _unregister(groups: list[dist.ProcessGroup]) -> None:
+    """Tell torch each of ``groups`` is destroyed (its name, its entries), holding none after."""
+    for group in groups:
+        _compat.destroy_group(group)
+
+
+def _release_side_by_side(groups: list[dist.ProcessGroup]) -> None:
+    """Empty ``groups``, dropping each one's reference in a thread of its own, and wait for
+    them all. A gloo group's teardown joins its transport's event loop, which polls every
+    10 ms (about 20 ms a group, the GIL released): a mesh's 7 groups go in 20 ms, not 140.
+
+    Example: ``_release_side_by_side(owned)`` leaves ``owned == []``.
+    """
+    boxes = [[group] for group in groups]
+    groups.clear()
+    if len(boxes) < 2:
+        return
+    releases = [threading.Thread(target=box.clear, name="meshstate: group release") for box in boxes]
+    del boxes
+    for release in releases:
+        release.start()
+    for release in releases:
+        release.join()
 
 
 def require_default_group(error: type[MeshStateError] = MeshStateError) -> None:

@@ -404,7 +404,6 @@ class ParallelMesh:
         self.destroyed_at = _first_caller_outside_meshstate()
         if _current.set_mesh is self:  # no longer this thread's mesh; a `with` block still names it
             _current.set_mesh = None
-        self._process_groups.destroy()
         roots = [name for name in _ROOTS if name in self.__dict__]
         if self._device_meshes or roots:
             _compat.forget_sharding_decisions()
@@ -420,6 +419,7 @@ class ParallelMesh:
             del self.__dict__[name]
         for table in (*self._tables(), self._own_group_of, self._own_ranks_of):
             table.clear()
+        self._process_groups.destroy()  # last: it holds the groups' last references then
         _live_meshes.pop(self, None)
 
     def __enter__(self) -> ParallelMesh:
