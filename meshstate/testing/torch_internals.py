@@ -86,6 +86,14 @@ def live_groups() -> list[dist.ProcessGroup]:
     return [group for group in c10d._world.pg_map if group is not world_group]
 
 
+def every_group() -> list[dist.ProcessGroup]:
+    """Every process group this rank is a member of, the default group included.
+
+    Reads ``c10d._world.pg_map``.
+    """
+    return list(c10d._world.pg_map)
+
+
 def fake_store() -> Store:
     """A store for torch's ``fake`` backend, on which one process stands in for a rank of a
     large world.
