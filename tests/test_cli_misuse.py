@@ -14,7 +14,7 @@ import pytest
 from conftest import heed_ctrl_c
 import torch
 
-from meshstate.tools import bench_init, bench_processes, cli_commands, cli_parser, cli_shared
+from meshstate.tools import bench_init, bench_processes, cli_commands, cli_parser, cli_plan, cli_shared
 from meshstate.tools.cli import main
 from meshstate.tools.cli_commands import LocalCapacity
 
@@ -193,7 +193,7 @@ def test_a_bug_still_shows_its_traceback(monkeypatch):
     def broken(args, progress):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(cli_commands, "run_plan", broken)
+    monkeypatch.setattr(cli_plan, "run_plan", broken)
     with pytest.raises(ZeroDivisionError):
         main(["plan", "--world-size", "8"])
 

@@ -7,6 +7,11 @@ FIRST_USE = """
 import sys
 import meshstate
 print(sorted(name for name in sys.modules if name == "torch" or name.startswith("meshstate.")))
+HEAVY = ("meshstate.core.build", "meshstate.tools.bench", "torch.distributed.tensor")
+import meshstate.tools.cli_plan  # what `meshstate plan` loads: the layout, no mesh
+print("plan:", [name for name in HEAVY if name in sys.modules])
+import meshstate.tools.cli_commands  # what `meshstate check` loads: the mesh, neither bench nor DTensor
+print("check:", [name for name in HEAVY if name in sys.modules])
 for name in ("core", "jax", "megatron", "testing", "titan", "tools"):
     module = getattr(meshstate, name)
     assert module is sys.modules["meshstate." + name] and name in dir(meshstate), name
@@ -18,7 +23,8 @@ def test_submodules_load_on_first_use():
     result = subprocess.run([sys.executable, "-c", FIRST_USE], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["[]", "meshstate.titan.parallel_dims"]
+    assert result.stdout.splitlines() == [
+        "[]", "plan: []", "check: ['meshstate.core.build']", "meshstate.titan.parallel_dims"]
 
 
 def test_a_facade_error_lives_with_its_facade_alone():

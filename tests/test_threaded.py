@@ -126,36 +126,6 @@ def test_distributed_refuses_threads_with_simulate_or_a_backend():
         distributed(4, threads=True, backend="gloo")
 
 
-STDIN_PROGRAM = textwrap.dedent("""
-    import torch.distributed as dist
-    from meshstate.errors import MeshStateError
-    from meshstate.testing import local_world, threaded_world
-
-    def rank_of():
-        return dist.get_rank()
-
-    print("threads:", threaded_world(2).run(rank_of))
-    try:
-        local_world(2).run(rank_of)
-    except MeshStateError as error:
-        print("processes:", error)
-""")
-
-
-def test_a_function_from_stdin_runs_on_threads_and_processes_say_why_not(tmp_path):
-    done = subprocess.run([sys.executable, "-"], input=STDIN_PROGRAM, capture_output=True,
-                          text=True, cwd=tmp_path, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
-        "threads: [0, 1]",
-        "processes: rank_of is defined in __main__, which has no file the worker processes can "
-        "import (a notebook, python -, python -c); threaded_world or simulated_world run every "
-        "rank in this process",
-    ]
-    assert "Traceback" not in done.stderr
-
-
 def test_groups_named_by_a_count_of_builds_agree_between_threads():
     """The count is per rank (per default group): one per process would give each thread
     the next number, and the threads would wait for each other under different names."""
@@ -164,9 +134,10 @@ def test_groups_named_by_a_count_of_builds_agree_between_threads():
     assert [t.item() for t in results] == [6.0] * 4
 
 
-AFTER_GLOO_GROUPS_PROGRAM = textwrap.dedent("""
-    import world_bodies as bodies
+PROGRAM = textwrap.dedent("""
     import torch.distributed as dist
+    import world_bodies as bodies
+    from meshstate.errors import MeshStateError
     from meshstate.testing import local_world, simulated_world, threaded_world
 
     def rank_of():
@@ -175,17 +146,43 @@ AFTER_GLOO_GROUPS_PROGRAM = textwrap.dedent("""
     threaded_world(4).run(bodies.megatron_getters_per_rank)  # it made gloo groups, garbage now
     print(len(local_world(4).run(bodies.megatron_getters_per_rank)))
     print(simulated_world(4, stages=2).run(rank_of))
+    print("threads:", threaded_world(2).run(rank_of))
+    try:
+        local_world(2).run(rank_of)
+    except MeshStateError as error:
+        print("processes:", error)
 """)
 
 
-def test_forks_start_after_a_threaded_world_that_made_gloo_groups():
+@pytest.fixture(scope="module")
+def program_from_stdin():
+    """``PROGRAM`` run as ``python -`` (its functions in a ``__main__`` without a file), in
+    a process of its own (the forks it starts are its first): one run for the two tests
+    below, which read their own lines of its output."""
+    done = subprocess.run([sys.executable, "-"], input=PROGRAM, capture_output=True, text=True,
+                          cwd=Path(__file__).parent, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+    return done.returncode, done.stdout.splitlines(), done.stderr
+
+
+def test_forks_start_after_a_threaded_world_that_made_gloo_groups(program_from_stdin):
     """The fork server and a simulated world's stages are forks of this process: the
     threads' gloo groups, garbage by then, must not be destroyed in them (their locks
     were copied held), where they hang or abort."""
-    done = subprocess.run([sys.executable, "-c", AFTER_GLOO_GROUPS_PROGRAM], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).parent,
-                          env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
-    assert (done.returncode, done.stdout) == (0, "4\n[0, 1, 2, 3]\n"), done.stderr[-2000:]
+    returncode, lines, stderr = program_from_stdin
+    assert (returncode, lines[:2]) == (0, ["4", "[0, 1, 2, 3]"]), stderr[-2000:]
+
+
+def test_a_function_from_stdin_runs_on_threads_and_processes_say_why_not(program_from_stdin):
+    returncode, lines, stderr = program_from_stdin
+    assert returncode == 0, stderr
+    assert lines[2:] == [
+        "threads: [0, 1]",
+        "processes: rank_of is defined in __main__, which has no file the worker processes can "
+        "import (a notebook, python -, python -c); threaded_world or simulated_world run every "
+        "rank in this process",
+    ]
+    assert "Traceback" not in stderr
 
 
 def test_each_rank_draws_from_a_default_generator_of_its_own():

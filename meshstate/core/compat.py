@@ -1,8 +1,7 @@
 """The private torch APIs the library touches (core, jax, megatron, titan), kept in one place.
 
-A torch upgrade that moves any of these is this file's work alone. Each
-function says which private name it relies on. What only the harness and the
-benchmark touch lives in :mod:`meshstate.testing.torch_internals`.
+A torch upgrade that moves any of these is this file's work alone; each function says which
+private name it relies on. The harness's and benchmark's: :mod:`meshstate.testing.torch_internals`.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import threading
 import warnings
 from datetime import timedelta
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -24,9 +23,10 @@ import torch.distributed._functional_collectives  # noqa: F401
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
 
 from meshstate.layout.ranks import Ranks
+if TYPE_CHECKING:  # DTensor loads in 0.4 s: only where one is made (the command line needs none)
+    from torch.distributed.tensor import DTensor, Placement
 
 # torch's traceable collectives: ops that return a new tensor, waited on by wait_tensor.
 _functional = torch.ops._c10d_functional
@@ -448,6 +448,7 @@ def dtensor_of(local: torch.Tensor, spec: Any) -> DTensor:
     """A DTensor of ``local`` with the spec ``even_spec`` made, as ``from_local`` would make
     it for a tensor autograd does not record, without its autograd apply (the private
     ``DTensor(local, spec, requires_grad=False)``)."""
+    from torch.distributed.tensor import DTensor
     return DTensor(local.view_as(local), spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 

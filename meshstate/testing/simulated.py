@@ -68,7 +68,7 @@ import pickle
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -134,20 +134,19 @@ class SimulatedWorld:
         processes: dict[multiprocessing.connection.Connection, tuple[int, Any]] = {}
         results: dict[int, Any] = {}
         _import_for_the_stages()
-        # Garbage here (a threaded world's gloo groups, say) is destroyed here, where its
-        # threads live: in a fork its locks may be copied held, and destroying it there aborts.
-        gc.collect()
         with tempfile.TemporaryDirectory(prefix="meshstate-stages-") as folder:
             try:
-                for stage in range(self.stages):
-                    reader, writer = _FORK.Pipe(duplex=False)
-                    process = _FORK.Process(
-                        target=self._stage_process, name=f"meshstate stage {stage}",
-                        args=(stage, os.path.join(folder, "store"), writer, fn, args, kwargs, each_rank),
-                    )
-                    process.start()
-                    writer.close()
-                    processes[reader] = (stage, process)
+                with _uncollected():
+                    for stage in range(self.stages):
+                        reader, writer = _FORK.Pipe(duplex=False)
+                        process = _FORK.Process(
+                            target=self._stage_process, name=f"meshstate stage {stage}",
+                            args=(stage, os.path.join(folder, "store"), writer, fn, args, kwargs,
+                                  each_rank),
+                        )
+                        process.start()
+                        writer.close()
+                        processes[reader] = (stage, process)
                 waiting = dict(processes)
                 while waiting:
                     for ready in multiprocessing.connection.wait(list(waiting)):
@@ -172,6 +171,7 @@ class SimulatedWorld:
         from meshstate.simulation.per_rank import value_on
 
         gc.freeze()  # nothing of the caller's is collected (destroyed) in this fork
+        gc.enable()  # off since the fork (see _uncollected)
         parent = multiprocessing.parent_process()
         assert parent is not None, "a stage's process is forked by its caller"
         # Whatever this process is doing, it ends when its caller does (killed, even by SIGKILL).
@@ -217,6 +217,22 @@ class SimulatedWorld:
 
     def __exit__(self, *exc_info: object) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _uncollected() -> Iterator[None]:
+    """No garbage collection while the stages fork: garbage here (a threaded world's gloo
+    groups, say) must not be destroyed in a fork, where its locks may be copied held and
+    destroying it aborts. Each stage's process freezes what it inherited before it turns
+    collection back on; no collection of everything here first (a large test session's
+    takes a good part of a second)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _import_for_the_stages() -> None:

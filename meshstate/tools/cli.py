@@ -11,8 +11,8 @@ megatron-core and plain DeviceMesh.
 
 ``--help``, argument errors and layout mistakes come from
 :mod:`meshstate.tools.cli_parser` without importing torch; a command that runs loads
-:mod:`meshstate.tools.cli_commands`; both take the exit codes and
-:class:`Progress` from :mod:`meshstate.tools.cli_shared`. A mistake in the input
+:mod:`meshstate.tools.cli_plan` (``plan``) or :mod:`meshstate.tools.cli_commands`; all
+take the exit codes and :class:`Progress` from :mod:`meshstate.tools.cli_shared`. A mistake in the input
 exits with status 2 and one line on stderr; Ctrl-C exits 130, SIGTERM 143, a
 closed stdout pipe 141, each without a traceback. Progress goes to stderr when it is a terminal,
 or always with ``--verbose``; a step that takes more than 2 s says what it is.
@@ -42,15 +42,17 @@ from meshstate.tools.cli_shared import (
 )
 
 
-def _load_commands(progress: Progress) -> ModuleType:
-    """:mod:`meshstate.tools.cli_commands`, which imports torch.
+def _load_commands(command: str, progress: Progress) -> ModuleType:
+    """The module that runs ``command``: :mod:`meshstate.tools.cli_plan` for ``plan``,
+    else :mod:`meshstate.tools.cli_commands`; both import torch.
 
     torch warns "Failed to initialize NumPy" on import where numpy is absent;
     meshstate needs no numpy, so that warning is silenced here.
     """
+    module = "cli_plan" if command == "plan" else "cli_commands"
     with progress.if_slow("importing torch"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-        return importlib.import_module("meshstate.tools.cli_commands")
+        return importlib.import_module(f"meshstate.tools.{module}")
 
 
 class _Terminated(BaseException):
@@ -115,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.command != "bench":  # checked before torch loads (seconds): args.layout
                 args.layout = layout_config(args)
-            commands = _load_commands(progress)
+            commands = _load_commands(args.command, progress)
             status, output = getattr(commands, f"run_{args.command}")(args, progress)
             if output and not _print_output(output):
                 return EXIT_BROKEN_PIPE

@@ -1,7 +1,7 @@
 """What the ``meshstate`` commands share: exit codes, progress lines and how sizes and ranks read.
 
-Imports neither torch nor any other tools module, so the entry point, the
-parser, the commands and the bench all import it from below.
+Imports neither torch nor any other tools module (only the layout's pure config), so
+the entry point, the parser, the commands and the bench all import it from below.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from meshstate.layout.config import MeshConfig, sizes_text
 
 EXIT_MISMATCH = 1
 """``check`` found a group that differs from the layout, or local ranks failed."""
@@ -51,3 +53,8 @@ class Progress:
             yield
         finally:
             timer.cancel()
+
+
+def layout_text(config: MeshConfig) -> str:
+    """A layout as the commands' headers name it: ``"order tp-cp-ep-dp-pp, tp=2 cp=1 ..."``."""
+    return f"order {config.order}, {sizes_text(config.sizes())}"
