@@ -24,7 +24,7 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from types import ModuleType
 from typing import Any, TextIO
 
@@ -79,6 +79,26 @@ def _server_can_fork_from_here() -> bool:
 _SERVER_COMMAND = "from multiprocessing.forkserver import main"
 
 
+@contextlib.contextmanager
+def uncollected() -> Iterator[None]:
+    """No garbage collection while this process forks (the fork server, a simulated world's
+    stages): garbage here (a threaded world's gloo groups, say) must not be destroyed in a
+    fork, where its locks may be copied held and destroying it hangs or aborts. A fork
+    freezes what it inherited (``gc.freeze()``) before it turns collection back on; nothing
+    is collected here first (in a long test session that takes a good part of a second)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        _collect_again(collecting)
+
+
+def _collect_again(collecting: bool) -> None:
+    if collecting:
+        gc.enable()
+
+
 def _fork_server_from_here(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
     """``multiprocessing.util.spawnv_passfds`` that starts the fork server as a fork of the caller.
 
@@ -93,9 +113,8 @@ def _fork_server_from_here(path: Any, args: Sequence[Any], passfds: Sequence[int
     # A Ctrl-C or SIGTERM waits until the fork is done: the caller handles it afterwards,
     # the server (which gets the default handlers back first) never sees it.
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    # Garbage here (a threaded world's gloo groups, say) is destroyed here, where its threads
-    # live; in the fork its locks may be copied held, and destroying it there hangs.
-    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()  # as uncollected() does, until the child has frozen what it inherited
     try:
         with warnings.catch_warnings():
             # Python 3.12+ warns of forking a process with threads (torch starts some): the
@@ -105,12 +124,15 @@ def _fork_server_from_here(path: Any, args: Sequence[Any], passfds: Sequence[int
             pid = os.fork()
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        _collect_again(collecting)
         raise
     if pid:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        _collect_again(collecting)
         return pid
     status = 1
     gc.freeze()  # nothing of the caller's is collected (destroyed) in the server or its workers
+    _collect_again(collecting)
     try:
         for fd in other_ends:  # the "alive" pipe must read as closed once the caller is gone
             os.close(fd)

@@ -68,7 +68,7 @@ import pickle
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -77,6 +77,7 @@ import torch.distributed as dist
 from meshstate.errors import OTHER_WORLDS, MeshStateError, SimulationError
 from meshstate.core.mesh import destroy_every_mesh
 from meshstate.testing import torch_internals
+from meshstate.testing.fork_server import uncollected
 from meshstate.testing.launch import DEFAULT_TIMEOUT
 
 _FORK = multiprocessing.get_context("fork")
@@ -136,7 +137,7 @@ class SimulatedWorld:
         _import_for_the_stages()
         with tempfile.TemporaryDirectory(prefix="meshstate-stages-") as folder:
             try:
-                with _uncollected():
+                with uncollected():
                     for stage in range(self.stages):
                         reader, writer = _FORK.Pipe(duplex=False)
                         process = _FORK.Process(
@@ -171,7 +172,7 @@ class SimulatedWorld:
         from meshstate.simulation.per_rank import value_on
 
         gc.freeze()  # nothing of the caller's is collected (destroyed) in this fork
-        gc.enable()  # off since the fork (see _uncollected)
+        gc.enable()  # off since the fork (see fork_server.uncollected)
         parent = multiprocessing.parent_process()
         assert parent is not None, "a stage's process is forked by its caller"
         # Whatever this process is doing, it ends when its caller does (killed, even by SIGKILL).
@@ -217,22 +218,6 @@ class SimulatedWorld:
 
     def __exit__(self, *exc_info: object) -> None:
         pass
-
-
-@contextlib.contextmanager
-def _uncollected() -> Iterator[None]:
-    """No garbage collection while the stages fork: garbage here (a threaded world's gloo
-    groups, say) must not be destroyed in a fork, where its locks may be copied held and
-    destroying it aborts. Each stage's process freezes what it inherited before it turns
-    collection back on; no collection of everything here first (a large test session's
-    takes a good part of a second)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _import_for_the_stages() -> None:
