@@ -116,7 +116,8 @@ def release_side_by_side(groups: list[dist.ProcessGroup]) -> None:
     groups.clear()
     if len(boxes) < 2:
         return
-    releases = [threading.Thread(target=box.clear, name="meshstate: group release") for box in boxes]
+    releases = [threading.Thread(target=box.clear, name="meshstate: group release")
+                for box in boxes]
     del boxes
     for release in releases:
         release.start()

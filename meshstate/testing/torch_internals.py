@@ -77,21 +77,18 @@ def counting_group_creation() -> Iterator[list[float]]:
         _core_compat._torch_group = listed_helper
 
 
-def live_groups() -> list[dist.ProcessGroup]:
-    """Every process group this rank is a member of, the default group aside.
-
-    Reads ``c10d._world.pg_map``.
-    """
-    world_group = _core_compat.default_group()
-    return [group for group in c10d._world.pg_map if group is not world_group]
-
-
 def every_group() -> list[dist.ProcessGroup]:
     """Every process group this rank is a member of, the default group included.
 
     Reads ``c10d._world.pg_map``.
     """
     return list(c10d._world.pg_map)
+
+
+def live_groups() -> list[dist.ProcessGroup]:
+    """:func:`every_group`, the default group aside."""
+    world_group = _core_compat.default_group()
+    return [group for group in every_group() if group is not world_group]
 
 
 def fake_store() -> Store:

@@ -12,8 +12,8 @@ megatron-core and plain DeviceMesh.
 ``--help``, argument errors and layout mistakes come from
 :mod:`meshstate.tools.cli_parser` without importing torch; a command that runs loads
 :mod:`meshstate.tools.cli_plan` (``plan``) or :mod:`meshstate.tools.cli_commands`; all
-take the exit codes and :class:`Progress` from :mod:`meshstate.tools.cli_shared`. A mistake in the input
-exits with status 2 and one line on stderr; Ctrl-C exits 130, SIGTERM 143, a
+take the exit codes and :class:`Progress` from :mod:`meshstate.tools.cli_shared`. A
+mistake in the input exits with status 2 and one line on stderr; Ctrl-C exits 130, SIGTERM 143, a
 closed stdout pipe 141, each without a traceback. Progress goes to stderr when it is a terminal,
 or always with ``--verbose``; a step that takes more than 2 s says what it is.
 """
