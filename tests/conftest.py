@@ -80,6 +80,22 @@ def in_both_worlds(world_size):
     return decorate
 
 
+def compiled_whole(fn, graphs):
+    """``fn`` compiled with ``fullgraph=True`` (a graph break raises, naming its reason) on
+    ``aot_eager``, each graph dynamo hands over appended to ``graphs``: one graph there is one
+    graph and no break, as ``torch._dynamo.explain`` counts them, from the one trace that also
+    runs. Resets dynamo first."""
+    import torch
+
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return aot_eager(graph, example_inputs)
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
 def close(got, want, tolerance=1e-9):
     """Whether tensors ``got`` and ``want`` agree within ``tolerance`` (relative and absolute),
     on every simulated rank too (a per-rank answer there)."""
@@ -95,3 +111,12 @@ def heed_ctrl_c() -> None:
     """In a child about to start: SIGINT as a terminal's Ctrl-C finds it (the default),
     even when this test runs with SIGINT ignored, as a shell's background job does."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def pytest_collection_finish(session):
+    """Move what collection built (every test module, torch, the oracles) out of the
+    collector's reach: a full collection then scans only what the tests make."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -24,7 +24,7 @@ from meshstate import P, shard_map
 from meshstate.jax import collectives as lax
 from meshstate.jax.vma import type_text
 from meshstate.testing import distributed
-from conftest import close, in_both_worlds
+from conftest import close, compiled_whole, in_both_worlds
 
 RECORDS = json.loads((Path(__file__).parent / "jax_records" / "porting.json").read_text())
 
@@ -144,26 +144,12 @@ def run(name, *, compiled=False):
 
     graphs = []
     if compiled:
-        torch._dynamo.reset()
-        loss_of = torch.compile(loss_of, fullgraph=True, backend=counted(graphs))
+        loss_of = compiled_whole(loss_of, graphs)
     whole, loss = loss_of(*leaves)
     loss.backward()
     assert len(graphs) == compiled, (name, graphs)
     mesh.destroy()
     return whole, [leaf.grad for leaf in leaves], types
-
-
-def counted(graphs):
-    """torch.compile's ``aot_eager`` backend, keeping each graph dynamo hands it in
-    ``graphs``: compiled with ``fullgraph=True`` (a graph break raises, naming its reason),
-    one graph there is one graph and no break, as ``torch._dynamo.explain`` counts them,
-    from the one trace that also runs."""
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-
-    def backend(graph, example_inputs):
-        graphs.append(graph)
-        return aot_eager(graph, example_inputs)
-    return backend
 
 
 def check(name, whole, grads, types):

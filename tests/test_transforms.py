@@ -18,7 +18,7 @@ import meshstate
 from meshstate import P, VaryingAxesError, shard_map, vma
 from meshstate.jax import collectives as lax
 from meshstate.testing import distributed, fake_world
-from conftest import close, in_both_worlds
+from conftest import close, compiled_whole, in_both_worlds
 
 TP = frozenset({"tp"})
 NONE = frozenset()
@@ -106,10 +106,11 @@ def pipeline_against_one_process(compiled):
         y = mapped(weights, batch).to_local()
         return y, (y ** 2).sum()
 
+    graphs = []
     if compiled:
-        torch._dynamo.reset()
-        loss_of = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
+        loss_of = compiled_whole(loss_of, graphs)
     y, loss = loss_of(w, xs)
+    assert len(graphs) == compiled
     loss.backward()
     one = w.detach().clone().requires_grad_()
     h = xs
@@ -130,10 +131,10 @@ def test_a_vmapped_pipeline_trains_like_one_process_compiled():
     pipeline_against_one_process(compiled=True)
 
 
-def compiles_whole(fn, *args):
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(fn)(*args)
-    return (explained.graph_count, explained.graph_break_count) == (1, 0)
+def compiled_once_equals_eager(fn, x):
+    """``fn`` compiles whole (one graph, no break) and gives eager's value."""
+    graphs = []
+    assert torch.equal(compiled_whole(fn, graphs)(x), fn(x)) and len(graphs) == 1
 
 
 SEVERAL_RESULTS = {
@@ -149,9 +150,7 @@ def test_ops_returning_several_tensors_compile_typed(fake_mesh, name):
     body = SEVERAL_RESULTS[name]
     mapped = shard_map(lambda p: body(p) * 2, in_specs=P("tp"), out_specs=P("tp"))
     x = torch.arange(8.0).reshape(4, 2)
-    assert compiles_whole(lambda a: mapped(a).to_local(), x)
-    compiled = torch.compile(lambda a: mapped(a).to_local(), fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(x), mapped(x).to_local())
+    compiled_once_equals_eager(lambda a: mapped(a).to_local(), x)
     assert types_inside(lambda p: [vma(t) for t in p.chunk(2)], x) == [TP, TP]
 
 
@@ -174,11 +173,11 @@ def test_collectives_inside_checkpoint_compile_with_eagers_values_and_gradients(
         return mapped(a, b).to_local().sum()
 
     x, w = torch.randn(4, 8), torch.randn(8, 4)
-    assert compiles_whole(loss_of, x, w)
     eager = [t.clone().requires_grad_() for t in (x, w)]
     loss_of(*eager).backward()
-    traced = [t.clone().requires_grad_() for t in (x, w)]
-    torch.compile(loss_of, fullgraph=True, backend="aot_eager")(*traced).backward()
+    traced, graphs = [t.clone().requires_grad_() for t in (x, w)], []
+    compiled_whole(loss_of, graphs)(*traced).backward()
+    assert len(graphs) == 1
     assert all(torch.allclose(a.grad, b.grad) for a, b in zip(eager, traced))
 
 
@@ -211,10 +210,7 @@ def test_checkpoint_recomputes_with_the_bodys_types(reentrant):
 def test_narrow_at_an_axis_index_compiles(fake_mesh):
     mapped = shard_map(lambda p: p.narrow(0, lax.axis_index("tp") * 2, 2) * 2, in_specs=P(),
                        out_specs=P("tp"))
-    x = torch.arange(4.0)
-    assert compiles_whole(lambda a: mapped(a).to_local(), x)
-    compiled = torch.compile(lambda a: mapped(a).to_local(), fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(x), mapped(x).to_local())
+    compiled_once_equals_eager(lambda a: mapped(a).to_local(), torch.arange(4.0))
 
 
 def test_control_flow_under_compile_is_refused_by_name(fake_mesh):
