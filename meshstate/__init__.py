@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
     from meshstate.jax.reshard import reshard
     from meshstate.jax.shard_map import shard_map
+    from meshstate.jax.explicit import ExplicitType, ShardingTypeError, auto_axes, device_put, einsum, explicit, explicit_axes, matmul, typeof
 
 # Every public name and the module that defines it. Nothing is imported until a name is
 # first used (PEP 562), so `import meshstate` costs no torch import; tools that pull heavy
@@ -58,6 +59,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
     **dict.fromkeys(("reshard",), "meshstate.jax.reshard"),
     **dict.fromkeys(("shard_map",), "meshstate.jax.shard_map"),
+    **dict.fromkeys(('ExplicitType', 'ShardingTypeError', 'auto_axes', 'device_put', 'einsum', 'explicit', 'explicit_axes', 'matmul', 'typeof'), "meshstate.jax.explicit"),
 }
 _SUBMODULES = frozenset(
     {"core", "jax", "layout", "megatron", "simulation", "testing", "titan", "tools", "parallel_state"}

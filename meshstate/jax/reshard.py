@@ -28,7 +28,7 @@ from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mes
 from meshstate.core.ordered import OrderedGroup
 from meshstate.jax.torch_calls import gather
 from meshstate.jax.plan import block, contiguous_strides, plan_on, take_block
-from meshstate.jax.sharding import DimAxes, P, _axes_of, to_placements
+from meshstate.jax.sharding import DimAxes, P, _axes_of, distribute, to_placements
 
 __all__ = ["reshard"]
 
@@ -52,6 +52,9 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
         reshard(y, P("tp")).to_local()                  # [0, 1, 2, 3] on tp=0
     """
     if isinstance(x, DTensor):
+        pending = _pending(x.device_mesh, tuple(x.placements))
+        if spec.unreduced - pending:
+            return _into_pending(x, spec, pending)
         move = _move(x.device_mesh, x.placements, spec.dims, spec.unreduced, tuple(x.shape))
         if move is None:
             placements = _placements(x.device_mesh, spec.dims, spec.unreduced)
@@ -69,7 +72,52 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
         current_mesh() if mesh is None else require_parallel_mesh(mesh, "reshard(mesh=...)")
     )
     plan = plan_on(parallel_mesh, (spec,))
+    if spec.unreduced:
+        return distribute(x, plan.view, spec)
     return plan.to_dtensor(0, plan.to_local(0, x), x.shape)
+
+
+@_compat.constant_when_traced
+def _pending(view: DeviceMesh, placements: tuple[Placement, ...]) -> frozenset[str]:
+    """The axes over which a DTensor with ``placements`` on ``view`` is a pending sum."""
+    return frozenset(
+        axis for axis, placement in zip(view.mesh_dim_names or (), placements)
+        if placement.is_partial()
+    )
+
+
+def _into_pending(x: DTensor, spec: P, pending: frozenset[str]) -> DTensor:
+    """``x`` made a pending sum over ``spec``'s unreduced axes as JAX's ``reshard`` makes
+    it: a rank keeps its block in place where such an axis split a dim and zeros elsewhere;
+    over an axis that split nothing, coordinate 0 keeps the value. Each such axis first
+    becomes the minor one of its dim (a move, where it was not), so a block sits whole
+    inside the block without it."""
+    view, names = x.device_mesh, x.device_mesh.mesh_dim_names or ()
+    reduced = tuple(Replicate() if p.is_partial() else p for p in x.placements)
+    source = spec_of(view, reduced)
+    if source is None:
+        x = x.redistribute(view, [p if p.is_partial() else Replicate() for p in x.placements])
+        source = P()
+    new = sorted(spec.unreduced - pending)
+    dims = [_axes_of(source.dims[d]) if d < len(source.dims) else () for d in range(x.dim())]
+    for axis in new:
+        dims = [tuple(a for a in entry if a != axis) + ((axis,) if axis in entry else ()) for entry in dims]
+    x = reshard(x, P(*dims, unreduced=pending))
+    local, coordinate = x.to_local(), view.get_coordinate() or [0] * view.ndim
+    for axis in new:
+        size, mine = view.size(names.index(axis)), coordinate[names.index(axis)]
+        hot = (torch.arange(size, device=local.device) == mine).to(local.dtype)
+        split = [d for d, entry in enumerate(dims) if axis in entry]
+        if not split:
+            local = local * hot[0]
+            continue
+        d = split[0]
+        local = (local.unsqueeze(d) * hot.view([-1] + [1] * (local.dim() - d))).flatten(d, d + 1)
+        dims[d] = dims[d][:-1]
+    placements = to_placements(P(*dims, unreduced=spec.unreduced | pending), view)
+    y = DTensor.from_local(local, view, placements, run_check=False, shape=x.shape,
+                           stride=contiguous_strides(x.shape))
+    return reshard(y, spec)
 
 
 @_compat.constant_when_traced
@@ -130,7 +178,7 @@ def _plan_move(
     target: P,
     shape: tuple[int, ...],
 ) -> _Move | None:
-    source = _spec_of(view, placements)
+    source = spec_of(view, placements)
     if source is None or source.unreduced or target.unreduced:
         return None
     sizes = dict(zip(view.mesh_dim_names or (), view.shape))
@@ -163,7 +211,7 @@ def _owner(view: DeviceMesh) -> ParallelMesh | None:
     return parallel_mesh if any(root == view for root in parallel_mesh.root_meshes()) else None
 
 
-def _spec_of(view: DeviceMesh, placements: tuple[Placement, ...]) -> P | None:
+def spec_of(view: DeviceMesh, placements: tuple[Placement, ...]) -> P | None:
     """The spec without unreduced axes whose placements on ``view`` are ``placements``."""
     mesh_axes = view.mesh_dim_names or ()
     by_dim: dict[int, list[str]] = {}

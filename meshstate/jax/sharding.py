@@ -263,8 +263,10 @@ def distribute(tensor: torch.Tensor, device_mesh: DeviceMesh, spec: P) -> DTenso
     local_tensor = distribute_tensor(tensor.detach(), device_mesh, summed_placements).to_local()
     coordinate = device_mesh.get_coordinate()
     mesh_axes = device_mesh.mesh_dim_names or ()
-    if coordinate is not None and any(coordinate[mesh_axes.index(axis)] for axis in spec.unreduced):
-        local_tensor = torch.zeros_like(local_tensor)
+    if coordinate is not None:
+        # A tensor test, not a Python branch: in a simulated world the coordinate is per rank.
+        holders = torch.tensor([coordinate[mesh_axes.index(axis)] for axis in spec.unreduced])
+        local_tensor = torch.where((holders == 0).all(), local_tensor, torch.zeros_like(local_tensor))
     partial_tensor = DTensor.from_local(
         local_tensor,
         device_mesh,

@@ -1,0 +1,194 @@
+"""JAX's Explicit axes for DTensor code: the sharding is part of the type.
+
+Inside :func:`explicit`, a DTensor on a view of the mesh is typed as JAX types
+an array on Explicit axes (:func:`typeof`), and plain torch ops on such values
+follow JAX 0.10's rules (:mod:`meshstate.jax.explicit_rules`): each gives JAX's
+result sharding, or raises :class:`ShardingTypeError` with JAX's message before
+anything is sent. Nothing communicates unless the program asked:
+``out_sharding``, :func:`~meshstate.reshard`, or a reduction over a split dim
+(which JAX reduces at once). Values are DTensor's; gradients reaching a leaf
+carry its type, as JAX's cotangents do.
+
+Example (8 ranks, ``init_mesh(tp=4)``)::
+
+    with meshstate.explicit():
+        x = meshstate.device_put(torch.randn(8, 16), P("dp", "tp"))
+        str(meshstate.typeof(x))                            # 'float32[8@dp,16@tp]'
+        w = meshstate.device_put(torch.randn(16, 4), P("tp", None))
+        u = meshstate.matmul(x, w, out_sharding=P("dp", None, unreduced={"tp"}))
+        meshstate.reshard(u, P("dp", None))                 # the pending sum, reduced
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from meshstate.core import compat as _compat
+from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.errors import ArgumentTypeError
+from meshstate.jax import explicit_rules as rules
+from meshstate.jax.explicit_ops import (
+    HANDLERS, PASSING, array_type, axes_of, contracted, dtype_name, full_equation, state, suspended,
+)
+from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
+from meshstate.jax.reshard import reshard
+from meshstate.jax.sharding import P
+
+__all__ = [
+    "ExplicitType", "ShardingTypeError", "auto_axes", "device_put", "einsum", "explicit",
+    "explicit_axes", "matmul", "typeof",
+]
+
+
+@dataclass(frozen=True)
+class ExplicitType:
+    """A value's JAX type: ``str()`` prints it as JAX does (``float32[8@dp,16@tp]{U:cp}``).
+
+    Example: ``typeof(x).spec`` is ``P('dp', 'tp')``, ``typeof(x).shape`` ``(8, 16)``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    spec: P
+    text: str
+
+    @property
+    def unreduced(self) -> frozenset[str]:
+        """The axes over which the value is a pending sum."""
+        return self.spec.unreduced
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def typeof(x: torch.Tensor) -> ExplicitType:
+    """``x``'s type as JAX's ``jax.typeof`` gives it: a DTensor's from its placements, a
+    plain tensor's unsplit. Example: ``str(typeof(x))`` is ``'float32[8@dp,16@tp]'``."""
+    if isinstance(x, DTensor):
+        t = array_type(x)
+        axes = axes_of(x.device_mesh)
+    else:
+        t = ArrayType(tuple(x.shape), dtype_name(x.dtype), ((),) * x.dim())
+        axes = ()
+    spec = P(*(entry or None for entry in t.dims), unreduced=t.unreduced)
+    return ExplicitType(t.shape, x.dtype, spec, rules.str_type(t, axes))
+
+
+@contextlib.contextmanager
+def explicit(mesh: ParallelMesh | None = None) -> Iterator[ParallelMesh]:
+    """Type DTensors on ``mesh``'s views (default: the current mesh) as JAX's Explicit
+    axes do, for the block; yields the mesh. Nests; :func:`auto_axes` leaves it."""
+    parallel_mesh = current_mesh() if mesh is None else require_parallel_mesh(mesh, "explicit(mesh=...)")
+    mode, outer = ExplicitAxes(parallel_mesh), (state.mode, state.suspended)
+    state.mode, state.suspended = mode, False
+    try:
+        with mode:
+            yield parallel_mesh
+    finally:
+        state.mode, state.suspended = outer
+
+
+def device_put(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTensor:
+    """``x`` laid out as ``spec`` says: a plain tensor (the global value, alike on every
+    rank) cut on the view holding the spec's axes, a DTensor resharded; unreduced axes
+    zero-filled as JAX does. Example: ``device_put(torch.ones(8, 16), P("dp", "tp"))``."""
+    if not isinstance(spec, P):
+        raise ArgumentTypeError(f"device_put(spec=...) takes a P, got {type(spec).__name__}")
+    return reshard(x, spec, mesh)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out_sharding: P | None = None) -> DTensor:
+    """``a @ b`` typed, resharded to ``out_sharding`` (JAX's ``jnp.matmul(a, b,
+    out_sharding=...)``): any spec, or the contracting axes ``unreduced`` to keep the sum
+    pending. Example: ``matmul(x, w, out_sharding=P("dp", None))``."""
+    equation = rules.matmul_equation(a.dim(), b.dim())
+    return contracted(equation, (a, b), out_sharding, torch.matmul, matmul=True)
+
+
+def einsum(equation: str, *operands: torch.Tensor, out_sharding: P | None = None) -> DTensor:
+    """``torch.einsum(equation, *operands)`` of two operands, typed as JAX's ``dot_general``
+    and resharded to ``out_sharding``. Example: ``einsum("ij,jk->ik", x, w)``."""
+    return contracted(
+        full_equation(equation, operands), tuple(operands), out_sharding,
+        functools.partial(torch.einsum, equation), matmul=False,
+    )
+
+
+def auto_axes(f: Callable[..., Any], out_sharding: P) -> Callable[..., DTensor]:
+    """``f`` run with DTensor's own propagation (JAX's Auto axes), its result resharded to
+    ``out_sharding``. Example: ``auto_axes(lambda a, b: a @ b, out_sharding=P("dp"))(x, w)``."""
+
+    @functools.wraps(f)
+    def run(*args: Any, **kwargs: Any) -> DTensor:
+        with suspended():
+            result = f(*args, **kwargs)
+        return reshard(result, out_sharding)
+    return run
+
+
+def explicit_axes(f: Callable[..., Any], in_sharding: P | Sequence[P]) -> Callable[..., Any]:
+    """``f`` run typed (JAX's Explicit axes) on its arguments resharded to ``in_sharding``
+    (one spec for every argument, or one each). Example: ``explicit_axes(g, P("dp"))(x)``."""
+
+    @functools.wraps(f)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        specs = [in_sharding] * len(args) if isinstance(in_sharding, P) else list(in_sharding)
+        moved = [reshard(arg, spec) for arg, spec in zip(args, specs, strict=True)]
+        with explicit():
+            return f(*moved, **kwargs)
+    return run
+
+
+class ExplicitAxes(TorchFunctionMode):
+    """Types each torch op on DTensors of ``parallel_mesh``'s views by JAX's rules."""
+
+    def __init__(self, parallel_mesh: ParallelMesh) -> None:
+        super().__init__()
+        self.parallel_mesh = parallel_mesh
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if state.suspended or not _any_dtensor(args) and not _any_dtensor(tuple(kwargs.values())):
+            return func(*args, **kwargs)
+        handler = HANDLERS.get(func)
+        if handler is None:
+            if func in PASSING or _passes(func):
+                return func(*args, **kwargs)
+            raise ShardingTypeError(
+                f"{resolve_name(func) or func} on an explicitly sharded value: JAX's Explicit "
+                "axes type no such op here; reshard its operands as it needs "
+                "(meshstate.reshard) or run it in meshstate.auto_axes"
+            )
+        return handler(func, args, kwargs)
+
+
+def _any_dtensor(values: tuple[Any, ...]) -> bool:
+    for value in values:
+        if isinstance(value, DTensor):
+            return True
+        if isinstance(value, (list, tuple)) and value and _any_dtensor(tuple(value)):
+            return True
+    return False
+
+
+@_compat.constant_when_traced
+def _passes(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` reads a tensor without computing on it (a property, ``size``)."""
+    name = resolve_name(func) or ""
+    return name.endswith(".__get__") or name.endswith(".__set__")
+
+

@@ -1,0 +1,521 @@
+"""The torch ops that JAX's Explicit axes type, each run on DTensors as JAX lays it out.
+
+Each handler asks :mod:`meshstate.jax.explicit_rules` for the result's type (a
+plan made once per op and operand layouts, a constant to ``torch.compile``),
+moves its operands only where JAX moves them (a one-sided contracting split
+gathered, a replicated operand cut locally to the result's blocks, a dim about
+to be merged or sliced), runs DTensor's op and lays the result out as the type
+says (a reduction's partial sum reduced at once). A refusal is raised before any
+operand moves.
+
+Example (inside ``meshstate.explicit()``, mesh ``(dp, tp) = (2, 4)``)::
+
+    HANDLERS[torch.Tensor.__add__]      # the elementwise handler: x + y typed
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.overrides import resolve_name
+
+from meshstate.core import compat as _compat
+from meshstate.jax import explicit_rules as rules
+from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
+from meshstate.jax.plan import contiguous_strides
+from meshstate.jax.reshard import spec_of
+from meshstate.jax.sharding import P, to_placements
+
+Layout = tuple[tuple[Placement, ...] | None, tuple[int, ...], str] | None
+"""An operand as a plan sees it: its placements (``None``: a plain tensor, replicated),
+shape and dtype name; ``None`` for a Python number."""
+
+
+class ExplicitState(threading.local):
+    """The explicit mode running in this thread, if any (torch keeps modes per thread),
+    and whether it is set aside (inside ``auto_axes``, or while a typed op runs)."""
+
+    def __init__(self) -> None:
+        self.mode: Any = None
+        self.suspended = False
+
+
+state = ExplicitState()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """A block in which the explicit mode lets every op through (DTensor's own rules)."""
+    before = state.suspended
+    state.suspended = True
+    try:
+        yield
+    finally:
+        state.suspended = before
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@_compat.constant_when_traced
+def axes_of(view: DeviceMesh) -> rules.Axes:
+    """``view``'s axes and sizes in mesh order."""
+    return tuple(zip(view.mesh_dim_names or (), view.shape))
+
+
+def array_type(x: DTensor) -> ArrayType:
+    """The JAX type of DTensor ``x``, worked out once per placements, shape and dtype."""
+    return _type_of(x.device_mesh, tuple(x.placements), tuple(x.shape), dtype_name(x.dtype))
+
+
+@_compat.constant_when_traced
+def _type_of(
+    view: DeviceMesh, placements: tuple[Placement, ...] | None, shape: tuple[int, ...], dtype: str
+) -> ArrayType:
+    key = (view, placements, shape, dtype)
+    found = _TYPES.get(key)
+    if found is None:
+        if placements is None:
+            return ArrayType(shape, dtype, ((),) * len(shape))
+        reduced = tuple(Replicate() if p.is_partial() else p for p in placements)
+        spec = spec_of(view, reduced)
+        if spec is None:
+            raise ShardingTypeError(
+                f"a DTensor with placements {placements} has no JAX type (a strided layout "
+                "no partition spec gives); reshard it first (meshstate.reshard)"
+            )
+        names = view.mesh_dim_names or ()
+        dims = tuple(_entry(spec.dims[d]) if d < len(spec.dims) else () for d in range(len(shape)))
+        pending = frozenset(n for n, p in zip(names, placements) if p.is_partial())
+        found = _TYPES[key] = ArrayType(shape, dtype, dims, pending)
+    return found
+
+
+_TYPES: dict[tuple[Any, ...], ArrayType] = {}
+
+
+def _entry(entry: object) -> rules.Entry:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)  # type: ignore[arg-type]
+
+
+def placements_of(view: DeviceMesh, dims: Sequence[rules.Entry], unreduced: frozenset[str]) -> tuple[Placement, ...]:
+    return to_placements(P(*(entry or None for entry in dims), unreduced=unreduced), view)
+
+
+def _layout(value: Any) -> Layout:
+    if isinstance(value, DTensor):
+        return tuple(value.placements), tuple(value.shape), dtype_name(value.dtype)
+    if isinstance(value, torch.Tensor):
+        return None, tuple(value.shape), dtype_name(value.dtype)
+    return None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a typed op does: each operand's placements before it runs (``None``: as it
+    is), the result's placements, or the refusal (``error``: JAX's text)."""
+
+    operands: tuple[tuple[Placement, ...] | None, ...] = ()
+    result: tuple[Placement, ...] = ()
+    local_shape: tuple[int, ...] = ()
+    error: str = ""
+
+
+def _planned(make: Callable[[], _Plan]) -> _Plan:
+    try:
+        return make()
+    except ShardingTypeError as refusal:
+        return _Plan(error=str(refusal))
+
+
+def _refuse_if(plan: _Plan) -> None:
+    if plan.error:
+        raise ShardingTypeError(plan.error)
+
+
+def _typed(view: DeviceMesh, operand: Any, placements: tuple[Placement, ...] | None) -> Any:
+    """``operand`` laid out as ``placements`` (a plain tensor first made a replicated
+    DTensor: the same value on every rank, as an unsharded JAX array)."""
+    if placements is None or not isinstance(operand, torch.Tensor):
+        return operand
+    if not isinstance(operand, DTensor):
+        operand = DTensor.from_local(operand, view, [Replicate()] * view.ndim, run_check=False)
+    if tuple(operand.placements) != placements:
+        operand = operand.redistribute(view, placements)
+    return _leaf_typed(operand)
+
+
+def _laid_out(result: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    if tuple(result.placements) != placements:
+        result = result.redistribute(result.device_mesh, placements)
+    return result
+
+
+class _TypedCotangent(torch.autograd.Function):
+    """Identity whose backward lays the gradient out as the value: a leaf's gradient
+    carries the leaf's type, as JAX's cotangents do (DTensor would leave a partial sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor) -> DTensor:
+        ctx.placements = tuple(x.placements)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> DTensor:
+        return _laid_out(grad, ctx.placements)
+
+
+def _leaf_typed(x: DTensor) -> DTensor:
+    if x.is_leaf and x.requires_grad and torch.is_grad_enabled():
+        typed: DTensor = _TypedCotangent.apply(x)
+        return typed
+    return x
+
+
+def _view_of(args: Sequence[Any]) -> DeviceMesh:
+    for value in args:
+        if isinstance(value, DTensor):
+            return value.device_mesh
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, DTensor):
+                    return item.device_mesh
+    raise AssertionError("a typed op without a DTensor operand")
+
+
+# --- elementwise -------------------------------------------------------------------
+
+_JAX_NAMES = {"truediv": "div", "true_divide": "div", "divide": "div", "multiply": "mul",
+              "subtract": "sub", "maximum": "max", "minimum": "min", "negative": "neg",
+              "rsub": "sub", "rtruediv": "div", "rdiv": "div", "to": "convert_element_type"}
+
+
+@_compat.constant_when_traced
+def _jax_name(func: Callable[..., Any]) -> str:
+    """``func``'s JAX primitive name: ``Tensor.__radd__`` -> ``add``, ``torch.sin`` -> ``sin``."""
+    name = (resolve_name(func) or getattr(func, "__name__", "op")).rsplit(".", 1)[-1]
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name[:1] in ("r", "i") and name[1:] in _OPERATORS:
+            name = name[1:]
+    name = name.rstrip("_")
+    return _JAX_NAMES.get(name, name)
+
+
+_OPERATORS = frozenset({"add", "sub", "mul", "truediv", "pow", "matmul"})
+
+
+@_compat.constant_when_traced
+def _elementwise_plan(name: str, view: DeviceMesh, layouts: tuple[Layout, ...]) -> _Plan:
+    def make() -> _Plan:
+        axes = axes_of(view)
+        types = [None if layout is None else _type_of(view, *layout) for layout in layouts]
+        result = rules.elementwise(name, types, axes)
+        operands = []
+        for t in types:
+            if t is None:
+                operands.append(None)
+                continue
+            offset = len(result.shape) - len(t.shape)
+            dims = tuple(() if size == 1 and result.shape[offset + d] != 1 else result.dims[offset + d]
+                         for d, size in enumerate(t.shape))
+            operands.append(placements_of(view, dims, t.unreduced))
+        return _Plan(tuple(operands), placements_of(view, result.dims, result.unreduced))
+    return _planned(make)
+
+
+def elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An elementwise op (unary, binary with broadcasting and scalars, in place)."""
+    view = _view_of(args)
+    plan = _elementwise_plan(_jax_name(func), view, tuple(_layout(a) for a in args))
+    _refuse_if(plan)
+    if _writes(func) and isinstance(args[0], DTensor) and tuple(args[0].placements) != plan.result:
+        raise ShardingTypeError(
+            f"{resolve_name(func)} writes a {_text(args[0])} value but the result would be "
+            f"laid out as {plan.result}; write the result to a new value"
+        )
+    first = 1 if _writes(func) else 0
+    moved = args[:first] + tuple(_typed(view, a, p) for a, p in zip(args[first:], plan.operands[first:]))
+    return _laid_out(func(*moved, **kwargs), plan.result)
+
+
+@_compat.constant_when_traced
+def _writes(func: Callable[..., Any]) -> bool:
+    name: str = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+def _text(x: DTensor) -> str:
+    return rules.str_type(array_type(x), axes_of(x.device_mesh))
+
+
+# --- contractions --------------------------------------------------------------------
+
+@_compat.constant_when_traced
+def _contraction_plan(
+    equation: str, view: DeviceMesh, layouts: tuple[Layout, ...],
+    out: tuple[tuple[rules.Entry, ...], frozenset[str]] | None, matmul: bool,
+) -> _Plan:
+    def make() -> _Plan:
+        axes = axes_of(view)
+        lhs, rhs = (_type_of(view, *layout) for layout in layouts if layout is not None)
+        c = rules.contract(equation, lhs, rhs, out, axes, matmul)
+        operands = tuple(placements_of(view, dims, frozenset()) for dims in c.operands)
+        return _Plan(operands, placements_of(view, c.result.dims, c.result.unreduced))
+    return _planned(make)
+
+
+def full_equation(equation: str, operands: Sequence[torch.Tensor]) -> str:
+    """``equation`` with its output written out (numpy's implicit mode: the labels seen
+    once, sorted); only two operands, as JAX's ``dot_general`` takes."""
+    if len(operands) != 2:
+        raise ShardingTypeError(
+            f"einsum of {len(operands)} operands on explicitly sharded values: JAX types "
+            "contractions of two; write it as several einsums"
+        )
+    equation = equation.replace(" ", "")
+    if "->" in equation:
+        return equation
+    labels = equation.replace(",", "")
+    return f"{equation}->{''.join(sorted(l for l in set(labels) if labels.count(l) == 1))}"
+
+
+def contracted(
+    equation: str, operands: tuple[torch.Tensor, ...], out_sharding: P | None,
+    run: Callable[..., Any], matmul: bool,
+) -> DTensor:
+    """``run(*operands)``, a contraction of ``equation``, typed as JAX's ``dot_general``."""
+    view = _view_of(operands)
+    out = None if out_sharding is None else (
+        tuple(_entry(e) for e in out_sharding.dims), out_sharding.unreduced)
+    plan = _contraction_plan(equation, view, tuple(_layout(x) for x in operands), out, matmul)
+    _refuse_if(plan)
+    moved = [_typed(view, x, p) for x, p in zip(operands, plan.operands)]
+    with suspended():
+        result = run(*moved)
+    return _laid_out(result, plan.result)
+
+
+def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    a, b = args[:2]
+    if func is _T.__rmatmul__:
+        a, b = b, a
+    return contracted(rules.matmul_equation(a.dim(), b.dim()), (a, b), None, torch.matmul, True)
+
+
+def _einsum(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    equation, *operands = args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    return contracted(full_equation(equation, operands), tuple(operands), None,
+                      lambda *xs: torch.einsum(equation, *xs), False)
+
+
+# --- reductions, shapes ---------------------------------------------------------------
+
+@_compat.constant_when_traced
+def _reduction_plan(
+    name: str, view: DeviceMesh, layout: Layout, dims: tuple[int, ...], keepdim: bool
+) -> _Plan:
+    def make() -> _Plan:
+        assert layout is not None
+        t = _type_of(view, *layout)
+        if t.unreduced and name not in ("sum", "mean"):
+            raise ShardingTypeError(f"unreduced rule for reduce_{name} is not implemented")
+        result = rules.reduce_dims(t, dims, keepdim)
+        return _Plan((), placements_of(view, result.dims, result.unreduced))
+    return _planned(make)
+
+
+def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    given = {**dict(zip(("dim", "keepdim"), args[1:])), **kwargs}
+    dim = given.get("dim")
+    dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+    name = _jax_name(func).removeprefix("a")
+    plan = _reduction_plan(name, x.device_mesh, _layout(x), dims, bool(given.get("keepdim", False)))
+    _refuse_if(plan)
+    return _laid_out(func(_leaf_typed(x), *args[1:], **kwargs), plan.result)
+
+
+@_compat.constant_when_traced
+def _reshape_plan(view: DeviceMesh, layout: Layout, shape: tuple[int, ...]) -> _Plan:
+    def make() -> _Plan:
+        assert layout is not None
+        axes = axes_of(view)
+        t = _type_of(view, *layout)
+        before, result = rules.reshape(t, shape, axes)
+        sizes = dict(axes)
+        local = []
+        for size, entry in zip(result.shape, result.dims):
+            parts = math.prod(sizes[axis] for axis in entry)
+            if size % parts:
+                raise ShardingTypeError(
+                    f"reshaping {rules.str_type(t, axes)} to {shape}: dim of size {size} does "
+                    f"not divide by its axes' {parts}; reshard first (meshstate.reshard)"
+                )
+            local.append(size // parts)
+        return _Plan((placements_of(view, before, t.unreduced),),
+                     placements_of(view, result.dims, result.unreduced), tuple(local))
+    return _planned(make)
+
+
+def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    name = resolve_name(func) or ""
+    if "flatten" in name:
+        given = {**dict(zip(("start_dim", "end_dim"), args[1:])), **kwargs}
+        start, end = given.get("start_dim", 0) % max(x.dim(), 1), given.get("end_dim", -1) % max(x.dim(), 1)
+        requested: list[int] = [*x.shape[:start], math.prod(x.shape[start:end + 1]), *x.shape[end + 1:]]
+    else:
+        sizes = args[1:] if len(args) > 2 or not isinstance(args[1], (list, tuple, torch.Size)) else args[1]
+        requested = list(sizes) if sizes else list(kwargs.get("shape", ()))
+    if -1 in requested:
+        known = math.prod(size for size in requested if size != -1)
+        requested[requested.index(-1)] = x.numel() // max(known, 1)
+    shape = tuple(requested)
+    plan = _reshape_plan(x.device_mesh, _layout(x), shape)
+    _refuse_if(plan)
+    moved = _typed(x.device_mesh, x, plan.operands[0])
+    local = moved.to_local().reshape(plan.local_shape)
+    return DTensor.from_local(local, x.device_mesh, plan.result, run_check=False,
+                              shape=torch.Size(shape), stride=contiguous_strides(shape))
+
+
+@_compat.constant_when_traced
+def _shape_plan(kind: str, view: DeviceMesh, layouts: tuple[Layout, ...], arguments: tuple[Any, ...]) -> _Plan:
+    def make() -> _Plan:
+        axes = axes_of(view)
+        types = [_type_of(view, *layout) for layout in layouts if layout is not None]
+        if kind == "permute":
+            result = rules.permute(types[0], arguments)
+        elif kind == "unsqueeze":
+            result = rules.unsqueeze(types[0], arguments[0])
+        elif kind == "cat":
+            result = rules.concatenate(types, arguments[0], axes)
+        else:
+            result = rules.take(types[0], arguments, axes)
+        operands: list[tuple[Placement, ...] | None] = []
+        for t in types:
+            cut = arguments[0] % len(t.shape) if kind == "cat" else None
+            unsplit = tuple(() if d == cut or (kind == "take" and _sliced(arguments, d, size))
+                            else e for d, (size, e) in enumerate(zip(t.shape, t.dims)))
+            operands.append(placements_of(view, unsplit, t.unreduced))
+        return _Plan(tuple(operands), placements_of(view, result.dims, result.unreduced))
+    return _planned(make)
+
+
+def _sliced(keys: tuple[Any, ...], dim: int, size: int) -> bool:
+    return dim < len(keys) and keys[dim] is not None and tuple(keys[dim]) != (0, size)
+
+
+def _permute(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, name = args[0], resolve_name(func) or ""
+    order = list(range(x.dim()))
+    if name.endswith(("transpose", "swapaxes", "swapdims")):
+        d0, d1 = (a % x.dim() for a in args[1:3])
+        order[d0], order[d1] = order[d1], order[d0]
+    elif name.endswith("permute"):
+        order = list(args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
+    else:  # t, T, mT
+        order = order[:-2] + order[-2:][::-1]
+    return _shaped(func, args, kwargs, "permute", tuple(order))
+
+
+def _unsqueeze(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return _shaped(func, args, kwargs, "unsqueeze", (args[1] if len(args) > 1 else kwargs["dim"],))
+
+
+def _cat(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    tensors = list(args[0])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    view = _view_of(tensors)
+    plan = _shape_plan("cat", view, tuple(_layout(t) for t in tensors), (dim,))
+    _refuse_if(plan)
+    moved = [_typed(view, t, p) for t, p in zip(tensors, plan.operands)]
+    return _laid_out(func(moved, dim), plan.result)
+
+
+def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, key = args
+    keys = _static_keys(x, key)
+    return _shaped(func, args, kwargs, "take", keys)
+
+
+def _static_keys(x: torch.Tensor, key: Any) -> tuple[tuple[int, int] | None, ...]:
+    items = key if isinstance(key, tuple) else (key,)
+    keys: list[tuple[int, int] | None] = []
+    for dim, item in enumerate(items):
+        if isinstance(item, int) and not isinstance(item, bool):
+            keys.append(None)
+        elif isinstance(item, slice) and item.step in (None, 1):
+            start, stop, _ = item.indices(x.shape[dim])
+            keys.append((start, max(start, stop)))
+        else:
+            raise ShardingTypeError(
+                f"indexing an explicitly sharded value with {item!r}: JAX's Explicit axes type "
+                "static slices and ints here; reshard first (meshstate.reshard)"
+            )
+    return tuple(keys)
+
+
+def _shaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+            kind: str, arguments: tuple[Any, ...]) -> Any:
+    x = args[0]
+    plan = _shape_plan(kind, x.device_mesh, (_layout(x),), arguments)
+    _refuse_if(plan)
+    moved = _typed(x.device_mesh, x, plan.operands[0])
+    return _laid_out(func(moved, *args[1:], **kwargs), plan.result)
+
+
+# --- the table --------------------------------------------------------------------------
+
+_T = torch.Tensor
+_UNARY = [torch.sin, torch.cos, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.relu,
+          torch.sqrt, torch.rsqrt, torch.abs, torch.neg, torch.square, torch.nn.functional.gelu,
+          torch.nn.functional.relu, torch.nn.functional.silu, torch.nn.functional.sigmoid,
+          _T.sin, _T.cos, _T.exp, _T.log, _T.tanh, _T.sigmoid, _T.relu, _T.sqrt, _T.rsqrt,
+          _T.abs, _T.neg, _T.__neg__, _T.square, _T.clone, _T.contiguous, _T.to, _T.float,
+          _T.double, _T.half, _T.bfloat16, _T.type_as]
+_BINARY = [torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.maximum,
+           torch.minimum, torch.pow, torch.where, _T.add, _T.sub, _T.mul, _T.div, _T.pow,
+           _T.maximum, _T.minimum, _T.__add__, _T.__radd__, _T.__sub__, _T.__rsub__,
+           _T.__mul__, _T.__rmul__, _T.__truediv__, _T.__rtruediv__, _T.__pow__, _T.__rpow__,
+           _T.add_, _T.sub_, _T.mul_, _T.div_, _T.__iadd__, _T.__isub__, _T.__imul__,
+           _T.__itruediv__]
+_REDUCTIONS = [torch.sum, torch.mean, torch.amax, torch.amin, _T.sum, _T.mean, _T.amax, _T.amin]
+_RESHAPES = [torch.reshape, torch.flatten, _T.reshape, _T.view, _T.flatten]
+_PERMUTES = [torch.permute, torch.transpose, torch.t, _T.permute, _T.transpose, _T.t,
+             _T.T.__get__, _T.mT.__get__]  # type: ignore[attr-defined]
+HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
+    **dict.fromkeys(_UNARY + _BINARY, elementwise),
+    **dict.fromkeys([torch.matmul, torch.mm, torch.bmm, _T.matmul, _T.mm, _T.bmm,
+                     _T.__matmul__, _T.__rmatmul__], _matmul),
+    torch.einsum: _einsum,
+    **dict.fromkeys(_REDUCTIONS, _reduction),
+    **dict.fromkeys(_RESHAPES, _reshape),
+    **dict.fromkeys(_PERMUTES, _permute),
+    **dict.fromkeys([torch.unsqueeze, _T.unsqueeze], _unsqueeze),
+    **dict.fromkeys([torch.cat, torch.concat, torch.concatenate], _cat),
+    _T.__getitem__: _getitem,
+}
+"""Each typed torch function and its handler."""
+
+PASSING = frozenset({
+    _T.size, _T.dim, _T.numel, _T.stride, _T.__len__, _T.backward, _T.requires_grad_,
+    _T.retain_grad, _T.register_hook, _T.__repr__, _T.__format__, _T.detach, _T.is_contiguous,
+    _T.element_size, _T.data_ptr, _T.__hash__,
+    torch.autograd.grad, torch.autograd.backward,
+})
+"""The torch functions that read a typed value without computing on it (and autograd)."""

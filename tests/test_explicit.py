@@ -1,0 +1,113 @@
+"""JAX's Explicit axes for DTensor code, against JAX 0.10.2's own answers.
+
+Each program of ``jax_records/explicit_programs.py`` runs here in
+``meshstate.explicit()`` on 8 ranks (``init_mesh(tp=4)``: ``(pp, dp, cp, tp) =
+(1, 2, 1, 4)``), in processes and simulated, and is compared with what JAX gave
+(``jax_records/explicit.json``, recorded by ``record_explicit.py``): the type
+string, or the refusal and its text; the global value; each rank's shard.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import meshstate
+from meshstate import P
+from conftest import in_both_worlds
+
+_HERE = Path(__file__).parent / "jax_records"
+_spec = importlib.util.spec_from_file_location("explicit_programs", _HERE / "explicit_programs.py")
+programs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(programs)
+RECORDS = json.loads((_HERE / "explicit.json").read_text())
+
+
+def inputs():
+    """The programs' inputs, built as the JAX side builds them."""
+    made = {}
+    for number, (name, (shape, dtype)) in enumerate(programs.INPUTS.items()):
+        size = 1
+        for n in shape:
+            size *= n
+        if dtype == "int32":
+            made[name] = torch.tensor(programs.int_values(number, size), dtype=torch.int32)
+        else:
+            made[name] = torch.tensor(programs.input_values(number, size), dtype=torch.float32)
+        made[name] = made[name].reshape(shape)
+    return made
+
+
+def namespace():
+    """What the programs call, in meshstate's and torch's words."""
+    return {
+        **inputs(),
+        "S": lambda *dims, unreduced=(): P(*dims, unreduced=unreduced),
+        "put": meshstate.device_put,
+        "reshard": meshstate.reshard,
+        "matmul": lambda a, b, out=None: meshstate.matmul(a, b, out_sharding=out),
+        "einsum": lambda eq, *xs, out=None: meshstate.einsum(eq, *xs, out_sharding=out),
+        "sum": lambda a, dims, keepdim=False: torch.sum(a, dims, keepdim=keepdim),
+        "mean": lambda a, dims, keepdim=False: torch.mean(a, dims, keepdim=keepdim),
+        "amax": lambda a, dims, keepdim=False: torch.amax(a, dims, keepdim=keepdim),
+        "sin": torch.sin, "exp": torch.exp, "tanh": torch.tanh, "maximum": torch.maximum,
+        "gelu": lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
+        "permute": torch.permute, "unsqueeze": torch.unsqueeze, "cat": torch.cat,
+        "cast": lambda a, name: a.to(getattr(torch, name)),
+        "auto": lambda f, out: meshstate.auto_axes(f, out_sharding=out),
+        "explicit": lambda f, into: meshstate.explicit_axes(f, in_sharding=into),
+    }
+
+
+def run_program(name):
+    """``(result, None)`` or ``(None, the refusal)`` of program ``name`` here."""
+    scope = namespace()
+    try:
+        with meshstate.explicit():
+            exec(programs.PROGRAMS[name], scope)
+    except meshstate.ShardingTypeError as refusal:
+        return None, refusal
+    return scope["out"], None
+
+
+def disagreement(name, rank):
+    """How program ``name`` differs from JAX's record on ``rank`` ('' where it agrees)."""
+    record = RECORDS[name]
+    out, refusal = run_program(name)
+    if "error" in record:
+        if refusal is None:
+            return f"ran ({meshstate.typeof(out)}) where JAX raised {record['error']}"
+        wanted = record["message"].split(". ")[0]
+        return "" if str(refusal).startswith(wanted) else f"said {refusal!s} where JAX said {wanted}"
+    if refusal is not None:
+        return f"refused: {refusal}"
+    if str(meshstate.typeof(out)) != record["type"]:
+        return f"typed {meshstate.typeof(out)} where JAX typed {record['type']}"
+    local = out.to_local().float()
+    ranks = range(torch.distributed.get_world_size())
+    if "locals" in record:
+        every = torch.stack([torch.tensor(record["locals"][str(r)]) for r in ranks])
+        return "" if torch.allclose(local, every[rank], atol=1e-5) else "a rank's shard differs"
+    whole = torch.tensor(record["value"], dtype=torch.float32)
+    if not torch.allclose(out.full_tensor().float(), whole, atol=1e-5):
+        return "global value differs"
+    every = torch.stack([whole[tuple(slice(*bounds) for bounds in record["index"][str(r)])]
+                         for r in ranks])
+    return "" if torch.allclose(local, every[rank], atol=1e-5) else "a rank's shard differs"
+
+
+@in_both_worlds(8)
+def test_every_program_types_and_runs_as_jax():
+    mesh = meshstate.init_mesh(tp=4)
+    meshstate.set_mesh(mesh)
+    rank = torch.distributed.get_rank()
+    found = {}
+    for name in programs.PROGRAMS:
+        try:
+            found[name] = disagreement(name, rank)
+        except Exception as error:
+            found[name] = f"{type(error).__name__}: {str(error)[:300]}"
+    mesh.destroy()
+    assert {name: text for name, text in found.items() if text} == {}
