@@ -16,6 +16,7 @@ import torch
 
 import meshstate
 from meshstate import P
+from meshstate.testing import fake_world
 from conftest import in_both_worlds
 
 _HERE = Path(__file__).parent / "jax_records"
@@ -40,10 +41,10 @@ def inputs():
     return made
 
 
-def namespace():
-    """What the programs call, in meshstate's and torch's words."""
+def namespace(values):
+    """What the programs call, in meshstate's and torch's words, and the inputs ``values``."""
     return {
-        **inputs(),
+        **values,
         "S": lambda *dims, unreduced=(): P(*dims, unreduced=unreduced),
         "put": meshstate.device_put,
         "reshard": meshstate.reshard,
@@ -61,9 +62,9 @@ def namespace():
     }
 
 
-def run_program(name):
-    """``(result, None)`` or ``(None, the refusal)`` of program ``name`` here."""
-    scope = namespace()
+def run_program(name, values):
+    """``(result, None)`` or ``(None, the refusal)`` of program ``name`` on ``values``."""
+    scope = namespace(values)
     try:
         with meshstate.explicit():
             exec(programs.PROGRAMS[name], scope)
@@ -72,10 +73,10 @@ def run_program(name):
     return scope["out"], None
 
 
-def disagreement(name, rank):
+def disagreement(name, rank, values):
     """How program ``name`` differs from JAX's record on ``rank`` ('' where it agrees)."""
     record = RECORDS[name]
-    out, refusal = run_program(name)
+    out, refusal = run_program(name, values)
     if "error" in record:
         if refusal is None:
             return f"ran ({meshstate.typeof(out)}) where JAX raised {record['error']}"
@@ -102,12 +103,39 @@ def disagreement(name, rank):
 def test_every_program_types_and_runs_as_jax():
     mesh = meshstate.init_mesh(tp=4)
     meshstate.set_mesh(mesh)
-    rank = torch.distributed.get_rank()
-    found = {}
-    for name in programs.PROGRAMS:
-        try:
-            found[name] = disagreement(name, rank)
-        except Exception as error:
-            found[name] = f"{type(error).__name__}: {str(error)[:300]}"
+    rank, values = torch.distributed.get_rank(), inputs()
+    found = {name: disagreement(name, rank, values) for name in programs.PROGRAMS}
     mesh.destroy()
     assert {name: text for name, text in found.items() if text} == {}
+
+
+COMMUNICATING = {
+    # the program asked: reshard, out_sharding, auto_axes
+    "reshard_moves", "reshard_all_reduces", "reshard_reduce_scatters", "matmul_out_replicated",
+    "matmul_out_reduce_scattered", "matmul_out_all_replicated", "einsum_out", "auto_axes",
+    "auto_axes_then_typed", "explicit_axes_inside_auto",
+    # a reduction over a split dim, which JAX reduces at once
+    "sum_split_dim", "sum_all", "sum_keepdim", "sum_joint", "sum_method", "mean_split_dim",
+    "mean_all", "amax_split_dim", "amax_keepdim", "unreduced_sum",
+    # JAX moves the data itself: a contracting dim split on one side is gathered, a merge
+    # of split dims is an all-to-all, rows move along a split dim that is cut or joined
+    "matmul_contracting_lhs_only", "matmul_contracting_rhs_only", "reshape_merge_split_dims",
+    "reshape_round_trip", "cat_split_dim", "slice_split_dim", "slice_split_dim_offset",
+}
+
+
+def test_nothing_communicates_that_the_program_did_not_ask_for():
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with fake_world(1, 8):
+        mesh = meshstate.init_mesh(tp=4)
+        meshstate.set_mesh(mesh)
+        values, counted = inputs(), {}
+        for name, source in programs.PROGRAMS.items():
+            if "error" in RECORDS[name]:
+                continue
+            with CommDebugMode() as comms:
+                run_program(name, values)
+            counted[name] = comms.get_total_counts()
+        mesh.destroy()
+    assert {name for name, count in counted.items() if count} == COMMUNICATING

@@ -28,7 +28,7 @@ from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mes
 from meshstate.core.ordered import OrderedGroup
 from meshstate.jax.torch_calls import gather
 from meshstate.jax.plan import block, contiguous_strides, plan_on, take_block
-from meshstate.jax.sharding import DimAxes, P, _axes_of, distribute, to_placements
+from meshstate.jax.sharding import DimAxes, P, _axes_of, to_placements
 
 __all__ = ["reshard"]
 
@@ -71,9 +71,9 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
     parallel_mesh = (
         current_mesh() if mesh is None else require_parallel_mesh(mesh, "reshard(mesh=...)")
     )
-    plan = plan_on(parallel_mesh, (spec,))
     if spec.unreduced:
-        return distribute(x, plan.view, spec)
+        return _into_pending(reshard(x, P(*spec.dims), parallel_mesh), spec, frozenset())
+    plan = plan_on(parallel_mesh, (spec,))
     return plan.to_dtensor(0, plan.to_local(0, x), x.shape)
 
 
