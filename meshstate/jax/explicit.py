@@ -164,7 +164,7 @@ class ExplicitAxes(TorchFunctionMode):
         kwargs = kwargs or {}
         if state.suspended or not _any_dtensor(args) and not _any_dtensor(tuple(kwargs.values())):
             return func(*args, **kwargs)
-        handler = HANDLERS.get(func)
+        handler = HANDLERS.get(func) or HANDLERS.get(getattr(func, "__wrapped__", None))
         if handler is None:
             if func in PASSING or _passes(func):
                 return func(*args, **kwargs)

@@ -547,9 +547,10 @@ HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
     **dict.fromkeys(_PERMUTES, _permute),
     **dict.fromkeys([torch.unsqueeze, _T.unsqueeze], _unsqueeze),
     **dict.fromkeys([torch.cat, torch.concat, torch.concatenate], _cat),
-    _T.__getitem__: _getitem,
+    torch._C.TensorBase.__getitem__: _getitem,
 }
-"""Each typed torch function and its handler."""
+"""Each typed torch function and its handler (torch's own functions: indexing is the
+class's slot, whatever a simulated world has put on ``torch.Tensor`` meanwhile)."""
 
 PASSING = frozenset({
     _T.size, _T.dim, _T.numel, _T.stride, _T.__len__, _T.backward, _T.requires_grad_,

@@ -471,6 +471,9 @@ def _getitem(tensor: torch.Tensor, index: Any) -> Any:
     return picked
 
 
+_getitem.__wrapped__ = _index  # type: ignore[attr-defined]  # a torch function mode finds torch's own
+
+
 _BASIC_INDEX = (int, torch.SymInt, slice, type(None), type(...))
 
 
