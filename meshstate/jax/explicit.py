@@ -36,7 +36,7 @@ from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mes
 from meshstate.errors import ArgumentTypeError
 from meshstate.jax import explicit_rules as rules
 from meshstate.jax.explicit_ops import (
-    HANDLERS, PASSING, array_type, axes_of, contracted, dtype_name, full_equation, state, suspended,
+    HANDLERS, array_type, axes_of, contracted, dtype_name, full_equation, kind_of, state, suspended,
 )
 from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
 from meshstate.jax.reshard import reshard
@@ -164,16 +164,16 @@ class ExplicitAxes(TorchFunctionMode):
         kwargs = kwargs or {}
         if state.suspended or not _any_dtensor(args) and not _any_dtensor(tuple(kwargs.values())):
             return func(*args, **kwargs)
-        handler = HANDLERS.get(func) or HANDLERS.get(getattr(func, "__wrapped__", None))
-        if handler is None:
-            if func in PASSING or _passes(func):
-                return func(*args, **kwargs)
+        kind = kind_of(func)
+        if kind == "passes":
+            return func(*args, **kwargs)
+        if kind == "untyped":
             raise ShardingTypeError(
                 f"{resolve_name(func) or func} on an explicitly sharded value: JAX's Explicit "
                 "axes type no such op here; reshard its operands as it needs "
                 "(meshstate.reshard) or run it in meshstate.auto_axes"
             )
-        return handler(func, args, kwargs)
+        return HANDLERS[kind](func, args, kwargs)
 
 
 def _any_dtensor(values: tuple[Any, ...]) -> bool:
@@ -183,12 +183,3 @@ def _any_dtensor(values: tuple[Any, ...]) -> bool:
         if isinstance(value, (list, tuple)) and value and _any_dtensor(tuple(value)):
             return True
     return False
-
-
-@_compat.constant_when_traced
-def _passes(func: Callable[..., Any]) -> bool:
-    """Whether ``func`` reads a tensor without computing on it (a property, ``size``)."""
-    name = resolve_name(func) or ""
-    return name.endswith(".__get__") or name.endswith(".__set__")
-
-

@@ -184,25 +184,30 @@ def _laid_out(result: DTensor, placements: tuple[Placement, ...]) -> DTensor:
     return result
 
 
-class _TypedCotangent(torch.autograd.Function):
-    """Identity whose backward lays the gradient out as the value: a leaf's gradient
-    carries the leaf's type, as JAX's cotangents do (DTensor would leave a partial sum)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: DTensor) -> DTensor:
-        ctx.placements = tuple(x.placements)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> DTensor:
-        return _laid_out(grad, ctx.placements)
-
-
 def _leaf_typed(x: DTensor) -> DTensor:
-    if x.is_leaf and x.requires_grad and torch.is_grad_enabled():
-        typed: DTensor = _TypedCotangent.apply(x)
-        return typed
+    """``x``; a leaf that requires grad gets its gradient laid out as itself once it is
+    accumulated, as JAX's cotangents carry their value's type (DTensor would leave a
+    pending sum where the leaf was replicated over an axis that split the work)."""
+    if x.is_leaf and x.requires_grad and not getattr(x, _TYPED_GRADIENT, False):
+        if not torch.compiler.is_compiling():
+            x.register_post_accumulate_grad_hook(_lay_out_gradient)
+            setattr(x, _TYPED_GRADIENT, True)
     return x
+
+
+_TYPED_GRADIENT = "_meshstate_typed_gradient"
+
+
+def _lay_out_gradient(leaf: torch.Tensor) -> None:
+    grad = leaf.grad
+    if isinstance(grad, DTensor) and isinstance(leaf, DTensor):
+        if tuple(grad.placements) != tuple(leaf.placements):
+            leaf.grad = grad.redistribute(leaf.device_mesh, leaf.placements)
+
+
+def _requires_grad(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``requires_grad_``: the leaf's gradient will carry its type."""
+    return _leaf_typed(func(*args, **kwargs))
 
 
 def _view_of(args: Sequence[Any]) -> DeviceMesh:
@@ -537,25 +542,45 @@ _REDUCTIONS = [torch.sum, torch.mean, torch.amax, torch.amin, _T.sum, _T.mean, _
 _RESHAPES = [torch.reshape, torch.flatten, _T.reshape, _T.view, _T.flatten]
 _PERMUTES = [torch.permute, torch.transpose, torch.t, _T.permute, _T.transpose, _T.t,
              _T.T.__get__, _T.mT.__get__]  # type: ignore[attr-defined]
-HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
-    **dict.fromkeys(_UNARY + _BINARY, elementwise),
+_KINDS: dict[Callable[..., Any], str] = {
+    **dict.fromkeys(_UNARY + _BINARY, "elementwise"),
     **dict.fromkeys([torch.matmul, torch.mm, torch.bmm, _T.matmul, _T.mm, _T.bmm,
-                     _T.__matmul__, _T.__rmatmul__], _matmul),
-    torch.einsum: _einsum,
-    **dict.fromkeys(_REDUCTIONS, _reduction),
-    **dict.fromkeys(_RESHAPES, _reshape),
-    **dict.fromkeys(_PERMUTES, _permute),
-    **dict.fromkeys([torch.unsqueeze, _T.unsqueeze], _unsqueeze),
-    **dict.fromkeys([torch.cat, torch.concat, torch.concatenate], _cat),
-    torch._C.TensorBase.__getitem__: _getitem,
+                     _T.__matmul__, _T.__rmatmul__], "matmul"),
+    torch.einsum: "einsum",
+    **dict.fromkeys(_REDUCTIONS, "reduction"),
+    **dict.fromkeys(_RESHAPES, "reshape"),
+    **dict.fromkeys(_PERMUTES, "permute"),
+    **dict.fromkeys([torch.unsqueeze, _T.unsqueeze], "unsqueeze"),
+    **dict.fromkeys([torch.cat, torch.concat, torch.concatenate], "cat"),
+    torch._C.TensorBase.__getitem__: "getitem",
+    _T.requires_grad_: "requires_grad",
+    **dict.fromkeys([
+        _T.size, _T.dim, _T.numel, _T.stride, _T.__len__, _T.backward,
+        _T.retain_grad, _T.register_hook, _T.__repr__, _T.__format__, _T.detach,
+        _T.is_contiguous, _T.element_size, _T.data_ptr, _T.__hash__, torch.autograd.grad,
+        torch.autograd.backward], "passes"),
 }
-"""Each typed torch function and its handler (torch's own functions: indexing is the
-class's slot, whatever a simulated world has put on ``torch.Tensor`` meanwhile)."""
+"""Each torch function JAX's Explicit axes type here, by its kind (torch's own functions:
+indexing is the class's slot, whatever a simulated world has put on ``torch.Tensor``);
+``passes``: those that read a value without computing on it (and autograd)."""
+_BY_NAME = {resolve_name(func): kind for func, kind in _KINDS.items() if resolve_name(func)}
 
-PASSING = frozenset({
-    _T.size, _T.dim, _T.numel, _T.stride, _T.__len__, _T.backward, _T.requires_grad_,
-    _T.retain_grad, _T.register_hook, _T.__repr__, _T.__format__, _T.detach, _T.is_contiguous,
-    _T.element_size, _T.data_ptr, _T.__hash__,
-    torch.autograd.grad, torch.autograd.backward,
-})
-"""The torch functions that read a typed value without computing on it (and autograd)."""
+
+@_compat.constant_when_traced
+def kind_of(func: Callable[..., Any]) -> str:
+    """The kind of torch function ``func`` (by itself, its name, or what it wraps: a
+    simulated world's replacement), ``passes`` for a property read, else ``untyped``."""
+    wrapped = getattr(func, "__wrapped__", None)
+    found = _KINDS.get(func) or _BY_NAME.get(resolve_name(func)) or _KINDS.get(wrapped)  # type: ignore[arg-type]
+    if found:
+        return found
+    name = resolve_name(func) or ""
+    return "passes" if name.endswith((".__get__", ".__set__")) else "untyped"
+
+
+HANDLERS: dict[str, Callable[..., Any]] = {
+    "elementwise": elementwise, "matmul": _matmul, "einsum": _einsum, "reduction": _reduction,
+    "reshape": _reshape, "permute": _permute, "unsqueeze": _unsqueeze, "cat": _cat,
+    "getitem": _getitem, "requires_grad": _requires_grad,
+}
+"""Each kind's handler."""
