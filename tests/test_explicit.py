@@ -207,3 +207,33 @@ def test_an_explicit_mlp_trains_like_one_process():
 @distributed(8)
 def test_an_explicit_mlp_trains_like_one_process_compiled():
     trains_like_one_process(compiled=True)
+
+
+def several_typed_ops(x, y, b, w):
+    """One of each kind of typed op, in one function."""
+    z = torch.sin(x) * 2.0 + y + b                                   # elementwise, broadcast
+    u = meshstate.matmul(z, w, out_sharding=P("dp", None, unreduced={"tp"}))
+    v = meshstate.reshard(u, P("dp", "tp"))                          # a reduce-scatter
+    merged = z.reshape(128).reshape(8, 16)                           # an all-to-all, then split
+    back = meshstate.reshard(merged, P("dp", "tp"))
+    picked = torch.cat([z[:, 0:8], back[:, 8:16]], 1).T              # slices, cat, transpose
+    return v.sum(0) + torch.unsqueeze(picked.sum(1), 0).mean(), picked
+
+
+def test_typed_ops_compile_whole_with_eagers_values():
+    with fake_world(1, 8):
+        mesh = meshstate.init_mesh(tp=4)
+        meshstate.set_mesh(mesh)
+        values, graphs = inputs(), []
+        with meshstate.explicit():
+            x, y = (meshstate.device_put(values[n], P("dp", "tp")) for n in "xy")
+            b, w = meshstate.device_put(values["b"], P("tp")), meshstate.device_put(values["w"], P("tp", None))
+            eager = several_typed_ops(x, y, b, w)
+            traced = compiled_whole(several_typed_ops, graphs)(x, y, b, w)
+            assert [str(meshstate.typeof(t)) for t in traced] == ["float32[4@tp]", "float32[16@tp,8@dp]"]
+            for fullgraph, raised in [(False, meshstate.ShardingTypeError), (True, Exception)]:
+                with pytest.raises(raised, match="Contracting dimensions are sharded"):
+                    torch.compile(lambda p, q: p @ q, fullgraph=fullgraph, backend="aot_eager")(x, w)
+        mesh.destroy()
+    assert len(graphs) == 1
+    assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(eager, traced))

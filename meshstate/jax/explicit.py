@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode, resolve_name
+from torch.overrides import TorchFunctionMode
 
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.errors import ArgumentTypeError
 from meshstate.jax import explicit_rules as rules
 from meshstate.jax.explicit_ops import (
-    HANDLERS, array_type, axes_of, contracted, dtype_name, full_equation, kind_of, state, suspended,
+    HANDLERS, array_type, axes_of, contracted, dtype_name, full_equation, kind_of, name_of, state, suspended,
 )
 from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
 from meshstate.jax.reshard import reshard
@@ -169,7 +169,7 @@ class ExplicitAxes(TorchFunctionMode):
             return func(*args, **kwargs)
         if kind == "untyped":
             raise ShardingTypeError(
-                f"{resolve_name(func) or func} on an explicitly sharded value: JAX's Explicit "
+                f"{name_of(func)} on an explicitly sharded value: JAX's Explicit "
                 "axes type no such op here; reshard its operands as it needs "
                 "(meshstate.reshard) or run it in meshstate.auto_axes"
             )

@@ -141,7 +141,7 @@ def _with_grads(plan: _Plan) -> _Plan:
     """``plan`` with the placements of each operand's local gradient when the op runs on
     local blocks: a pending sum's cotangent is replicated; where an operand is replicated
     over an axis that splits the result, each rank's gradient is a part of the sum."""
-    grads = []
+    grads: list[tuple[Placement, ...] | None] = []
     for operand in plan.operands:
         if operand is None:
             grads.append(None)
@@ -161,9 +161,12 @@ def _planned(make: Callable[[], _Plan]) -> _Plan:
         return _Plan(error=str(refusal))
 
 
-def _refuse_if(plan: _Plan) -> None:
-    if plan.error:
-        raise ShardingTypeError(plan.error)
+def _refuse_if(error: str) -> None:
+    """Raise JAX's refusal ``error`` where there is one: while tracing too, where
+    ``torch.compile`` lets it out as itself, or under ``fullgraph=True`` inside its
+    "Observed exception" error, which quotes it."""
+    if error:
+        raise ShardingTypeError(error)
 
 
 def _typed(view: DeviceMesh, operand: Any, placements: tuple[Placement, ...] | None) -> Any:
@@ -190,7 +193,7 @@ def _leaf_typed(x: DTensor) -> DTensor:
     pending sum where the leaf was replicated over an axis that split the work)."""
     if x.is_leaf and x.requires_grad and not getattr(x, _TYPED_GRADIENT, False):
         if not torch.compiler.is_compiling():
-            x.register_post_accumulate_grad_hook(_lay_out_gradient)
+            x.register_post_accumulate_grad_hook(_lay_out_gradient)  # type: ignore[no-untyped-call]
             setattr(x, _TYPED_GRADIENT, True)
     return x
 
@@ -229,15 +232,21 @@ _JAX_NAMES = {"truediv": "div", "true_divide": "div", "divide": "div", "multiply
 
 
 @_compat.constant_when_traced
+def name_of(func: Callable[..., Any]) -> str:
+    """``func``'s name as torch writes it: ``torch.Tensor.__add__``, ``torch.sin``."""
+    return resolve_name(func) or str(getattr(func, "__name__", func))
+
+
+@_compat.constant_when_traced
 def _jax_name(func: Callable[..., Any]) -> str:
     """``func``'s JAX primitive name: ``Tensor.__radd__`` -> ``add``, ``torch.sin`` -> ``sin``."""
-    name = (resolve_name(func) or getattr(func, "__name__", "op")).rsplit(".", 1)[-1]
+    name = name_of(func).rsplit(".", 1)[-1]
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
         if name[:1] in ("r", "i") and name[1:] in _OPERATORS:
             name = name[1:]
     name = name.rstrip("_")
-    return _JAX_NAMES.get(name, name)
+    return str(_JAX_NAMES.get(name, name))
 
 
 _OPERATORS = frozenset({"add", "sub", "mul", "truediv", "pow", "matmul"})
@@ -249,7 +258,7 @@ def _elementwise_plan(name: str, view: DeviceMesh, layouts: tuple[Layout, ...]) 
         axes = axes_of(view)
         types = [None if layout is None else _type_of(view, *layout) for layout in layouts]
         result = rules.elementwise(name, types, axes)
-        operands = []
+        operands: list[tuple[Placement, ...] | None] = []
         for t in types:
             if t is None:
                 operands.append(None)
@@ -282,10 +291,10 @@ def elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     """An elementwise op (unary, binary with broadcasting and scalars, in place)."""
     view = _view_of(args)
     plan = _elementwise_plan(_jax_name(func), view, tuple(_layout(a) for a in args))
-    _refuse_if(plan)
+    _refuse_if(plan.error)
     if _writes(func) and isinstance(args[0], DTensor) and tuple(args[0].placements) != plan.result:
         raise ShardingTypeError(
-            f"{resolve_name(func)} writes a {_text(args[0])} value but the result would be "
+            f"{name_of(func)} writes a {_text(args[0])} value but the result would be "
             f"laid out as {plan.result}; write the result to a new value"
         )
     if _writes(func):
@@ -346,7 +355,7 @@ def contracted(
     out = None if out_sharding is None else (
         tuple(_entry(e) for e in out_sharding.dims), out_sharding.unreduced)
     plan = _contraction_plan(equation, view, tuple(_layout(x) for x in operands), out, matmul)
-    _refuse_if(plan)
+    _refuse_if(plan.error)
     with suspended():
         return _laid_out(_on_blocks(view, plan, operands, run), plan.final)
 
@@ -389,7 +398,7 @@ def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
     name = _jax_name(func).removeprefix("a")
     plan = _reduction_plan(name, x.device_mesh, _layout(x), dims, bool(given.get("keepdim", False)))
-    _refuse_if(plan)
+    _refuse_if(plan.error)
     return _laid_out(func(_leaf_typed(x), *args[1:], **kwargs), plan.result)
 
 
@@ -417,8 +426,7 @@ def _reshape_plan(view: DeviceMesh, layout: Layout, shape: tuple[int, ...]) -> _
 
 def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
-    name = resolve_name(func) or ""
-    if "flatten" in name:
+    if "flatten" in name_of(func):
         given = {**dict(zip(("start_dim", "end_dim"), args[1:])), **kwargs}
         start, end = given.get("start_dim", 0) % max(x.dim(), 1), given.get("end_dim", -1) % max(x.dim(), 1)
         requested: list[int] = [*x.shape[:start], math.prod(x.shape[start:end + 1]), *x.shape[end + 1:]]
@@ -430,7 +438,7 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         requested[requested.index(-1)] = x.numel() // max(known, 1)
     shape = tuple(requested)
     plan = _reshape_plan(x.device_mesh, _layout(x), shape)
-    _refuse_if(plan)
+    _refuse_if(plan.error)
     moved = _typed(x.device_mesh, x, plan.operands[0])
     local = moved.to_local().reshape(plan.local_shape)
     return DTensor.from_local(local, x.device_mesh, plan.result, run_check=False,
@@ -465,7 +473,7 @@ def _sliced(keys: tuple[Any, ...], dim: int, size: int) -> bool:
 
 
 def _permute(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x, name = args[0], resolve_name(func) or ""
+    x, name = args[0], name_of(func)
     order = list(range(x.dim()))
     if name.endswith(("transpose", "swapaxes", "swapdims")):
         d0, d1 = (a % x.dim() for a in args[1:3])
@@ -486,7 +494,7 @@ def _cat(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     view = _view_of(tensors)
     plan = _shape_plan("cat", view, tuple(_layout(t) for t in tensors), (dim,))
-    _refuse_if(plan)
+    _refuse_if(plan.error)
     moved = [_typed(view, t, p) for t, p in zip(tensors, plan.operands)]
     return _laid_out(func(moved, dim), plan.result)
 
@@ -518,7 +526,7 @@ def _shaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
             kind: str, arguments: tuple[Any, ...]) -> Any:
     x = args[0]
     plan = _shape_plan(kind, x.device_mesh, (_layout(x),), arguments)
-    _refuse_if(plan)
+    _refuse_if(plan.error)
     moved = _typed(x.device_mesh, x, plan.operands[0])
     return _laid_out(func(moved, *args[1:], **kwargs), plan.result)
 
@@ -526,21 +534,21 @@ def _shaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 # --- the table --------------------------------------------------------------------------
 
 _T = torch.Tensor
-_UNARY = [torch.sin, torch.cos, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.relu,
+_UNARY: list[Callable[..., Any]] = [torch.sin, torch.cos, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.relu,
           torch.sqrt, torch.rsqrt, torch.abs, torch.neg, torch.square, torch.nn.functional.gelu,
           torch.nn.functional.relu, torch.nn.functional.silu, torch.nn.functional.sigmoid,
           _T.sin, _T.cos, _T.exp, _T.log, _T.tanh, _T.sigmoid, _T.relu, _T.sqrt, _T.rsqrt,
           _T.abs, _T.neg, _T.__neg__, _T.square, _T.clone, _T.contiguous, _T.to, _T.float,
           _T.double, _T.half, _T.bfloat16, _T.type_as]
-_BINARY = [torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.maximum,
+_BINARY: list[Callable[..., Any]] = [torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.maximum,
            torch.minimum, torch.pow, torch.where, _T.add, _T.sub, _T.mul, _T.div, _T.pow,
            _T.maximum, _T.minimum, _T.__add__, _T.__radd__, _T.__sub__, _T.__rsub__,
            _T.__mul__, _T.__rmul__, _T.__truediv__, _T.__rtruediv__, _T.__pow__, _T.__rpow__,
            _T.add_, _T.sub_, _T.mul_, _T.div_, _T.__iadd__, _T.__isub__, _T.__imul__,
            _T.__itruediv__]
-_REDUCTIONS = [torch.sum, torch.mean, torch.amax, torch.amin, _T.sum, _T.mean, _T.amax, _T.amin]
-_RESHAPES = [torch.reshape, torch.flatten, _T.reshape, _T.view, _T.flatten]
-_PERMUTES = [torch.permute, torch.transpose, torch.t, _T.permute, _T.transpose, _T.t,
+_REDUCTIONS: list[Callable[..., Any]] = [torch.sum, torch.mean, torch.amax, torch.amin, _T.sum, _T.mean, _T.amax, _T.amin]
+_RESHAPES: list[Callable[..., Any]] = [torch.reshape, torch.flatten, _T.reshape, _T.view, _T.flatten]
+_PERMUTES: list[Callable[..., Any]] = [torch.permute, torch.transpose, torch.t, _T.permute, _T.transpose, _T.t,
              _T.T.__get__, _T.mT.__get__]  # type: ignore[attr-defined]
 _KINDS: dict[Callable[..., Any], str] = {
     **dict.fromkeys(_UNARY + _BINARY, "elementwise"),
