@@ -190,7 +190,10 @@ def one_process_steps():
 
 
 def trains_like_one_process(compiled):
-    mesh = meshstate.init_mesh(tp=4)
+    # JAX's own kind of mesh, two axes: DTensor's sharding propagation, which runs the
+    # recorded ops the first time, enumerates every mesh dim's strategies (0.3 s an op on
+    # init_mesh's four dims, in each of 8 processes).
+    mesh = meshstate.make_mesh((2, 4), ("dp", "tp"))
     meshstate.set_mesh(mesh)
     history, graphs = mlp_steps(compiled)
     mesh.destroy()
@@ -237,3 +240,37 @@ def test_typed_ops_compile_whole_with_eagers_values():
         mesh.destroy()
     assert len(graphs) == 1
     assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(eager, traced))
+
+
+def test_a_mesh_built_again_gets_its_own_values():
+    """An op the fast table knows, after its mesh is destroyed and an equal one built."""
+    with fake_world(1, 8):
+        views = []
+        for _ in range(2):
+            mesh = meshstate.init_mesh(tp=4)
+            with meshstate.explicit(mesh):
+                x = meshstate.device_put(torch.ones(8, 16), P("dp", "tp"), mesh)
+                results = [x + x for _ in range(3)]
+            views.append(mesh.dense)
+            assert all(r.device_mesh is mesh.dense for r in results)
+            mesh.destroy()
+        assert views[0] is not views[1]
+
+
+def test_misuse_is_refused_by_name():
+    with fake_world(1, 8):
+        mesh = meshstate.init_mesh(tp=4)
+        with meshstate.explicit(mesh):
+            x = meshstate.device_put(torch.ones(8, 16), P("dp", "tp"), mesh)
+            with pytest.raises(meshstate.ShardingTypeError, match=r"torch.cumsum on an explicitly sharded value.*auto_axes"):
+                torch.cumsum(x, 0)
+            with pytest.raises(meshstate.ArgumentTypeError, match="device_put.spec=.... takes a P"):
+                meshstate.device_put(torch.ones(8), "dp")
+            with pytest.raises(meshstate.ShardingTypeError, match="einsum of 3 operands"):
+                meshstate.einsum("ij,jk,kl->il", x, x.T, x)
+            y = meshstate.auto_axes(torch.cumsum, out_sharding=P("dp", "tp"))(x, 0)
+            assert str(meshstate.typeof(y)) == "float32[8@dp,16@tp]"
+        with pytest.raises(meshstate.WrongMeshError):
+            with meshstate.explicit(mesh.dense):
+                pass
+        mesh.destroy()

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-# Store is public as torch.distributed.Store, but torch does not declare it exported
-# there, so a strict type check sees only this torch._C name.
+# Public as torch.distributed.Store, which torch does not declare exported: strict typing sees this.
 from torch._C._distributed_c10d import Store
 # Imported for what it does on import: register the backward of torch.ops._c10d_functional.
 import torch.distributed._functional_collectives  # noqa: F401
@@ -42,17 +41,15 @@ def new_member_group(
     pg_options: Any,
     description: str,
 ) -> dist.ProcessGroup:
-    """Create a process group that only its members call into.
+    """Create a process group that only its members call into (``ranks``: sorted, the
+    caller among them).
 
-    ``new_group(use_local_synchronization=True)`` names a group after its ranks
-    and the number of groups the caller already has, so members that created
-    different numbers of groups before would never meet. Here the caller picks
-    the name (the same on every member), so only membership matters. torch's
-    map from global to group rank is a view of ``ranks`` (``new_group`` builds
-    a dict of the members), so a ``Ranks`` of a huge group stays strides.
-    Relies on ``c10d._new_process_group_helper`` and ``c10d._world``.
-
-    ``ranks`` must be sorted and contain the caller.
+    ``new_group(use_local_synchronization=True)`` names a group after its ranks and the
+    number of groups the caller already has, so members that created different numbers
+    of groups before would never meet. Here the caller picks the name (the same on every
+    member), so only membership matters. torch's map from global to group rank is a view
+    of ``ranks`` (``new_group`` builds a dict), so a ``Ranks`` of a huge group stays
+    strides. Relies on ``c10d._new_process_group_helper`` and ``c10d._world``.
     """
     world = c10d._world
     world_group = default_group()
@@ -307,17 +304,13 @@ def symmetric_memory(
 
 
 def forget_sharding_decisions() -> None:
-    """Clear DTensor's sharding-propagation caches.
-
-    They key on a DeviceMesh's layout and names, not its process groups, so
-    after a mesh is destroyed and an equal one built, a cached decision would
-    hand out DTensors on the destroyed mesh. Does what
-    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does without
-    importing that module (it needs numpy): clears the lru cache of
-    ``DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding`` and
-    the C++ fast path's (``torch._C._clear_DTensor_sharding_propagator_cache``).
-    Nothing is cached before DTensor is first imported, so this imports nothing.
-    """
+    """Clear DTensor's sharding-propagation caches, which key on a DeviceMesh's layout and
+    names, not its groups: after a mesh is destroyed and an equal one built, a cached
+    decision would hand out DTensors on the destroyed mesh. What ``torch.distributed.
+    tensor.debug._clear_sharding_prop_cache`` does without importing it (it needs numpy):
+    clears ``DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding``'s lru cache
+    and the C++ fast path's (``torch._C._clear_DTensor_sharding_propagator_cache``). Before
+    DTensor is first imported nothing is cached, so this imports nothing."""
     dtensor_api = sys.modules.get("torch.distributed.tensor._api")
     if dtensor_api is None:
         return
@@ -444,12 +437,18 @@ def even_spec(
     return DTensorSpec(device_mesh, placements, tensor_meta=meta)
 
 
-def dtensor_of(local: torch.Tensor, spec: Any) -> DTensor:
-    """A DTensor of ``local`` with the spec ``even_spec`` made, as ``from_local`` would make
-    it for a tensor autograd does not record, without its autograd apply (the private
-    ``DTensor(local, spec, requires_grad=False)``)."""
+def spec_and_block(x: DTensor) -> tuple[Any, torch.Tensor]:
+    """``x``'s private ``DTensorSpec`` (mesh, placements, shape, stride, dtype; hashed once)
+    and local tensor: ``DTensor._spec`` and ``_local_tensor``, for code autograd skips."""
+    return x._spec, x._local_tensor
+
+
+def dtensor_of(local: torch.Tensor, spec: Any, fresh: bool = False) -> DTensor:
+    """A DTensor of ``local`` (a view of it, unless ``fresh``: made for it) with the spec
+    ``even_spec`` made, as ``from_local`` makes one autograd does not record, without its
+    autograd apply (the private ``DTensor(local, spec, requires_grad=False)``)."""
     from torch.distributed.tensor import DTensor
-    return DTensor(local.view_as(local), spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    return DTensor(local if fresh else local.view_as(local), spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
 def root_of(device_mesh: DeviceMesh) -> DeviceMesh:

@@ -36,7 +36,7 @@ from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mes
 from meshstate.errors import ArgumentTypeError
 from meshstate.jax import explicit_rules as rules
 from meshstate.jax.explicit_ops import (
-    HANDLERS, array_type, axes_of, contracted, dtype_name, full_equation, kind_of, name_of, state, suspended,
+    HANDLERS, array_type, axes_of, contracted, dtype_name, NOT_FAST, full_equation, run_fast, kind_of, name_of, state, suspended,
 )
 from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
 from meshstate.jax.reshard import reshard
@@ -161,6 +161,11 @@ class ExplicitAxes(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if (not kwargs and args and isinstance(args[0], DTensor) and not state.suspended
+                and not torch.compiler.is_compiling()):
+            result = run_fast(func, args, args[0].device_mesh)
+            if result is not NOT_FAST:
+                return result
         kwargs = kwargs or {}
         if state.suspended or not _any_dtensor(args) and not _any_dtensor(tuple(kwargs.values())):
             return func(*args, **kwargs)

@@ -287,6 +287,127 @@ def _on_blocks(
                               shape=torch.Size(plan.shape), stride=contiguous_strides(plan.shape))
 
 
+class _FastOp:
+    """A typed op seen before with operands of the same layouts, eager, each operand laid
+    out as the rule wants and the result as the op gives it. Nothing recorded: ``func`` on
+    the local blocks, made a DTensor of the spec the first call's result had, reduced to
+    ``final`` where JAX reduces (no rule, no DTensor propagation). Recorded for autograd
+    (``spec`` None): DTensor's own op, whose cached dispatch and gradients are DTensor's."""
+
+    def __init__(
+        self, func: Callable[..., Any], view: DeviceMesh, spec: Any,
+        final: tuple[Placement, ...] | None = None,
+    ) -> None:
+        self.func, self.view, self.spec, self.final = func, view, spec, final
+
+    def __call__(self, args: tuple[Any, ...], blocks: list[Any]) -> DTensor:
+        if self.spec is None:
+            result = self.func(*args)
+        else:
+            result = _compat.dtensor_of(self.func(*blocks), self.spec, fresh=True)
+        return result if self.final is None else _laid_out(result, self.final)
+
+
+FAST: dict[tuple[Any, ...], _FastOp] = {}
+"""The fast typed ops, by :func:`fast_key`; each checks its mesh is the operands' (one
+destroyed and built again equal gets a new entry)."""
+FAST_KEPT = 1024
+"""Past this many fast ops (shapes vary, say with sequence length) the table starts over."""
+
+
+def fast_key(
+    func: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """``func``, its operands' layouts (DTensor specs, a float's type, ints and tuples of
+    ints as they are: dims) and whether autograd records the call, with the arguments a
+    fast op takes (each DTensor's local block); ``None`` where the call cannot be fast
+    (a plain tensor operand, a list)."""
+    key: list[Any] = [func]
+    blocks: list[Any] = []
+    recorded = False
+    for arg in args:
+        if isinstance(arg, DTensor):
+            recorded = recorded or arg.requires_grad
+            spec, block = _compat.spec_and_block(arg)
+            key.append(spec)
+            blocks.append(block)
+            continue
+        if isinstance(arg, float):
+            key.append(float)
+        elif isinstance(arg, int) or (isinstance(arg, tuple) and all(type(a) is int for a in arg)):
+            key.append(arg)
+        else:
+            return None
+        blocks.append(arg)
+    key.append(recorded and torch.is_grad_enabled())
+    return tuple(key), blocks
+
+
+def run_fast(func: Callable[..., Any], args: tuple[Any, ...], view: DeviceMesh) -> Any:
+    """``func(*args)`` as a fast op, or :data:`NOT_FAST`."""
+    found = fast_key(func, args)
+    if found is None:
+        return NOT_FAST
+    op = FAST.get(found[0])
+    if op is None or op.view is not view:
+        return NOT_FAST
+    return op(args, found[1])
+
+
+NOT_FAST = object()
+
+
+def _recording(args: Sequence[Any]) -> bool:
+    """Whether autograd records an op of ``args`` (eagerly: traced ops take the blocks)."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _recorded_op(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], view: DeviceMesh,
+    plan: _Plan, final: tuple[Placement, ...],
+) -> DTensor:
+    """An op autograd records: DTensor's own, on operands laid out as the rule wants (so its
+    sharding propagation finds the layout that moves nothing), its result laid out as JAX
+    types it; kept fast where the operands came so laid out and DTensor gave that layout."""
+    moved = tuple(_typed(view, a, p) for a, p in zip(args, plan.operands))
+    with suspended():
+        given = func(*moved, **kwargs)
+    result = _laid_out(given, final)
+    as_planned = tuple(given.placements) in (plan.result, final)
+    if not kwargs and as_planned and all(m is a for m, a in zip(moved, args)):
+        found = fast_key(func, args)
+        if found is not None:
+            _keep_fast(found[0], _FastOp(func, view, None, None if final == plan.result else final))
+    return result
+
+
+def _remember_fast(
+    func: Callable[..., Any], args: tuple[Any, ...], plan: _Plan, result: DTensor,
+    final: tuple[Placement, ...],
+) -> None:
+    """Keep ``func`` on these layouts fast, where nothing is recorded and the operands came
+    laid out as the rule wants."""
+    if torch.compiler.is_compiling():
+        return
+    found = fast_key(func, args)
+    if found is None or any(
+        isinstance(a, DTensor) and tuple(a.placements) != p for a, p in zip(args, plan.operands)
+    ):
+        return
+    local = _compat.local_tensor(result)
+    spec = _compat.even_spec(result.device_mesh, plan.result, local)
+    if _compat.dtensor_of(local, spec).shape == result.shape:  # an even layout
+        _keep_fast(found[0], _FastOp(func, result.device_mesh, spec,
+                                     None if final == plan.result else final))
+
+
+def _keep_fast(key: tuple[Any, ...], op: _FastOp) -> None:
+    if len(FAST) >= FAST_KEPT:
+        FAST.clear()
+    FAST[key] = op
+
+
 def elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An elementwise op (unary, binary with broadcasting and scalars, in place)."""
     view = _view_of(args)
@@ -300,7 +421,12 @@ def elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     if _writes(func):
         moved = args[:1] + tuple(_typed(view, a, p) for a, p in zip(args[1:], plan.operands[1:]))
         return _laid_out(func(*moved, **kwargs), plan.result)
-    return _on_blocks(view, plan, args, lambda *blocks: func(*blocks, **kwargs))
+    if _recording(args):
+        return _recorded_op(func, args, kwargs, view, plan, plan.result)
+    result = _on_blocks(view, plan, args, lambda *blocks: func(*blocks, **kwargs))
+    if not kwargs:
+        _remember_fast(func, args, plan, result, plan.result)
+    return result
 
 
 @_compat.constant_when_traced
@@ -356,6 +482,8 @@ def contracted(
         tuple(_entry(e) for e in out_sharding.dims), out_sharding.unreduced)
     plan = _contraction_plan(equation, view, tuple(_layout(x) for x in operands), out, matmul)
     _refuse_if(plan.error)
+    if _recording(operands):
+        return _recorded_op(run, operands, {}, view, plan, plan.final)
     with suspended():
         return _laid_out(_on_blocks(view, plan, operands, run), plan.final)
 
@@ -364,7 +492,16 @@ def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     a, b = args[:2]
     if func is _T.__rmatmul__:
         a, b = b, a
-    return contracted(rules.matmul_equation(a.dim(), b.dim()), (a, b), None, torch.matmul, True)
+    equation = rules.matmul_equation(a.dim(), b.dim())
+    view = _view_of((a, b))
+    plan = _contraction_plan(equation, view, (_layout(a), _layout(b)), None, True)
+    _refuse_if(plan.error)
+    if _recording((a, b)):
+        return _recorded_op(func, args, kwargs, view, plan, plan.final)
+    result = contracted(equation, (a, b), None, torch.matmul, True)
+    if not kwargs:
+        _remember_fast(func, args, plan, result, plan.final)
+    return result
 
 
 def _einsum(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -377,21 +514,33 @@ def _einsum(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
 # --- reductions, shapes ---------------------------------------------------------------
 
+_REDUCE_OPS = {"sum": "sum", "mean": "avg", "max": "max", "min": "min"}
+
+
 @_compat.constant_when_traced
 def _reduction_plan(
     name: str, view: DeviceMesh, layout: Layout, dims: tuple[int, ...], keepdim: bool
 ) -> _Plan:
+    """A reduction: ``result`` as the blocks give it (a partial ``sum``/``avg``/``max``/
+    ``min`` over the split dims reduced), ``final`` as JAX types it (those reduced)."""
     def make() -> _Plan:
         assert layout is not None
         t = _type_of(view, *layout)
         if t.unreduced and name not in ("sum", "mean"):
             raise ShardingTypeError(f"unreduced rule for reduce_{name} is not implemented")
         result = rules.reduce_dims(t, dims, keepdim)
-        return _Plan((), placements_of(view, result.dims, result.unreduced))
+        final = placements_of(view, result.dims, result.unreduced)
+        reduced = {axis for d in (dims or range(len(t.shape))) for axis in t.dims[d]}
+        natural = tuple(Partial(_REDUCE_OPS[name]) if axis in reduced else placement
+                        for axis, placement in zip(view.mesh_dim_names or (), final))
+        return _Plan((), natural, shape=result.shape, final=final)
     return _planned(make)
 
 
 def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A reduction, reduced at once over the split dims it reduces: on the local block and
+    then all-reduced where nothing is recorded for autograd, else DTensor's op (whose
+    gradients a partial max or mean of blocks would not give)."""
     x = args[0]
     given = {**dict(zip(("dim", "keepdim"), args[1:])), **kwargs}
     dim = given.get("dim")
@@ -399,7 +548,14 @@ def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     name = _jax_name(func).removeprefix("a")
     plan = _reduction_plan(name, x.device_mesh, _layout(x), dims, bool(given.get("keepdim", False)))
     _refuse_if(plan.error)
-    return _laid_out(func(_leaf_typed(x), *args[1:], **kwargs), plan.result)
+    if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return _laid_out(func(_leaf_typed(x), *args[1:], **kwargs), plan.final)
+    local = func(_compat.local_tensor(x), *args[1:], **kwargs)
+    spec = _compat.even_spec(x.device_mesh, plan.result, local)
+    found = None if kwargs else fast_key(func, args)
+    if found is not None:
+        _keep_fast(found[0], _FastOp(func, x.device_mesh, spec, plan.final))
+    return _laid_out(_compat.dtensor_of(local, spec), plan.final)
 
 
 @_compat.constant_when_traced
@@ -458,6 +614,10 @@ def _shape_plan(kind: str, view: DeviceMesh, layouts: tuple[Layout, ...], argume
             result = rules.concatenate(types, arguments[0], axes)
         else:
             result = rules.take(types[0], arguments, axes)
+        if kind in ("permute", "unsqueeze"):
+            operand = placements_of(view, types[0].dims, types[0].unreduced)
+            return _with_grads(_Plan((operand,), placements_of(view, result.dims, result.unreduced),
+                                     shape=result.shape))
         operands: list[tuple[Placement, ...] | None] = []
         for t in types:
             cut = arguments[0] % len(t.shape) if kind == "cat" else None
@@ -527,6 +687,13 @@ def _shaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     x = args[0]
     plan = _shape_plan(kind, x.device_mesh, (_layout(x),), arguments)
     _refuse_if(plan.error)
+    if kind in ("permute", "unsqueeze") and _recording(args):
+        return _recorded_op(func, args, kwargs, x.device_mesh, plan, plan.result)
+    if kind in ("permute", "unsqueeze"):  # a view of each block
+        result = _on_blocks(x.device_mesh, plan, [x], lambda block: func(block, *args[1:], **kwargs))
+        if not kwargs:
+            _remember_fast(func, args, plan, result, plan.result)
+        return result
     moved = _typed(x.device_mesh, x, plan.operands[0])
     return _laid_out(func(moved, *args[1:], **kwargs), plan.result)
 
