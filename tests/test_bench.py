@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from meshstate.tools import bench, bench_harness, bench_init, bench_processes, bench_runtime
+from meshstate.tools import bench, bench_explicit, bench_harness, bench_init, bench_processes, bench_runtime
 from meshstate.tools.cli import main
 
 SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
@@ -50,7 +50,8 @@ def test_table_and_json(report):
     decoded = json.loads(bench.report_json(report))
     assert set(decoded) == {
         "machine", "config", "rows", "process_config", "process_rows", "axis_set_rows",
-        "harness_rows", "runtime_rows", "query_rows", "simulated_check_rows", "notes"}
+        "harness_rows", "runtime_rows", "query_rows", "explicit_rows", "simulated_check_rows",
+        "notes"}
     assert [(r["world_size"], r["axes"], r["declared"]) for r in decoded["axis_set_rows"]] == [
         (4, list(bench_processes.UNDECLARED_AXES), bench_processes.DECLARED_KEY)]
     assert "psum of 1024 floats over an axis tuple not declared at init" in table
@@ -162,3 +163,22 @@ def test_mesh_queries_are_measured_beside_torchs_device_mesh(monkeypatch):
     assert asked[0] == asked[1] and asked[4] == asked[5]  # each answer equals torch's
     table = bench_runtime.format_queries(rows)
     assert "  mesh.rank('dp-cp')          7   dp_cp.get_local_rank()        7" in table
+
+
+def test_explicit_table_has_each_typed_op_beside_dtensors_traced_as_one_graph(monkeypatch):
+    timed = []
+
+    def side_by_side(mesh, typed, plain):
+        with bench_explicit.explicit(mesh):
+            typed_result = typed()
+        timed.append((typed_result, plain()))
+        return 3.0, 2.0
+    monkeypatch.setattr(bench_explicit, "_side_by_side", side_by_side)
+    rows = bench_explicit.measure_explicit()
+    assert [row.op.split(" ")[0] for row in rows] == [
+        "x", "gelu(x)", "a", "x.t()", "x.sum(0)", "matmul(x,", "x"]
+    assert all((row.graphs, row.graph_breaks) == (1, 0) for row in rows)
+    # the same layout each way: a reduction's DTensor op is followed by JAX's reduction
+    assert all(typed.placements == plain.placements for typed, plain in timed)
+    table = bench_explicit.format_explicit(rows)
+    assert "  x + y                                  3.0 x + y                        2.0  1.50" in table

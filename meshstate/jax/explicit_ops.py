@@ -476,16 +476,45 @@ def contracted(
     equation: str, operands: tuple[torch.Tensor, ...], out_sharding: P | None,
     run: Callable[..., Any], matmul: bool,
 ) -> DTensor:
-    """``run(*operands)``, a contraction of ``equation``, typed as JAX's ``dot_general``."""
+    """``run(*operands)``, a contraction of ``equation``, typed as JAX's ``dot_general``
+    (called as ``meshstate.matmul``, with the explicit mode on: DTensor's redistribution
+    runs with no torch function, which would see each of its ops)."""
+    with _compat.torch_functions_off():
+        return _contracted(equation, operands, out_sharding, run, matmul)
+
+
+def _contracted(
+    equation: str, operands: tuple[torch.Tensor, ...], out_sharding: P | None,
+    run: Callable[..., Any], matmul: bool,
+) -> DTensor:
     view = _view_of(operands)
     out = None if out_sharding is None else (
         tuple(_entry(e) for e in out_sharding.dims), out_sharding.unreduced)
+    key = None
+    if not torch.compiler.is_compiling() and not _recording(operands):
+        found = fast_key(run, operands)
+        key = None if found is None else (equation, out, matmul, found[0][1:])
+        known = _CONTRACTIONS.get(key) if key is not None else None
+        if known is not None and known.view is view:
+            return known(operands, found[1])  # type: ignore[index]
     plan = _contraction_plan(equation, view, tuple(_layout(x) for x in operands), out, matmul)
     _refuse_if(plan.error)
     if _recording(operands):
         return _recorded_op(run, operands, {}, view, plan, plan.final)
-    with suspended():
-        return _laid_out(_on_blocks(view, plan, operands, run), plan.final)
+    result = _on_blocks(view, plan, operands, run)
+    if not torch.compiler.is_compiling() and key is not None and all(
+            isinstance(x, DTensor) and tuple(x.placements) == p
+            for x, p in zip(operands, plan.operands)):
+        spec = _compat.even_spec(view, plan.result, _compat.local_tensor(result))
+        if len(_CONTRACTIONS) >= FAST_KEPT:
+            _CONTRACTIONS.clear()
+        _CONTRACTIONS[key] = _FastOp(run, view, spec, None if plan.final == plan.result else plan.final)
+    return _laid_out(result, plan.final)
+
+
+_CONTRACTIONS: dict[tuple[Any, ...], _FastOp] = {}
+"""The contractions ``meshstate.matmul``/``einsum`` ran before on operands laid out as the
+rule wants, by equation, out_sharding and the operands' layouts (as :data:`FAST`)."""
 
 
 def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -642,7 +671,13 @@ def _permute(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         order = list(args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
     else:  # t, T, mT
         order = order[:-2] + order[-2:][::-1]
-    return _shaped(func, args, kwargs, "permute", tuple(order))
+    # As torch.permute, whatever the spelling: a property's getter (``.T``) called by hand
+    # is what torch.compile cannot trace.
+    result = _shaped(torch.permute, (x, tuple(order)), {}, "permute", tuple(order))
+    plan = _shape_plan("permute", x.device_mesh, (_layout(x),), tuple(order))
+    if not kwargs and not _recording(args):
+        _remember_fast(func, args, plan, result, plan.result)
+    return result
 
 
 def _unsqueeze(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

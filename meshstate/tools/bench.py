@@ -58,6 +58,7 @@ from meshstate.tools.bench_settings import (
     SIMULATED_CHECK_SIZES,
     SIMULATED_PIPELINE_SIZES,
 )
+from meshstate.tools.bench_explicit import ExplicitRow, format_explicit, measure_explicit
 from meshstate.tools.bench_simulated import (
     SimulatedCheckRow,
     format_simulated_checks,
@@ -80,6 +81,7 @@ class Report:
     harness_rows: list[HarnessRow] = field(default_factory=list)
     runtime_rows: list[RuntimeRow] = field(default_factory=list)
     query_rows: list[QueryRow] = field(default_factory=list)
+    explicit_rows: list[ExplicitRow] = field(default_factory=list)
     simulated_check_rows: list[SimulatedCheckRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -127,6 +129,7 @@ def run(
     if with_runtime:
         report.runtime_rows = measure_runtime(progress)
         report.query_rows = measure_queries(progress)
+        report.explicit_rows = measure_explicit(progress)
     report.harness_rows = measure_harness(harness_tests, harness_world_size, report.notes, progress)
     report.simulated_check_rows = measure_simulated_checks(
         simulated_checks, SIMULATED_CHECK_SIZES, progress
@@ -222,6 +225,7 @@ def format_report(report: Report) -> str:
         _process_table(report), _axis_set_table(report),
         format_runtime(report.runtime_rows) if report.runtime_rows else "",
         format_queries(report.query_rows) if report.query_rows else "",
+        format_explicit(report.explicit_rows) if report.explicit_rows else "",
         _harness_table(report),
         format_simulated_checks(report.simulated_check_rows, SIMULATED_CHECK_SIZES)
         if report.simulated_check_rows else "",

@@ -1,0 +1,125 @@
+"""``meshstate bench``'s explicit-axes table: a typed op beside the same DTensor op.
+
+One rank of an 8-rank world on torch's fake backend, ``init_mesh(tp=4)`` (dp=2),
+values of 32x64 floats laid out ``P("dp", "tp")``. Each op is timed inside
+``meshstate.explicit()`` and outside it, on the same DTensors, the rounds taken
+in turn; where JAX reduces at once (a sum over a split dim) the DTensor op is
+followed by the same redistribution. "recorded" rows time the ops autograd
+records (an operand requires grad). Compiled: the graphs and breaks
+``torch._dynamo.explain`` counts for the typed op.
+
+Example::
+
+    rows = measure_explicit(progress=print)
+    print(format_explicit(rows))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshstate.core.build import init_mesh
+from meshstate.jax.explicit import device_put, explicit, matmul
+from meshstate.jax.sharding import P
+from meshstate.testing.fake import fake_world
+from meshstate.tools.bench_runtime import _explain, _us_per_call_side_by_side
+
+EXPLICIT_WORLD, EXPLICIT_TP = 8, 4
+"""The fake world and layout the table is measured on (dp=2)."""
+
+
+@dataclass(frozen=True)
+class ExplicitRow:
+    """One op: typed and DTensor's eager cost (microseconds a call), and the typed op's
+    compiled graphs and breaks."""
+
+    op: str
+    typed_us: float
+    dtensor_call: str
+    dtensor_us: float
+    graphs: int
+    graph_breaks: int
+
+
+def measure_explicit(progress: Callable[[str], object] = lambda message: None) -> list[ExplicitRow]:
+    """Time each typed op beside DTensor's, on rank 1 of a fake world."""
+    progress("explicit axes: typed ops beside DTensor's")
+    with fake_world(1, EXPLICIT_WORLD):
+        mesh = init_mesh(tp=EXPLICIT_TP)
+        try:
+            return _rows(mesh)
+        finally:
+            mesh.destroy()
+
+
+def _rows(mesh: Any) -> list[ExplicitRow]:
+    torch.manual_seed(0)
+    x, y = (device_put(torch.randn(32, 64), P("dp", "tp"), mesh) for _ in range(2))
+    rows_first = device_put(torch.randn(32, 64), P("dp", None), mesh)
+    weight = device_put(torch.randn(64, 16), P(None, "tp"), mesh)
+    split_weight = device_put(torch.randn(64, 16), P("tp", None), mesh)
+    learned = x.detach().requires_grad_()
+    with explicit(mesh):
+        summed = x.sum(0)
+        reduced = matmul(x, split_weight, out_sharding=P("dp", None))
+    cases: list[tuple[str, Callable[[], object], str, Callable[[], object]]] = [
+        ("x + y", lambda: x + y, "x + y", lambda: x + y),
+        ("gelu(x)", lambda: torch.nn.functional.gelu(x), "gelu(x)",
+         lambda: torch.nn.functional.gelu(x)),
+        ("a @ w (free dims)", lambda: rows_first @ weight, "a @ w", lambda: rows_first @ weight),
+        ("x.t()", lambda: x.t(), "x.t()", lambda: x.t()),
+        ("x.sum(0) (reduced over dp)", lambda: x.sum(0), "x.sum(0).redistribute",
+         lambda: x.sum(0).redistribute(x.device_mesh, summed.placements)),
+        ("matmul(x, w, out_sharding=P(dp))",
+         lambda: matmul(x, split_weight, out_sharding=P("dp", None)),
+         "(x @ w).redistribute",
+         lambda: (x @ split_weight).redistribute(x.device_mesh, reduced.placements)),
+        ("x + y, recorded", lambda: learned + y, "x + y, recorded", lambda: learned + y),
+    ]
+    rows = []
+    for op, typed, dtensor_call, plain in cases:
+        typed_us, dtensor_us = _side_by_side(mesh, typed, plain)
+        with explicit(mesh):
+            graphs, breaks = _explain(lambda _: typed(), torch.zeros(1))
+        rows.append(ExplicitRow(op, typed_us, dtensor_call, dtensor_us, graphs, breaks))
+    return rows
+
+
+def _side_by_side(
+    mesh: Any, typed: Callable[[], object], plain: Callable[[], object],
+    calls: int = 500, rounds: int = 15,
+) -> tuple[float, float]:
+    """The fastest mean microseconds of ``typed`` inside ``explicit`` and ``plain`` outside
+    it over ``rounds`` rounds of ``calls``, taken in turn (as the runtime table's)."""
+    means: tuple[list[float], list[float]] = ([], [])
+    for number in range(rounds + 1):
+        with explicit(mesh):
+            typed_us = _us_per_call_side_by_side(typed, typed, calls, 1)[0]
+        plain_us = _us_per_call_side_by_side(plain, plain, calls, 1)[0]
+        if number:  # the first round warms both
+            means[0].append(typed_us)
+            means[1].append(plain_us)
+    return min(means[0]), min(means[1])
+
+
+def format_explicit(rows: list[ExplicitRow]) -> str:
+    """The explicit-axes table, one line per op."""
+    lines = [
+        f"explicit axes, us per call: rank 1 of {EXPLICIT_WORLD} (fake backend), "
+        f"init_mesh(tp={EXPLICIT_TP}), 32x64 floats on P('dp', 'tp'); typed inside "
+        "meshstate.explicit(), DTensor's op outside it",
+        f"  {'typed op':<34} {'typed':>7} {'DTensor op':<24} {'DTensor':>7} {'x':>5} "
+        f"{'graphs':>6} {'breaks':>6}",
+    ]
+    for row in rows:
+        lines.append(
+            f"  {row.op:<34} {row.typed_us:>7.1f} {row.dtensor_call:<24} {row.dtensor_us:>7.1f} "
+            f"{row.typed_us / row.dtensor_us:>5.2f} {row.graphs:>6} {row.graph_breaks:>6}"
+        )
+    lines.append("  (x: typed / DTensor; a reduction's DTensor op is followed by the "
+                 "redistribution JAX makes; graphs, breaks: the typed op compiled)")
+    return "\n".join(lines)
