@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshstate.core.build import init_mesh
 from meshstate.jax.explicit import device_put, explicit, matmul
@@ -64,7 +65,7 @@ def _rows(mesh: Any) -> list[ExplicitRow]:
     split_weight = device_put(torch.randn(64, 16), P("tp", None), mesh)
     learned = x.detach().requires_grad_()
     with explicit(mesh):
-        summed = x.sum(0)
+        summed: DTensor = x.sum(0)  # type: ignore[assignment]
         reduced = matmul(x, split_weight, out_sharding=P("dp", None))
     cases: list[tuple[str, Callable[[], object], str, Callable[[], object]]] = [
         ("x + y", lambda: x + y, "x + y", lambda: x + y),
@@ -73,11 +74,11 @@ def _rows(mesh: Any) -> list[ExplicitRow]:
         ("a @ w (free dims)", lambda: rows_first @ weight, "a @ w", lambda: rows_first @ weight),
         ("x.t()", lambda: x.t(), "x.t()", lambda: x.t()),
         ("x.sum(0) (reduced over dp)", lambda: x.sum(0), "x.sum(0).redistribute",
-         lambda: x.sum(0).redistribute(x.device_mesh, summed.placements)),
+         lambda: _dtensor(x.sum(0)).redistribute(x.device_mesh, summed.placements)),
         ("matmul(x, w, out_sharding=P(dp))",
          lambda: matmul(x, split_weight, out_sharding=P("dp", None)),
          "(x @ w).redistribute",
-         lambda: (x @ split_weight).redistribute(x.device_mesh, reduced.placements)),
+         lambda: _dtensor(x @ split_weight).redistribute(x.device_mesh, reduced.placements)),
         ("x + y, recorded", lambda: learned + y, "x + y, recorded", lambda: learned + y),
     ]
     rows = []
@@ -87,6 +88,11 @@ def _rows(mesh: Any) -> list[ExplicitRow]:
             graphs, breaks = _explain(lambda _: typed(), torch.zeros(1))
         rows.append(ExplicitRow(op, typed_us, dtensor_call, dtensor_us, graphs, breaks))
     return rows
+
+
+def _dtensor(x: torch.Tensor) -> DTensor:
+    assert isinstance(x, DTensor)
+    return x
 
 
 def _side_by_side(
