@@ -169,6 +169,7 @@ def signature_text(dotted: str) -> str:
             parameters += list(dict.fromkeys(declared))
             continue
         text = parameter.name if parameter.default is parameter.empty else f"{parameter.name}={parameter.default!r}"
+        text = {parameter.VAR_POSITIONAL: "*", parameter.VAR_KEYWORD: "**"}.get(parameter.kind, "") + text
         if parameter.kind is parameter.KEYWORD_ONLY and not any(p.startswith("*") for p in parameters) and "*" not in parameters:
             parameters.append("*")
         parameters.append(text)
