@@ -176,7 +176,8 @@ def test_explicit_table_has_each_typed_op_beside_dtensors_traced_as_one_graph(mo
     monkeypatch.setattr(bench_explicit, "_side_by_side", side_by_side)
     rows = bench_explicit.measure_explicit()
     assert [row.op.split(" ")[0] for row in rows] == [
-        "x", "gelu(x)", "a", "x.t()", "x.sum(0)", "matmul(x,", "x"]
+        "x", "gelu(x)", "a", "x.t()", "x.sum(0)", "matmul(x,", "x"]  # x.t() * 2.0: a view returned
+    # from a compiled function is rebuilt by AOTAutograd with as_strided, which DTensor lacks
     assert all((row.graphs, row.graph_breaks) == (1, 0) for row in rows)
     # the same layout each way: a reduction's DTensor op is followed by JAX's reduction
     assert all(typed.placements == plain.placements for typed, plain in timed)

@@ -274,3 +274,37 @@ def test_misuse_is_refused_by_name():
             with meshstate.explicit(mesh.dense):
                 pass
         mesh.destroy()
+
+
+def aten_graphs(fn, graphs):
+    """``fn`` compiled (``fullgraph=True``), each forward graph AOTAutograd makes (aten ops on
+    the local tensors, DTensor's own work written out) appended to ``graphs``."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def forward(graph, example_inputs):
+        graphs.append(graph)
+        return make_boxed_func(graph.forward)
+
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=lambda gm, example_inputs: aot_module_simplified(
+        gm, example_inputs, fw_compiler=forward))
+
+
+def test_a_compiled_typed_op_is_the_dtensor_ops_graph():
+    """Where JAX's layout is DTensor's, the rules leave nothing in the graph."""
+    def step(x, y, a, w):
+        return torch.nn.functional.gelu(torch.sin(x) * 2.0 + y), (a @ w).t()
+
+    with fake_world(1, 8):
+        mesh = meshstate.init_mesh(tp=4)
+        values, typed, plain = inputs(), [], []
+        x, y = (meshstate.device_put(values[n], P("dp", "tp"), mesh) for n in "xy")
+        a, w = meshstate.device_put(values["x"], P("dp", None), mesh), meshstate.device_put(values["w"], P(None, "tp"), mesh)
+        with meshstate.explicit(mesh):
+            aten_graphs(step, typed)(x, y, a, w)
+        aten_graphs(step, plain)(x, y, a, w)
+        mesh.destroy()
+    ops = [[str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+           for graph in (*typed, *plain)]
+    assert len(ops) == 2 and ops[0] == ops[1] and "aten.mm.default" in ops[0]

@@ -357,23 +357,27 @@ def run_fast(func: Callable[..., Any], args: tuple[Any, ...], view: DeviceMesh) 
 NOT_FAST = object()
 
 
-def _recording(args: Sequence[Any]) -> bool:
-    """Whether autograd records an op of ``args`` (eagerly: traced ops take the blocks)."""
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(
+def _through_dtensor(args: Sequence[Any]) -> bool:
+    """Whether an op of ``args`` runs as DTensor's own: where autograd records it, and while
+    tracing (so the graph is the DTensor op's, and DTensor's propagation runs once, there)."""
+    return torch.compiler.is_compiling() or torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
-def _recorded_op(
+def _as_dtensor(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], view: DeviceMesh,
     plan: _Plan, final: tuple[Placement, ...],
 ) -> DTensor:
-    """An op autograd records: DTensor's own, on operands laid out as the rule wants (so its
+    """An op autograd records or a trace sees: DTensor's own, on operands laid out as the rule wants (so its
     sharding propagation finds the layout that moves nothing), its result laid out as JAX
     types it; kept fast where the operands came so laid out and DTensor gave that layout."""
-    moved = tuple(_typed(view, a, p) for a, p in zip(args, plan.operands))
+    count = len(plan.operands)
+    moved = tuple(_typed(view, a, p) for a, p in zip(args, plan.operands)) + args[count:]
     with suspended():
         given = func(*moved, **kwargs)
     result = _laid_out(given, final)
+    if torch.compiler.is_compiling():
+        return result
     as_planned = tuple(given.placements) in (plan.result, final)
     if not kwargs and as_planned and all(m is a for m, a in zip(moved, args)):
         found = fast_key(func, args)
@@ -421,8 +425,8 @@ def elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     if _writes(func):
         moved = args[:1] + tuple(_typed(view, a, p) for a, p in zip(args[1:], plan.operands[1:]))
         return _laid_out(func(*moved, **kwargs), plan.result)
-    if _recording(args):
-        return _recorded_op(func, args, kwargs, view, plan, plan.result)
+    if _through_dtensor(args):
+        return _as_dtensor(func, args, kwargs, view, plan, plan.result)
     result = _on_blocks(view, plan, args, lambda *blocks: func(*blocks, **kwargs))
     if not kwargs:
         _remember_fast(func, args, plan, result, plan.result)
@@ -491,7 +495,7 @@ def _contracted(
     out = None if out_sharding is None else (
         tuple(_entry(e) for e in out_sharding.dims), out_sharding.unreduced)
     key = None
-    if not torch.compiler.is_compiling() and not _recording(operands):
+    if not torch.compiler.is_compiling() and not _through_dtensor(operands):
         found = fast_key(run, operands)
         key = None if found is None else (equation, out, matmul, found[0][1:])
         known = _CONTRACTIONS.get(key) if key is not None else None
@@ -499,8 +503,8 @@ def _contracted(
             return known(operands, found[1])  # type: ignore[index]
     plan = _contraction_plan(equation, view, tuple(_layout(x) for x in operands), out, matmul)
     _refuse_if(plan.error)
-    if _recording(operands):
-        return _recorded_op(run, operands, {}, view, plan, plan.final)
+    if _through_dtensor(operands):
+        return _as_dtensor(run, operands, {}, view, plan, plan.final)
     result = _on_blocks(view, plan, operands, run)
     if not torch.compiler.is_compiling() and key is not None and all(
             isinstance(x, DTensor) and tuple(x.placements) == p
@@ -525,8 +529,8 @@ def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     view = _view_of((a, b))
     plan = _contraction_plan(equation, view, (_layout(a), _layout(b)), None, True)
     _refuse_if(plan.error)
-    if _recording((a, b)):
-        return _recorded_op(func, args, kwargs, view, plan, plan.final)
+    if _through_dtensor((a, b)):
+        return _as_dtensor(func, args, kwargs, view, plan, plan.final)
     result = contracted(equation, (a, b), None, torch.matmul, True)
     if not kwargs:
         _remember_fast(func, args, plan, result, plan.final)
@@ -671,11 +675,13 @@ def _permute(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         order = list(args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
     else:  # t, T, mT
         order = order[:-2] + order[-2:][::-1]
-    # As torch.permute, whatever the spelling: a property's getter (``.T``) called by hand
-    # is what torch.compile cannot trace.
+    if not name.endswith("__get__"):
+        return _shaped(func, args, kwargs, "permute", tuple(order))
+    # .T and .mT as torch.permute: a property's getter called by hand is what torch.compile
+    # cannot trace.
     result = _shaped(torch.permute, (x, tuple(order)), {}, "permute", tuple(order))
     plan = _shape_plan("permute", x.device_mesh, (_layout(x),), tuple(order))
-    if not kwargs and not _recording(args):
+    if not _through_dtensor(args):
         _remember_fast(func, args, plan, result, plan.result)
     return result
 
@@ -722,8 +728,8 @@ def _shaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     x = args[0]
     plan = _shape_plan(kind, x.device_mesh, (_layout(x),), arguments)
     _refuse_if(plan.error)
-    if kind in ("permute", "unsqueeze") and _recording(args):
-        return _recorded_op(func, args, kwargs, x.device_mesh, plan, plan.result)
+    if kind in ("permute", "unsqueeze") and _through_dtensor(args):
+        return _as_dtensor(func, args, kwargs, x.device_mesh, plan, plan.result)
     if kind in ("permute", "unsqueeze"):  # a view of each block
         result = _on_blocks(x.device_mesh, plan, [x], lambda block: func(block, *args[1:], **kwargs))
         if not kwargs:
@@ -767,7 +773,10 @@ _KINDS: dict[Callable[..., Any], str] = {
     **dict.fromkeys([
         _T.size, _T.dim, _T.numel, _T.stride, _T.__len__, _T.backward,
         _T.retain_grad, _T.register_hook, _T.__repr__, _T.__format__, _T.detach,
-        _T.is_contiguous, _T.element_size, _T.data_ptr, _T.__hash__, torch.autograd.grad,
+        _T.is_contiguous, _T.element_size, _T.data_ptr, _T.__hash__, _T.storage_offset,
+        _T.untyped_storage, _T._is_view, _T.is_complex, _T.is_floating_point, _T.is_conj,
+        _T.is_neg, _T.as_strided,  # as_strided: how a compiled function rebuilds a view it returns
+        torch.autograd.grad,
         torch.autograd.backward], "passes"),
 }
 """Each torch function JAX's Explicit axes type here, by its kind (torch's own functions:
