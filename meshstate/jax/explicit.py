@@ -31,12 +31,14 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.errors import ArgumentTypeError
 from meshstate.jax import explicit_rules as rules
 from meshstate.jax.explicit_ops import (
-    HANDLERS, array_type, axes_of, contracted, dtype_name, NOT_FAST, full_equation, run_fast, kind_of, name_of, state, suspended,
+    HANDLERS, contracted, full_equation, kind_of, matmul_equation, name_of,
+)
+from meshstate.jax.explicit_runs import (
+    NOT_FAST, array_type, axes_of, dtype_name, run_fast, state, suspended,
 )
 from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
 from meshstate.jax.reshard import reshard
@@ -109,7 +111,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_sharding: P | None = None) -> D
     """``a @ b`` typed, resharded to ``out_sharding`` (JAX's ``jnp.matmul(a, b,
     out_sharding=...)``): any spec, or the contracting axes ``unreduced`` to keep the sum
     pending. Example: ``matmul(x, w, out_sharding=P("dp", None))``."""
-    equation = rules.matmul_equation(a.dim(), b.dim())
+    equation = matmul_equation(a.dim(), b.dim())
     return contracted(equation, (a, b), out_sharding, torch.matmul, matmul=True)
 
 

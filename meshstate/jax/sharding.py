@@ -72,19 +72,20 @@ class P:
                 f"unreduced must be a collection of axis names, not the string {unreduced!r}; "
                 f"write unreduced={{{unreduced!r}}}"
             )
-        unreduced = tuple(sorted(unreduced, key=str))
-        written = _format_spec(dims, unreduced)
-        canonical = tuple(_canonical_entry(entry, dim, written) for dim, entry in enumerate(dims))
+        unreduced = tuple(sorted(unreduced, key=str)) if unreduced else ()
+        canonical = tuple(_canonical_entry(entry, dim, dims, unreduced) for dim, entry in enumerate(dims))
         for name in unreduced:
             if not isinstance(name, str):
-                raise ConfigError(f"{written}: unreduced holds {name!r}, which is not an axis name")
-        used = [axis for entry in canonical for axis in _axes_of(entry)] + list(unreduced)
-        for axis in used:
-            if used.count(axis) > 1:
                 raise ConfigError(
-                    f"{written}: axis {axis!r} is used more than once; a mesh axis "
-                    "splits at most one dim and cannot also be unreduced"
-                )
+                    f"{_format_spec(dims, unreduced)}: unreduced holds {name!r}, which is not "
+                    "an axis name")
+        used = [axis for entry in canonical for axis in _axes_of(entry)] + list(unreduced)
+        if len(set(used)) != len(used):
+            axis = next(axis for axis in used if used.count(axis) > 1)
+            raise ConfigError(
+                f"{_format_spec(dims, unreduced)}: axis {axis!r} is used more than once; a mesh "
+                "axis splits at most one dim and cannot also be unreduced"
+            )
         object.__setattr__(self, "dims", canonical)
         object.__setattr__(self, "unreduced", frozenset(unreduced))
 
@@ -298,7 +299,9 @@ def _chunk_of(
     return chunk
 
 
-def _canonical_entry(entry: object, dim: int, written: str) -> DimAxes:
+def _canonical_entry(
+    entry: object, dim: int, dims: Sequence[object], unreduced: Sequence[object]
+) -> DimAxes:
     if entry is None or isinstance(entry, str):
         return entry
     if isinstance(entry, tuple) and all(isinstance(axis, str) for axis in entry):
@@ -306,8 +309,8 @@ def _canonical_entry(entry: object, dim: int, written: str) -> DimAxes:
             return entry
         return entry[0] if entry else None
     raise ConfigError(
-        f"{written}: dim {dim} is {entry!r}; each entry must be None, an axis name "
-        "or a tuple of axis names"
+        f"{_format_spec(dims, unreduced)}: dim {dim} is {entry!r}; each entry must be None, "
+        "an axis name or a tuple of axis names"
     )
 
 
