@@ -35,7 +35,7 @@ from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mes
 from meshstate.errors import ArgumentTypeError
 from meshstate.jax import explicit_rules as rules
 from meshstate.jax.explicit_ops import (
-    HANDLERS, contracted, full_equation, kind_of, matmul_equation, name_of,
+    HANDLERS, contracted, full_equation, kind_of, name_of,
 )
 from meshstate.jax.explicit_runs import (
     NOT_FAST, array_type, axes_of, dtype_name, run_fast, state, suspended,
@@ -111,8 +111,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_sharding: P | None = None) -> D
     """``a @ b`` typed, resharded to ``out_sharding`` (JAX's ``jnp.matmul(a, b,
     out_sharding=...)``): any spec, or the contracting axes ``unreduced`` to keep the sum
     pending. Example: ``matmul(x, w, out_sharding=P("dp", None))``."""
-    equation = matmul_equation(a.dim(), b.dim())
-    return contracted(equation, (a, b), out_sharding, torch.matmul, matmul=True)
+    return contracted(None, (a, b), out_sharding, torch.matmul, matmul=True)
 
 
 def einsum(equation: str, *operands: torch.Tensor, out_sharding: P | None = None) -> DTensor:

@@ -166,13 +166,15 @@ def full_equation(equation: str, operands: Sequence[torch.Tensor]) -> str:
 
 
 def contracted(
-    equation: str, operands: tuple[torch.Tensor, ...], out_sharding: P | None,
+    equation: str | None, operands: tuple[torch.Tensor, ...], out_sharding: P | None,
     run: Callable[..., Any], matmul: bool,
 ) -> DTensor:
-    """``run(*operands)``, a contraction of ``equation``, typed as JAX's ``dot_general``
-    (called as ``meshstate.matmul``, with the explicit mode on: DTensor's redistribution
-    runs with no torch function, which would see each of its ops)."""
+    """``run(*operands)``, a contraction of ``equation`` (``None``: ``a @ b``'s), typed as
+    JAX's ``dot_general`` (called as ``meshstate.matmul``, with the explicit mode on: it
+    runs with no torch function, which would see each read and op of its own)."""
     with _compat.torch_functions_off():
+        if equation is None:
+            equation = matmul_equation(operands[0].dim(), operands[1].dim())
         return _contracted(equation, operands, out_sharding, run, matmul)
 
 
@@ -490,13 +492,19 @@ _BY_NAME = {resolve_name(func): kind for func, kind in _KINDS.items() if resolve
 @_compat.constant_when_traced
 def kind_of(func: Callable[..., Any]) -> str:
     """The kind of torch function ``func`` (by itself, its name, or what it wraps: a
-    simulated world's replacement), ``passes`` for a property read, else ``untyped``."""
-    wrapped = getattr(func, "__wrapped__", None)
-    found = _KINDS.get(func) or _BY_NAME.get(resolve_name(func)) or _KINDS.get(wrapped)  # type: ignore[arg-type]
-    if found:
-        return found
-    name = resolve_name(func) or ""
-    return "passes" if name.endswith((".__get__", ".__set__")) else "untyped"
+    simulated world's replacement), ``passes`` for a property read, else ``untyped``;
+    found once per function (torch's name lookup costs 10 us)."""
+    found = _KINDS.get(func) or _FOUND.get(func)
+    if found is None:
+        name = resolve_name(func) or ""
+        found = _BY_NAME.get(name) or _KINDS.get(getattr(func, "__wrapped__", None))  # type: ignore[arg-type]
+        found = found or ("passes" if name.endswith((".__get__", ".__set__")) else "untyped")
+        _FOUND[func] = found
+    return found
+
+
+_FOUND: dict[Callable[..., Any], str] = {}
+"""The kinds :func:`kind_of` found by name, by function."""
 
 
 HANDLERS: dict[str, Callable[..., Any]] = {

@@ -9,6 +9,8 @@ Five measurements, each in its own module, in this order:
   and a psum over an undeclared axis tuple;
 - :mod:`~meshstate.tools.bench_runtime`: what each JAX-layer call costs, eager
   and compiled, beside torch's own;
+- :mod:`~meshstate.tools.bench_explicit`: a typed op of JAX's Explicit axes beside the
+  same DTensor op;
 - :mod:`~meshstate.tools.bench_harness`: how long a test suite takes to start N ranks;
 - :mod:`~meshstate.tools.bench_simulated`: ``check --simulate`` of whole worlds in one
   process, its time and peak memory, and one 1F1B step of a pipeline simulated stage by

@@ -238,7 +238,8 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "bench", help="init time, groups, getter cost and memory beside megatron-core",
         description="Stand one rank in for each world on torch's fake backend (a fake world) "
         "and time every approach, then time init on real local processes and what each "
-        "JAX-layer call costs, eager and compiled, beside torch's own, what check "
+        "JAX-layer call costs, eager and compiled, beside torch's own (and a typed op of "
+        "JAX's Explicit axes beside the same DTensor op), what check "
         "--simulate costs at whole worlds and a 1F1B step simulated stage by stage. The "
         "layout defaults to a large model's, tp=8 cp=2 ep=8 etp=1 pp=8, unlike plan and "
         "check, whose sizes default to 1.",
@@ -265,7 +266,7 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "--without-torchtitan", action="store_true", help="leave torchtitan's ParallelDims out"
     )
     bench.add_argument(
-        "--without-runtime", action="store_true", help="leave the JAX-layer runtime table out"
+        "--without-runtime", action="store_true", help="leave the JAX-layer runtime and explicit-axes tables out"
     )
     bench.add_argument(
         "--harness-tests", type=_process_world_sizes, default="1",
