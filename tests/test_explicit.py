@@ -268,6 +268,7 @@ def test_misuse_is_refused_by_name():
                 meshstate.device_put(torch.ones(8), "dp")
             with pytest.raises(meshstate.ShardingTypeError, match="einsum of 3 operands"):
                 meshstate.einsum("ij,jk,kl->il", x, x.T, x)
+            assert meshstate.device_put(torch.ones(8), P("dp")).device_mesh is mesh.dense  # its mesh is current
             y = meshstate.auto_axes(torch.cumsum, out_sharding=P("dp", "tp"))(x, 0)
             assert str(meshstate.typeof(y)) == "float32[8@dp,16@tp]"
         with pytest.raises(meshstate.WrongMeshError):

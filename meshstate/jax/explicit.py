@@ -87,12 +87,13 @@ def typeof(x: torch.Tensor) -> ExplicitType:
 @contextlib.contextmanager
 def explicit(mesh: ParallelMesh | None = None) -> Iterator[ParallelMesh]:
     """Type DTensors on ``mesh``'s views (default: the current mesh) as JAX's Explicit
-    axes do, for the block; yields the mesh. Nests; :func:`auto_axes` leaves it."""
+    axes do, for the block, with ``mesh`` the current mesh there (JAX's ``set_mesh``);
+    yields the mesh. Nests; :func:`auto_axes` leaves it."""
     parallel_mesh = current_mesh() if mesh is None else require_parallel_mesh(mesh, "explicit(mesh=...)")
     mode, outer = ExplicitAxes(parallel_mesh), (state.mode, state.suspended)
     state.mode, state.suspended = mode, False
     try:
-        with mode:
+        with mode, parallel_mesh:
             yield parallel_mesh
     finally:
         state.mode, state.suspended = outer
