@@ -309,3 +309,16 @@ def test_a_compiled_typed_op_is_the_dtensor_ops_graph():
     ops = [[str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
            for graph in (*typed, *plain)]
     assert len(ops) == 2 and ops[0] == ops[1] and "aten.mm.default" in ops[0]
+
+
+@in_both_worlds(8)
+def test_max_and_min_over_every_dim_are_typed_and_by_a_dim_refused():
+    mesh = meshstate.init_mesh(tp=4)
+    with meshstate.explicit(mesh):
+        x = meshstate.device_put(inputs()["x"], P("dp", "tp"))
+        for whole, values in [(x.max(), torch.amax(x, (0, 1))), (torch.min(x), torch.amin(x, (0, 1)))]:
+            assert str(meshstate.typeof(whole)) == "float32[]"
+            assert torch.equal(whole.full_tensor(), values.full_tensor())
+        with pytest.raises(meshstate.ShardingTypeError, match=r"max\(x, dim\) .* gives indices"):
+            x.max(0)
+    mesh.destroy()

@@ -281,6 +281,11 @@ def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     x = args[0]
     given = {**dict(zip(("dim", "keepdim"), args[1:])), **kwargs}
     dim = given.get("dim")
+    if func in _WITH_INDICES and dim is not None:
+        raise ShardingTypeError(
+            f"{name_of(func)}(x, dim) on an explicitly sharded value gives indices, which "
+            "JAX's Explicit axes do not type; take torch.amax/amin (the values), or "
+            "reshard first (meshstate.reshard)")
     dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
     name = _jax_name(func).removeprefix("a")
     plan = _reduction_plan(name, x.device_mesh, layout_of(x), dims, bool(given.get("keepdim", False)))
@@ -458,7 +463,11 @@ _BINARY: list[Callable[..., Any]] = [torch.add, torch.sub, torch.mul, torch.div,
            _T.__mul__, _T.__rmul__, _T.__truediv__, _T.__rtruediv__, _T.__pow__, _T.__rpow__,
            _T.add_, _T.sub_, _T.mul_, _T.div_, _T.__iadd__, _T.__isub__, _T.__imul__,
            _T.__itruediv__]
-_REDUCTIONS: list[Callable[..., Any]] = [torch.sum, torch.mean, torch.amax, torch.amin, _T.sum, _T.mean, _T.amax, _T.amin]
+_WITH_INDICES: tuple[Callable[..., Any], ...] = (torch.max, torch.min, _T.max, _T.min)
+"""Reductions that, given a dim, also give indices: typed only over every dim."""
+_REDUCTIONS: list[Callable[..., Any]] = [
+    torch.sum, torch.mean, torch.amax, torch.amin, _T.sum, _T.mean, _T.amax, _T.amin,
+    *_WITH_INDICES]
 _RESHAPES: list[Callable[..., Any]] = [torch.reshape, torch.flatten, _T.reshape, _T.view, _T.flatten]
 _PERMUTES: list[Callable[..., Any]] = [torch.permute, torch.transpose, torch.t, _T.permute, _T.transpose, _T.t,
              _T.T.__get__, _T.mT.__get__]  # type: ignore[attr-defined]
