@@ -90,13 +90,12 @@ def explicit(mesh: ParallelMesh | None = None) -> Iterator[ParallelMesh]:
     axes do, for the block, with ``mesh`` the current mesh there (JAX's ``set_mesh``);
     yields the mesh. Nests; :func:`auto_axes` leaves it."""
     parallel_mesh = current_mesh() if mesh is None else require_parallel_mesh(mesh, "explicit(mesh=...)")
-    mode, outer = ExplicitAxes(parallel_mesh), (state.mode, state.suspended)
-    state.mode, state.suspended = mode, False
+    outer, state.suspended = state.suspended, False
     try:
-        with mode, parallel_mesh:
+        with ExplicitAxes(), parallel_mesh:
             yield parallel_mesh
     finally:
-        state.mode, state.suspended = outer
+        state.suspended = outer
 
 
 def device_put(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTensor:
@@ -150,11 +149,7 @@ def explicit_axes(f: Callable[..., Any], in_sharding: P | Sequence[P]) -> Callab
 
 
 class ExplicitAxes(TorchFunctionMode):
-    """Types each torch op on DTensors of ``parallel_mesh``'s views by JAX's rules."""
-
-    def __init__(self, parallel_mesh: ParallelMesh) -> None:
-        super().__init__()
-        self.parallel_mesh = parallel_mesh
+    """Types each torch op on DTensors by JAX's rules (see :func:`explicit`)."""
 
     def __torch_function__(
         self,

@@ -37,11 +37,10 @@ shape and dtype name; ``None`` for a Python number."""
 
 
 class ExplicitState(threading.local):
-    """The explicit mode running in this thread, if any (torch keeps modes per thread),
-    and whether it is set aside (inside ``auto_axes``, or while a typed op runs)."""
+    """Whether the explicit mode is set aside in this thread (inside ``auto_axes``, or
+    while a typed op runs); torch keeps modes per thread too."""
 
     def __init__(self) -> None:
-        self.mode: Any = None
         self.suspended = False
 
 
@@ -93,6 +92,8 @@ def type_of(
         names = view.mesh_dim_names or ()
         dims = tuple(entry_of(spec.dims[d]) if d < len(spec.dims) else () for d in range(len(shape)))
         pending = frozenset(n for n, p in zip(names, placements) if p.is_partial())
+        if len(_TYPES) >= FAST_KEPT:
+            _TYPES.clear()
         found = _TYPES[key] = ArrayType(shape, dtype, dims, pending)
     return found
 
