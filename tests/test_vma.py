@@ -285,3 +285,20 @@ def test_outside_a_body_gradients_are_jaxs_default_transposes():
         mine = torch.tensor([1.0, 2, 3, 4], dtype=torch.float64).narrow(0, 2 * tp, 2)
         assert close(x.grad, mine)  # my slice, not summed
     mesh.destroy()
+
+
+@in_both_worlds(4)
+def test_vma_reads_the_types_spmd_types_gave():
+    """spmd_types' V, R and P vary (JAX's varying, pvary'd and unreduced values), I does not;
+    named as the current mesh names its axes."""
+    import spmd_types as spmd
+
+    mesh = meshstate.init_mesh(tp=2)
+    with mesh, spmd.set_current_mesh(mesh.dense):
+        typed = {}
+        for name, kind in [("V", spmd.V), ("R", spmd.R), ("P", spmd.P), ("I", spmd.I)]:
+            typed[name] = spmd.assert_type(torch.ones(3), {"tp": kind, "dp": spmd.I})
+        assert {name: vma(t) for name, t in typed.items()} == {
+            "V": {"tp"}, "R": {"tp"}, "P": {"tp"}, "I": frozenset()}
+        assert vma(torch.ones(3)) == frozenset()
+    mesh.destroy()

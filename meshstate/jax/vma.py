@@ -25,6 +25,7 @@ Example (inside ``shard_map(f, in_specs=P("tp"), out_specs=P("tp"))``)::
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -64,11 +65,49 @@ def vma(x: torch.Tensor) -> frozenset[str]:
     or closed-over value over none. Outside any body, and with
     ``check_vma=False``, nothing is typed and every tensor answers ``frozenset()``.
 
+    A value spmd_types typed (torchtitan's type system) answers the axes it types
+    ``V``, ``R`` or ``P`` there (varying, replicated with its gradient pending a sum,
+    a pending sum: the axes a JAX value of that type varies over), named as the
+    current mesh names them.
+
     Example: ``vma(x)`` is ``frozenset({'tp'})`` inside ``shard_map(f,
     in_specs=P(None, "tp"), ...)``; ``vma(psum(x, "tp"))`` is ``frozenset()``.
     """
-    found: frozenset[str] = getattr(x, _ATTRIBUTE, NO_AXES)
-    return found
+    found: frozenset[str] | None = getattr(x, _ATTRIBUTE, None)
+    if found is not None:
+        return found
+    if not torch.compiler.is_compiling() and "spmd_types" in sys.modules:
+        return _spmd_types_axes(x)
+    return NO_AXES
+
+
+def _spmd_types_axes(x: torch.Tensor) -> frozenset[str]:
+    """The axes of the current mesh that spmd_types types ``x`` ``V``, ``R`` or ``P`` on
+    (none where it has no spmd type, or there is no current mesh)."""
+    spmd_types: Any = sys.modules["spmd_types"]
+    if not spmd_types.has_local_type(x):
+        return NO_AXES
+    try:
+        parallel_mesh = current_mesh()
+    except MeshStateError:
+        return NO_AXES
+    names: dict[Any, str] | None = parallel_mesh.store.get(_SPMD_AXES)
+    if names is None:
+        layout, names = parallel_mesh.layout, {}
+        # dense axes first: an expert axis over the same ranks (etp, tp) is the same MeshAxis
+        for axis in (*layout.dense.axes_fastest_first, *layout.expert.axes_fastest_first):
+            if parallel_mesh.size(axis) > 1:  # spmd_types leaves size-1 axes out
+                names.setdefault(spmd_types.MeshAxis.of(parallel_mesh.group(axis)), axis)
+        parallel_mesh.store[_SPMD_AXES] = names
+    varying = (spmd_types.V, spmd_types.R, spmd_types.P)
+    return frozenset(
+        names[axis] for axis, kind in spmd_types.get_local_type(x).items()
+        if kind in varying and axis in names
+    )
+
+
+_SPMD_AXES = ("vma", "spmd_types axes")
+"""The key in a mesh's store of its axes by spmd_types' ``MeshAxis``."""
 
 
 def typed(x: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
