@@ -45,3 +45,10 @@ def record_pid_then_sleep():
         with open(os.path.join(os.environ["MESHSTATE_PID_DIR"], str(pid)), "w"):
             pass
     time.sleep(600)
+
+
+def send_uncaught_exception_hook(connection):
+    """A worker's hook for uncaught exceptions as it starts (torch.distributed wraps it at
+    init), sent back on ``connection``."""
+    import sys
+    connection.send(sys.excepthook.__name__)

@@ -27,6 +27,7 @@ from harness_bodies import (
     low_and_high_ranks_disagree,
     say_hello,
     takes_anything,
+    send_uncaught_exception_hook,
     wait_forever_on_rank_two,
 )
 
@@ -223,3 +224,23 @@ def test_a_request_cut_off_ends_the_copied_fork_server_quietly():
                           timeout=120)
     assert done.stdout.strip() == "server exit 0"
     assert "Traceback" not in done.stderr
+
+
+def test_a_worker_cut_off_at_its_start_by_ctrl_c_prints_no_traceback(capsys):
+    """A worker forked while its caller is being stopped finds its start data cut short
+    (EOFError) and ends quietly; any other uncaught exception prints as Python prints it.
+    Seen as ``EOFError: Ran out of input`` under ``meshstate check`` interrupted on a
+    loaded machine."""
+    fork_server.warm_up()
+    reader, writer = fork_server._CONTEXT.Pipe(duplex=False)
+    worker = fork_server._CONTEXT.Process(target=send_uncaught_exception_hook, args=(writer,))
+    worker.start()
+    assert reader.recv() == "quiet_when_caller_gone"
+    worker.join()
+    for kind in (EOFError, ConnectionResetError, ValueError):
+        try:
+            raise kind("Ran out of input")
+        except kind as error:
+            fork_server.quiet_when_caller_gone(kind, error, error.__traceback__)
+    printed = capsys.readouterr().err
+    assert printed.count("Traceback") == 1 and "ValueError: Ran out of input" in printed

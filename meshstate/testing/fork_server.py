@@ -25,7 +25,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Collection, Iterator, Sequence
-from types import ModuleType
+from types import ModuleType, TracebackType
 from typing import Any, TextIO
 
 import torch
@@ -175,7 +175,8 @@ def _forget_caller_state() -> None:
 
     pytest's capture of ``sys.stdout``/``sys.stderr``, record of warnings,
     logging handlers and hooks for uncaught exceptions: in the workers these
-    reach their stderr again. Signal handlers are the defaults again (a
+    reach their stderr again (an uncaught exception through
+    :func:`quiet_when_caller_gone`). Signal handlers are the defaults again (a
     caller's SIGTERM handler must not run in the server). The main script and
     any module still being imported are dropped, so a worker runs or imports
     them whole.
@@ -185,7 +186,7 @@ def _forget_caller_state() -> None:
             default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
             signal.signal(signum, default)
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-    sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__
+    sys.excepthook, sys.unraisablehook = quiet_when_caller_gone, sys.__unraisablehook__
     threading.excepthook = threading.__excepthook__
     warnings.showwarning = _print_warning
     for handler in logging.root.handlers[:]:
@@ -195,6 +196,17 @@ def _forget_caller_state() -> None:
         if getattr(getattr(module, "__spec__", None), "_initializing", False):
             del sys.modules[name]
     sys.modules["__main__"] = ModuleType("__main__")
+
+
+def quiet_when_caller_gone(
+    kind: type[BaseException], value: BaseException, trace: TracebackType | None
+) -> None:
+    """The server's and its workers' hook for an uncaught exception: Python's, except that
+    a worker forked while its caller was being stopped (Ctrl-C, SIGTERM), which finds its
+    start data cut short (``EOFError: Ran out of input``) or its pipe closed, ends
+    without a traceback on the caller's terminal, as the caller itself does."""
+    if not issubclass(kind, (EOFError, ConnectionError)):
+        sys.__excepthook__(kind, value, trace)
 
 
 def _print_warning(
