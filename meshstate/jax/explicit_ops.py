@@ -28,13 +28,12 @@ from meshstate.core import compat as _compat
 from meshstate.jax import explicit_rules as rules
 from meshstate.jax.explicit_rules import ShardingTypeError
 from meshstate.jax.explicit_runs import (
-    FAST_KEPT,
+    NOT_FAST,
     FastOp,
     Layout,
     Plan,
     as_dtensor,
     axes_of,
-    entry_of,
     fast_key,
     keep_fast,
     laid_out,
@@ -46,6 +45,7 @@ from meshstate.jax.explicit_runs import (
     refuse_if,
     remember_fast,
     requires_grad,
+    run_fast,
     through_dtensor,
     type_of,
     type_text,
@@ -54,7 +54,7 @@ from meshstate.jax.explicit_runs import (
     with_grads,
 )
 from meshstate.jax.plan import contiguous_strides
-from meshstate.jax.sharding import P
+from meshstate.jax.sharding import P, _axes_of
 
 
 # --- elementwise -------------------------------------------------------------------
@@ -184,32 +184,19 @@ def _contracted(
 ) -> DTensor:
     view = view_of(operands)
     out = None if out_sharding is None else (
-        tuple(entry_of(e) for e in out_sharding.dims), out_sharding.unreduced)
-    key = None
+        tuple(_axes_of(e) for e in out_sharding.dims), out_sharding.unreduced)
+    head = ("contraction", equation, out, matmul)  # a fast op's key, in place of ``run``
     if not torch.compiler.is_compiling() and not through_dtensor(operands):
-        found = fast_key(run, operands)
-        key = None if found is None else (equation, out, matmul, found[0][1:])
-        known = _CONTRACTIONS.get(key) if key is not None else None
-        if known is not None and known.view is view:
-            return known(operands, found[1])  # type: ignore[index]
+        known = run_fast(run, operands, view, head)
+        if known is not NOT_FAST:
+            return known  # type: ignore[no-any-return]
     plan = _contraction_plan(equation, view, tuple(layout_of(x) for x in operands), out, matmul)
     refuse_if(plan.error)
     if through_dtensor(operands):
         return as_dtensor(run, operands, {}, view, plan, plan.final)
     result = on_blocks(view, plan, operands, run)
-    if not torch.compiler.is_compiling() and key is not None and all(
-            isinstance(x, DTensor) and tuple(x.placements) == p
-            for x, p in zip(operands, plan.operands)):
-        spec = _compat.even_spec(view, plan.result, _compat.local_tensor(result))
-        if len(_CONTRACTIONS) >= FAST_KEPT:
-            _CONTRACTIONS.clear()
-        _CONTRACTIONS[key] = FastOp(run, view, spec, None if plan.final == plan.result else plan.final)
+    remember_fast(run, operands, plan, result, plan.final, head)
     return laid_out(result, plan.final)
-
-
-_CONTRACTIONS: dict[tuple[Any, ...], FastOp] = {}
-"""The contractions ``meshstate.matmul``/``einsum`` ran before on operands laid out as the
-rule wants, by equation, out_sharding and the operands' layouts (as :data:`FAST`)."""
 
 
 @_compat.constant_when_traced

@@ -29,7 +29,7 @@ from meshstate.jax import explicit_rules as rules
 from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
 from meshstate.jax.plan import contiguous_strides
 from meshstate.jax.reshard import spec_of
-from meshstate.jax.sharding import P, to_placements
+from meshstate.jax.sharding import P, _axes_of, to_placements
 
 Layout = tuple[tuple[Placement, ...] | None, tuple[int, ...], str] | None
 """An operand as a plan sees it: its placements (``None``: a plain tensor, replicated),
@@ -90,7 +90,7 @@ def type_of(
                 "no partition spec gives); reshard it first (meshstate.reshard)"
             )
         names = view.mesh_dim_names or ()
-        dims = tuple(entry_of(spec.dims[d]) if d < len(spec.dims) else () for d in range(len(shape)))
+        dims = tuple(_axes_of(spec.dims[d]) if d < len(spec.dims) else () for d in range(len(shape)))
         pending = frozenset(n for n, p in zip(names, placements) if p.is_partial())
         if len(_TYPES) >= FAST_KEPT:
             _TYPES.clear()
@@ -99,12 +99,6 @@ def type_of(
 
 
 _TYPES: dict[tuple[Any, ...], ArrayType] = {}
-
-
-def entry_of(entry: object) -> rules.Entry:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)  # type: ignore[arg-type]
 
 
 def placements_of(view: DeviceMesh, dims: Sequence[rules.Entry], unreduced: frozenset[str]) -> tuple[Placement, ...]:
@@ -266,13 +260,14 @@ FAST_KEPT = 1024
 
 
 def fast_key(
-    func: Callable[..., Any], args: tuple[Any, ...]
+    func: Callable[..., Any], args: tuple[Any, ...], head: object = None
 ) -> tuple[tuple[Any, ...], list[Any]] | None:
     """``func``, its operands' layouts (DTensor specs, a float's type, ints and tuples of
     ints as they are: dims) and whether autograd records the call, with the arguments a
     fast op takes (each DTensor's local block); ``None`` where the call cannot be fast
-    (a plain tensor operand, a list)."""
-    key: list[Any] = [func]
+    (a plain tensor operand, a list). ``head`` stands for ``func`` in the key where the
+    call is known by more than its function (a contraction by its equation and out_sharding)."""
+    key: list[Any] = [func if head is None else head]
     blocks: list[Any] = []
     recorded = False
     for arg in args:
@@ -293,9 +288,12 @@ def fast_key(
     return tuple(key), blocks
 
 
-def run_fast(func: Callable[..., Any], args: tuple[Any, ...], view: DeviceMesh) -> Any:
-    """``func(*args)`` as a fast op, or :data:`NOT_FAST`."""
-    found = fast_key(func, args)
+def run_fast(
+    func: Callable[..., Any], args: tuple[Any, ...], view: DeviceMesh, head: object = None
+) -> Any:
+    """``func(*args)`` as a fast op (kept under ``head``, see :func:`fast_key`), or
+    :data:`NOT_FAST`."""
+    found = fast_key(func, args, head)
     if found is None:
         return NOT_FAST
     op = FAST.get(found[0])
@@ -338,13 +336,13 @@ def as_dtensor(
 
 def remember_fast(
     func: Callable[..., Any], args: tuple[Any, ...], plan: Plan, result: DTensor,
-    final: tuple[Placement, ...],
+    final: tuple[Placement, ...], head: object = None,
 ) -> None:
-    """Keep ``func`` on these layouts fast, where nothing is recorded and the operands came
-    laid out as the rule wants."""
+    """Keep ``func`` on these layouts fast (under ``head``, see :func:`fast_key`), where
+    nothing is recorded and the operands came laid out as the rule wants."""
     if torch.compiler.is_compiling():
         return
-    found = fast_key(func, args)
+    found = fast_key(func, args, head)
     if found is None or any(
         isinstance(a, DTensor) and tuple(a.placements) != p for a, p in zip(args, plan.operands)
     ):

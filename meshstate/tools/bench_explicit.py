@@ -27,7 +27,7 @@ from meshstate.core.build import init_mesh
 from meshstate.jax.explicit import device_put, explicit, matmul
 from meshstate.jax.sharding import P
 from meshstate.testing.fake import fake_world
-from meshstate.tools.bench_runtime import _us_per_call_side_by_side
+from meshstate.tools.bench_runtime import _us_per_call
 
 EXPLICIT_WORLD, EXPLICIT_TP = 8, 4
 """The fake world and layout the table is measured on (dp=2)."""
@@ -120,13 +120,10 @@ def _side_by_side(
     """The fastest mean microseconds of ``typed`` inside ``explicit`` and ``plain`` outside
     it over ``rounds`` rounds of ``calls``, taken in turn (as the runtime table's)."""
     means: tuple[list[float], list[float]] = ([], [])
-    for number in range(rounds + 1):
+    for _ in range(rounds):
         with explicit(mesh):
-            typed_us = _us_per_call_side_by_side(typed, typed, calls, 1)[0]
-        plain_us = _us_per_call_side_by_side(plain, plain, calls, 1)[0]
-        if number:  # the first round warms both
-            means[0].append(typed_us)
-            means[1].append(plain_us)
+            means[0].append(_us_per_call(typed, calls, repeats=1))
+        means[1].append(_us_per_call(plain, calls, repeats=1))
     return min(means[0]), min(means[1])
 
 
