@@ -132,7 +132,7 @@ def test_getters_are_safe_from_many_threads():
 
         def read(reader):
             start.wait()
-            for _ in range(2000):
+            for _ in range(20000):
                 turns.append(reader)
                 got = (mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
                        mpu.get_pipeline_model_parallel_rank(), mpu.is_pipeline_first_stage(),
