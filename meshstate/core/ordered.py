@@ -55,6 +55,19 @@ class OrderedGroup:
             by_group_rank=None if group_rank_at == tuple(range(len(ranks))) else tuple(by_group_rank),
         )
 
+    @classmethod
+    def in_group_order(cls, group: dist.ProcessGroup) -> OrderedGroup:
+        """The caller's group ``group`` in its own rank order (axis index = group rank).
+
+        Example: for a group of ranks 1 and 3, on rank 3 ``ranks`` is ``(1, 3)`` and
+        ``index`` 1.
+        """
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return cls(
+            ranks=ranks, index=dist.get_rank(group), group=group,
+            group_rank_at=tuple(range(len(ranks))), group_name=group.group_name, by_group_rank=None,
+        )
+
 
 def axis_tuple(axes: object) -> tuple[str, ...]:
     """``axes`` (a sequence of axis names) as a tuple, else an ArgumentTypeError."""

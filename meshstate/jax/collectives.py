@@ -48,7 +48,9 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar, overload
 
 import torch
@@ -70,6 +72,7 @@ from meshstate.jax.torch_calls import (
     sum_over,
     summed_gradient,
 )
+from meshstate.jax.spmd_checker import Collective, checked, checking
 from meshstate.jax.vma import (
     VaryingAxesError,
     axes_text,
@@ -169,30 +172,70 @@ def _typed_input(
     return pvary_over(x, names - before, parallel_mesh), before
 
 
-def _typed(
+def _collective(
     x: torch.Tensor,
     axes: Axes,
     mesh: ParallelMesh | None,
-    name: str,
     group: OrderedGroup,
+    run: Callable[[torch.Tensor, OrderedGroup], torch.Tensor],
+    kind: str,
+    dims: tuple[int, ...] = (0,),
+    tiled: bool = False,
+) -> torch.Tensor:
+    """``run(x, group)``; while spmd_types' checker runs, typed by its rule ``kind``
+    (:mod:`meshstate.jax.spmd_checker`; with ``tiled``, ``dims`` are the dims its axes
+    split). (Outside a typed body and the checker each collective calls
+    its own work itself: the eager path costs one call less.)"""
+    if checking():
+        parallel_mesh = current_mesh() if mesh is None else mesh
+        call = Collective(kind, run, group, _axis_groups(parallel_mesh, axes), dims, tiled)
+        return checked(x, group, call)
+    return run(x, group)
+
+
+def _in_body(
+    axes: Axes,
+    mesh: ParallelMesh | None,
+    name: str,
     run: Callable[[torch.Tensor, OrderedGroup], torch.Tensor],
     *,
     reduces: bool = False,
     keeps_axes: bool = True,
-) -> torch.Tensor:
-    """``run(x, group)`` inside a typed body, with JAX's rule: ``x`` cast up to vary over
-    ``axes`` first, the result typed with them (``keeps_axes``) or without them, a
-    reduction over a mix of varying and invariant axes refused. (Outside a typed body each
-    collective calls its ``run`` itself: the eager path costs one call less.)"""
-    with _compat.torch_functions_off():
-        x, before = _typed_input(x, axes, mesh, name, reduces=reduces)
-        names = _axis_names(axes)
-        return typed(run(x, group), before | names if keeps_axes else before - names)
+) -> Callable[[torch.Tensor, OrderedGroup], torch.Tensor]:
+    """``run``, with JAX's rule inside a typed body: ``x`` cast up to vary over ``axes``
+    first, the result typed with them (``keeps_axes``) or without them, a reduction over a
+    mix of varying and invariant axes refused."""
+
+    def typed_run(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
+        if body.types is None:
+            return run(x, group)
+        with _compat.torch_functions_off():
+            x, before = _typed_input(x, axes, mesh, name, reduces=reduces)
+            names = _axis_names(axes)
+            return typed(run(x, group), before | names if keeps_axes else before - names)
+
+    return typed_run
+
+
+_SPMD_TYPES = "spmd_types"
+_loaded = sys.modules
+
+
+def _axis_groups(parallel_mesh: ParallelMesh, axes: Axes) -> tuple[Any, ...]:
+    """The process group of each axis ``axes`` names, size 1 left out (spmd_types' axes)."""
+    return tuple(parallel_mesh.group(axis) for axis in sorted(_axis_names(axes))
+                 if parallel_mesh.size(axis) > 1)
 
 
 def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
     """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
     ``pvary`` inside a typed body, and what casting an operand up inserts)."""
+    if _SPMD_TYPES in _loaded and checking():
+        spelled = tuple(sorted(axes))
+        group = _ordered_group(parallel_mesh, spelled)
+        call = Collective("convert", lambda v, on: pvary_over(v, axes, parallel_mesh), group,
+                          _axis_groups(parallel_mesh, spelled))
+        return checked(x, group, call)
     if not recorded(x):
         return typed(x.view_as(x), vma(x) | axes)
     group = _ordered_group(parallel_mesh, tuple(sorted(axes)))
@@ -247,9 +290,10 @@ def psum(
     group = _ordered(axes, mesh, "psum")
     if isinstance(x, NUMBERS):
         return x * len(group.ranks)
-    if body.types is None:
+    if body.types is None and _SPMD_TYPES not in _loaded:
         return sum_over(x, group, "psum")
-    return _typed(x, axes, mesh, "psum", group, _summed, reduces=True, keeps_axes=False)
+    run = _in_body(axes, mesh, "psum", _summed, reduces=True, keeps_axes=False)
+    return _collective(x, axes, mesh, group, run, "sum")
 
 
 @overload
@@ -280,9 +324,10 @@ def pmean(
     group = _ordered(axes, mesh, "pmean")
     if isinstance(x, NUMBERS):
         return x * len(group.ranks) / len(group.ranks)
-    if body.types is None:
+    if body.types is None and _SPMD_TYPES not in _loaded:
         return _mean(x, group)
-    return _typed(x, axes, mesh, "pmean", group, _mean, reduces=True, keeps_axes=False)
+    run = _in_body(axes, mesh, "pmean", _mean, reduces=True, keeps_axes=False)
+    return _collective(x, axes, mesh, group, run, "sum")
 
 
 def _summed(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
@@ -323,10 +368,14 @@ def _extreme(
     x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None, op: str, name: str
 ) -> torch.Tensor:
     group = _ordered(axes, mesh, name)
-    if body.types is None:
+    if body.types is None and _SPMD_TYPES not in _loaded:
         return reduce(x, group, op, name)
-    with _compat.torch_functions_off():
-        return typed(reduce(x, group, op, name), vma(x) - _axis_names(axes))
+    run = _in_body(axes, mesh, name, partial(_reduced, op=op, name=name), keeps_axes=False)
+    return _collective(x, axes, mesh, group, run, "extreme")
+
+
+def _reduced(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Tensor:
+    return reduce(x, group, op, name)
 
 
 def pvary(
@@ -356,10 +405,25 @@ def pvary(
         raise ArgumentTypeError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
     if body.legacy:
         return x
+    if body.types is None and _SPMD_TYPES not in _loaded:
+        return _varying(x, group)
+    return _collective(x, axes, mesh, group, partial(_pvary_typed, axes=axes, mesh=mesh),
+                       "convert")
+
+
+def _varying(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
+    """``pvary`` in plain code: ``x`` itself where no gradient is recorded."""
+    if len(group.ranks) == 1 or not recorded(x):
+        return x
+    return summed_gradient(x, group.group_name)
+
+
+def _pvary_typed(
+    x: torch.Tensor, group: OrderedGroup, axes: Axes, mesh: ParallelMesh | None
+) -> torch.Tensor:
+    """``pvary`` in plain code, or with JAX's rule inside a typed body."""
     if body.types is None:
-        if len(group.ranks) == 1 or not recorded(x):
-            return x
-        return summed_gradient(x, group.group_name)
+        return _varying(x, group)
     names = _axis_names(axes)
     if names & vma(x):
         raise VaryingAxesError(
@@ -390,10 +454,10 @@ def all_gather(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "all_gather")
     group = _ordered(axes, mesh, "all_gather")
-    if body.types is None:
+    if body.types is None and _SPMD_TYPES not in _loaded:
         return all_gather_on(x, group, axis, tiled)
-    return _typed(x, axes, mesh, "all_gather", group,
-                  lambda v, on: all_gather_on(v, on, axis, tiled))
+    run = _in_body(axes, mesh, "all_gather", lambda v, on: all_gather_on(v, on, axis, tiled))
+    return _collective(x, axes, mesh, group, run, "gather", (axis,), tiled)
 
 
 def all_gather_invariant(
@@ -415,10 +479,11 @@ def all_gather_invariant(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "all_gather_invariant")
     group = _ordered(axes, mesh, "all_gather_invariant")
-    if body.types is None:
+    if body.types is None and _SPMD_TYPES not in _loaded:
         return gather_invariant(x, group, axis, tiled)
-    return _typed(x, axes, mesh, "all_gather_invariant", group,
-                  lambda v, on: gather_invariant(v, on, axis, tiled), keeps_axes=False)
+    run = _in_body(axes, mesh, "all_gather_invariant",
+                   lambda v, on: gather_invariant(v, on, axis, tiled), keeps_axes=False)
+    return _collective(x, axes, mesh, group, run, "gather_invariant", (axis,), tiled)
 
 
 def psum_scatter(
@@ -440,10 +505,11 @@ def psum_scatter(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "psum_scatter")
     group = _ordered(axes, mesh, "psum_scatter")
-    if body.types is None:
+    if body.types is None and _SPMD_TYPES not in _loaded:
         return scatter(x, group, scatter_dimension, tiled)
-    return _typed(x, axes, mesh, "psum_scatter", group,
-                  lambda v, on: scatter(v, on, scatter_dimension, tiled), reduces=True)
+    run = _in_body(axes, mesh, "psum_scatter",
+                   lambda v, on: scatter(v, on, scatter_dimension, tiled), reduces=True)
+    return _collective(x, axes, mesh, group, run, "scatter", (scatter_dimension,), tiled)
 
 
 def all_to_all(
@@ -470,10 +536,10 @@ def all_to_all(
         raise ArgumentTypeError(f"all_to_all() missing its argument {missing!r}")
     split, concat = split_axis, concat_axis
     group = _ordered(axes, mesh, "all_to_all")
-    if body.types is None:
+    if body.types is None and _SPMD_TYPES not in _loaded:
         return exchange(x, group, split, concat, tiled)
-    return _typed(x, axes, mesh, "all_to_all", group,
-                  lambda v, on: exchange(v, on, split, concat, tiled))
+    run = _in_body(axes, mesh, "all_to_all", lambda v, on: exchange(v, on, split, concat, tiled))
+    return _collective(x, axes, mesh, group, run, "exchange", (split, concat), tiled)
 
 
 def ppermute(
@@ -496,8 +562,9 @@ def ppermute(
         raise ArgumentTypeError("ppermute() missing its argument 'perm'")
     group = _ordered(axes, mesh, "ppermute")
     pairs = check_perm(perm, len(group.ranks))
-    if body.types is None:
+    if body.types is None and _SPMD_TYPES not in _loaded:
         return permute(x, group, pairs)
-    return _typed(x, axes, mesh, "ppermute", group, lambda v, on: permute(v, on, pairs))
+    run = _in_body(axes, mesh, "ppermute", lambda v, on: permute(v, on, pairs))
+    return _collective(x, axes, mesh, group, run, "permute")
 
 

@@ -55,6 +55,7 @@ from meshstate.jax.collectives import pvary_over
 from meshstate.jax.plan import Leaves, Plan, plan_on, share_grad
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
+from meshstate.jax.spmd_checker import checking, paused, typed_block
 from meshstate.jax.torch_calls import summed_gradient
 from meshstate.jax.vma import NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, typed, vma
 
@@ -144,9 +145,14 @@ def shard_map(
         plan = plan_on(parallel_mesh, specs)
         arguments = flat_in.tree.leaves(args)
         blocks = [mode.enter(plan, number, x) for number, x in arguments]
+        if checking():
+            mode.checked_blocks(plan, parallel_mesh, arguments, blocks)
         local_args = flat_in.tree.rebuilt(args, iter(blocks))
         results = _run(f, local_args, parallel_mesh, mode.types(parallel_mesh))
         outputs = mode.leave(plan, parallel_mesh, flat_out.tree.leaves(results))
+        if checking():  # DTensor's bookkeeping is not the body's: the checker pauses for it
+            with paused():
+                return flat_out.tree.rebuilt(results, iter(plan.to_dtensors(outputs, arguments)))
         return flat_out.tree.rebuilt(results, iter(plan.to_dtensors(outputs, arguments)))
 
     return mapped
@@ -219,6 +225,13 @@ class _Typed:
             local = local.view_as(local)
         return typed(local, plan.named[number])
 
+    def checked_blocks(self, plan: Plan, parallel_mesh: ParallelMesh, arguments: Leaves,
+                       blocks: list[torch.Tensor]) -> None:
+        """Type the blocks for spmd_types' checker: ``V`` on the axes each in-spec names,
+        the argument's own type on the others."""
+        for (number, x), block in zip(arguments, blocks):
+            typed_block(block, x, plan.named[number], plan.mesh_axes, parallel_mesh)
+
     def leave(self, plan: Plan, parallel_mesh: ParallelMesh, outputs: Leaves) -> Leaves:
         """The results untyped, once every one is checked (before anything is sent)."""
         for number, y in outputs:
@@ -259,6 +272,15 @@ class _Legacy:
         if left_out is None or not local.requires_grad:
             return local
         return summed_gradient(local, left_out.group_name)
+
+    def checked_blocks(self, plan: Plan, parallel_mesh: ParallelMesh, arguments: Leaves,
+                       blocks: list[torch.Tensor]) -> None:
+        """Refused: spmd_types' checker types values, and this mode has no types."""
+        raise ConfigError(
+            "shard_map(check_vma=False) under spmd_types' checker: JAX's legacy mode has no "
+            "types (its psum's backward is a psum, which no spmd_types type says); use "
+            "check_vma=True, JAX's default, whose types the checker follows"
+        )
 
     def leave(self, plan: Plan, parallel_mesh: ParallelMesh, outputs: Leaves) -> Leaves:
         """The results, each replicated one sharing its cotangent among its replicas."""

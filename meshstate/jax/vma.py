@@ -29,7 +29,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._ops import HigherOrderOperator
@@ -76,9 +76,17 @@ def vma(x: torch.Tensor) -> frozenset[str]:
     found: frozenset[str] | None = getattr(x, _ATTRIBUTE, None)
     if found is not None:
         return found
-    if not torch.compiler.is_compiling() and "spmd_types" in sys.modules:
-        return _spmd_types_axes(x)
-    return NO_AXES
+    return _spmd_types_axes(x) if _spmd_types_loaded() else NO_AXES
+
+
+def own_type(x: torch.Tensor) -> frozenset[str] | None:
+    """The type a typed ``shard_map`` body gave ``x``; ``None`` where it gave none."""
+    return getattr(x, _ATTRIBUTE, None)
+
+
+def _spmd_types_loaded() -> bool:
+    """Whether spmd_types may have typed a tensor (it is imported; never while tracing)."""
+    return "spmd_types" in sys.modules and not torch.compiler.is_compiling()
 
 
 def _spmd_types_axes(x: torch.Tensor) -> frozenset[str]:
@@ -200,6 +208,8 @@ class VaryingTypes(TorchFunctionMode):
             args, kwargs = self._cast_up(func, args, kwargs, union)
         if func in _NARROW and torch.compiler.is_compiling():
             func, args, kwargs = _narrow_traceably(func, args, kwargs)
+        if getattr(func, "__name__", None) == "apply":
+            func = _applied_again(func)
         result = func(*args, **kwargs)
         if union:
             if isinstance(result, torch.Tensor):  # an in-place op's result is the tensor it wrote
@@ -260,6 +270,17 @@ class VaryingTypes(TorchFunctionMode):
         return cast, {name: up(value) for name, value in kwargs.items()} if kwargs else kwargs
 
 
+def _applied_again(func: Callable[..., Any]) -> Callable[..., Any]:
+    """An autograd Function's ``apply`` as a mode beneath this one must see it: spmd_types'
+    checker dispatches ``apply`` as a torch function (to run a Function's
+    ``spmd_typecheck`` hook), but the ``func`` a mode is handed is the original, which
+    no mode beneath sees; the class's ``apply`` goes through the checker again."""
+    function = getattr(func, "__self__", None)
+    if isinstance(function, type) and issubclass(function, torch.autograd.Function):
+        return cast(Callable[..., Any], getattr(function, "apply"))
+    return func
+
+
 _NARROW = frozenset({torch.Tensor.narrow, torch.narrow})
 
 
@@ -285,7 +306,9 @@ def _union(values: tuple[Any, ...]) -> tuple[frozenset[str], bool]:
     mixed = False
     for value in values:
         if isinstance(value, torch.Tensor):
-            axes = getattr(value, _ATTRIBUTE, NO_AXES)
+            axes = getattr(value, _ATTRIBUTE, None)
+            if axes is None:  # a value made outside the body: spmd_types' type, if it gave one
+                axes = _spmd_types_axes(value) if _spmd_types_loaded() else NO_AXES
         elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
             axes, inner_mixed = _union(tuple(value))
             mixed = mixed or inner_mixed

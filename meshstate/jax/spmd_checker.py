@@ -1,0 +1,236 @@
+"""meshstate's collectives as spmd_types' checker types them (torchtitan's type system).
+
+spmd_types types each local tensor per mesh axis: ``V`` varying, ``I`` invariant,
+``R`` replicated with its gradient pending a sum (JAX's pvary'd value), ``P`` a
+pending sum (JAX's unreduced). While its checker runs
+(``spmd_types.checker.typecheck``), each meshstate collective is one autograd
+Function whose ``spmd_typecheck`` hook types it as spmd_types' table of
+megatron-core mappings does, axis by axis of the axes it names, leaving the
+others as they were; the c10d call underneath runs with the checker paused, so it
+is not what the checker types. Values and gradients are the unchecked call's.
+
+=========================  =============================================
+meshstate                  spmd_types (each named axis)
+=========================  =============================================
+``pvary``                  ``convert(I -> R)``
+``psum``, ``pmean``        ``all_reduce(V or P -> I)``
+``pmax``, ``pmin``         ``all_reduce(V -> I)``
+``all_gather``             ``all_gather(V -> R)`` (tiled: ``S(axis)``)
+``all_gather_invariant``   ``all_gather(V -> I)`` (tiled: ``S(axis)``)
+``psum_scatter``           ``reduce_scatter(V or P -> V)`` (tiled: ``S(dim)``)
+``all_to_all``             ``all_to_all(V -> V)`` (tiled: ``S(concat) -> S(split)``)
+``ppermute``               ``V -> V`` (typed as ``all_to_all``)
+=========================  =============================================
+
+A wrong input type is refused by the checker, in its own words. spmd_types is
+never imported here: without it, or with its checker off, nothing changes (one
+``sys.modules`` lookup a call).
+
+Example (4 ranks, ``init_mesh(tp=2)``, ``x`` typed ``{tp: V, dp: I}``)::
+
+    with spmd.set_current_mesh(mesh.dense), typecheck(strict_mode="strict", local=True):
+        spmd.get_local_type(psum(x, "tp"))     # {tp: I, dp: I}
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.ordered import OrderedGroup
+from meshstate.jax.vma import own_type, typed
+
+RunOn = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
+"""A collective's work on one rank: its input and its group."""
+
+_loaded = sys.modules
+
+
+def checking() -> bool:
+    """Whether spmd_types' checker types this thread's torch calls now (never while
+    ``torch.compile`` traces)."""
+    spmd_types = _loaded.get("spmd_types")
+    return (
+        spmd_types is not None
+        and spmd_types.is_type_checking()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def paused() -> Any:
+    """A context in which spmd_types' checker types nothing (its ``no_typecheck``)."""
+    return _loaded["spmd_types"].no_typecheck()
+
+
+@dataclass
+class Collective:
+    """One collective call as the checker types it: its kind (a row of the table), its
+    work, its group and the groups of the axes it names (size 1 left out, as
+    spmd_types leaves them out), and, with ``tiled``, the dims its axes split: a gather's
+    or a scatter's dim, an all_to_all's split and concat dims. Without ``ordered`` it runs on the group :class:`TypedCollective` is
+    given, in that group's rank order (``spmd_types.rulecheck`` makes its own).
+    ``result_axes`` carries the meshstate type its result had inside a typed
+    ``shard_map`` body out of the autograd Function."""
+
+    kind: str
+    run: RunOn
+    ordered: OrderedGroup | None = None
+    axis_groups: tuple[dist.ProcessGroup, ...] = ()
+    dims: tuple[int, ...] = (0,)
+    tiled: bool = False
+    result_axes: frozenset[str] | None = field(default=None, compare=False)
+
+    def given(self, group: dist.ProcessGroup) -> bool:
+        """Whether ``group`` is this call's own (not one rulecheck made)."""
+        return self.ordered is not None and group is self.ordered.group
+
+
+def checked(x: torch.Tensor, group: OrderedGroup, call: Collective) -> torch.Tensor:
+    """``call.run(x, group)``, typed by the checker through :class:`TypedCollective`."""
+    # Looked up each call: the checker replaces Function.apply while it runs.
+    apply = cast(Callable[..., torch.Tensor], getattr(TypedCollective, "apply"))
+    result = apply(x, group.group, call)
+    if call.result_axes is not None:
+        typed(result, call.result_axes)
+    return result
+
+
+class TypedCollective(torch.autograd.Function):
+    """A meshstate collective as one autograd Function with an ``spmd_typecheck`` hook.
+
+    ``forward`` runs the collective with the checker paused, recording its autograd
+    graph; ``backward`` runs that graph (the collective's own transpose).
+    ``group`` is the process group the hook types on; where it is not the call's
+    own (``spmd_types.rulecheck`` passes a group of its own making), the collective
+    runs on it in its rank order.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, call: Collective) -> torch.Tensor:
+        ordered = call.ordered if call.ordered is not None and call.given(group) else (
+            OrderedGroup.in_group_order(group))
+        with paused(), torch.enable_grad():
+            inner = x.detach().requires_grad_(x.requires_grad)
+            result = call.run(inner, ordered)
+        call.result_axes = own_type(result)
+        ctx.graph = (inner, result) if result.requires_grad else None
+        return result.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        if ctx.graph is None:
+            return None, None, None
+        inner, result = ctx.graph
+        with paused():
+            (grad_x,) = torch.autograd.grad(result, inner, grad)
+        return grad_x, None, None
+
+    @staticmethod
+    def spmd_typecheck(*, x: torch.Tensor, group: dist.ProcessGroup, call: Collective) -> Any:
+        groups = call.axis_groups if call.given(group) else (group,)
+        if not groups:  # every axis it names has size 1: spmd_types types nothing there
+            _rules().ignore(x)
+            return x
+        typed_value: Any = x
+        for number, axis_group in enumerate(groups):
+            first, last = number == 0, number == len(groups) - 1
+            typed_value = _STEPS[call.kind](typed_value, axis_group, first, last, call)
+        return typed_value
+
+
+def _rules() -> Any:
+    return _loaded["spmd_types"].rules
+
+
+def _type(name: str) -> Any:
+    """spmd_types' ``V``, ``I``, ``R`` or ``P``."""
+    return getattr(_loaded["spmd_types"], name)
+
+
+def _source(x: Any, group: dist.ProcessGroup, *accepted: str) -> Any:
+    """The type ``x`` has on ``group``'s axis where the rule accepts it (a reduction takes
+    ``V`` as spmd_types' own collectives do, reinterpreted as ``P``), else the last type
+    it accepts, which the checker then refuses in its own words."""
+    spmd_types: Any = _loaded["spmd_types"]
+    kind = spmd_types.get_local_type(x).get(spmd_types.MeshAxis.of(group))
+    return kind if any(kind is _type(name) for name in accepted) else _type(accepted[-1])
+
+
+Step = Callable[[Any, dist.ProcessGroup, bool, bool, Collective], Any]
+"""A rule on one axis: the value so far, the axis's group, whether it is the first and the
+last axis the call names, and the call."""
+
+
+def _gathered(dst: str) -> Step:
+    def step(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: Collective) -> Any:
+        stacks = first and not call.tiled  # the stack form adds one dim, once
+        src = _type("V") if stacks else _type("S")(call.dims[0])
+        return _rules().all_gather(x, group, src=src, dst=_type(dst))
+    return step
+
+
+def _scattered(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: Collective) -> Any:
+    unbinds = last and not call.tiled  # the scattered dim goes, once
+    dst = _type("V") if unbinds else _type("S")(call.dims[0])
+    return _rules().reduce_scatter(x, group, src=_source(x, group, "V", "P"), dst=dst)
+
+
+def _exchanged(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: Collective) -> Any:
+    """all_to_all: tiled, a value split along its concat dim leaves split along its split dim."""
+    if not call.tiled:
+        return _rules().all_to_all(x, group, src=_type("V"), dst=_type("V"))
+    split, concat = call.dims
+    return _rules().all_to_all(x, group, src=_type("S")(concat), dst=_type("S")(split))
+
+
+_STEPS: dict[str, Step] = {
+    "convert": lambda x, group, first, last, call: _rules().convert(
+        x, group, src=_type("I"), dst=_type("R")),
+    "sum": lambda x, group, first, last, call: _rules().all_reduce(
+        x, group, src=_source(x, group, "V", "P"), dst=_type("I")),
+    "extreme": lambda x, group, first, last, call: _rules().all_reduce(
+        x, group, src=_source(x, group, "V"), dst=_type("I")),
+    "gather": _gathered("R"),
+    "gather_invariant": _gathered("I"),
+    "scatter": _scattered,
+    "exchange": _exchanged,
+    "permute": lambda x, group, first, last, call: _rules().all_to_all(
+        x, group, src=_type("V"), dst=_type("V")),
+}
+"""Each kind's rule on one axis (the table in the module's docstring)."""
+
+
+def typed_block(block: torch.Tensor, argument: torch.Tensor, named: frozenset[str],
+                view_axes: tuple[str, ...], parallel_mesh: ParallelMesh) -> torch.Tensor:
+    """``block``, a ``shard_map`` argument's block, typed for the checker: ``V`` on the
+    axes its in-spec ``named`` names, the argument's own type on the other axes of the
+    view (``I`` where the argument has none: a plain tensor holds the whole value on
+    every rank)."""
+    spmd_types: Any = _loaded["spmd_types"]
+    own = spmd_types.get_local_type(argument) if spmd_types.has_local_type(argument) else {}
+    before = spmd_types.get_local_type(block) if spmd_types.has_local_type(block) else {}
+    added, changed = {}, {}
+    for axis, mesh_axis in _spmd_axes(parallel_mesh, view_axes):
+        wanted = spmd_types.V if axis in named else own.get(mesh_axis, spmd_types.I)
+        if mesh_axis not in before:
+            added[mesh_axis] = wanted
+        elif before[mesh_axis] is not wanted:
+            changed[mesh_axis] = wanted
+    if added:
+        spmd_types.assert_type(block, added)
+    if changed:
+        spmd_types.mutate_type(block, src={axis: before[axis] for axis in changed}, dst=changed)
+    return block
+
+
+def _spmd_axes(parallel_mesh: ParallelMesh, view_axes: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """Each of ``view_axes`` but those of size 1, and its spmd_types ``MeshAxis``."""
+    spmd_types: Any = _loaded["spmd_types"]
+    return [(axis, spmd_types.MeshAxis.of(parallel_mesh.group(axis)))
+            for axis in view_axes if parallel_mesh.size(axis) > 1]
