@@ -86,6 +86,10 @@ class Collective:
     tiled: bool = False
     result_axes: frozenset[str] | None = field(default=None, compare=False)
 
+    def __repr__(self) -> str:  # how the checker names the call in its messages
+        tiled = f", tiled over dims {self.dims}" if self.tiled else ""
+        return f"meshstate collective ({self.kind}{tiled})"
+
     def given(self, group: dist.ProcessGroup) -> bool:
         """Whether ``group`` is this call's own (not one rulecheck made)."""
         return self.ordered is not None and group is self.ordered.group
