@@ -132,6 +132,32 @@ def test_a_row_parallel_shard_map_type_checks_strictly():
 
 
 @in_both_worlds(4)
+def test_a_typed_bodys_casts_and_axis_index_carry_spmd_types_types():
+    """JAX casts an operand up to the others' axes (pvary) where spmd_types refuses the mix
+    (an invariant value whose gradient is recorded): the checker sees the cast
+    (convert(I -> R)). axis_index is V on its axes."""
+    mesh = meshstate.init_mesh(tp=2)
+    seen = []
+
+    def body(x_block):
+        mixed, scaled = x_block @ matrix, x_block * lax.axis_index("tp")
+        seen.extend([types_of(mixed, mesh), types_of(scaled, mesh)])
+        return mixed + scaled
+
+    with mesh, spmd.set_current_mesh(mesh.dense):
+        matrix = spmd.assert_type((torch.eye(4) * 2).requires_grad_(), {"tp": I, "dp": I})
+        x = spmd.assert_type(torch.arange(8.0), {"tp": I, "dp": I})
+        with typecheck(**STRICT):
+            out = shard_map(body, in_specs=P("tp"), out_specs=P("tp"))(x)
+        assert seen == [{"tp": V, "dp": I}] * 2
+        tp_index = torch.tensor([0.0, 1.0]).repeat_interleave(4)
+        torch.testing.assert_close(out.full_tensor(), torch.arange(8.0) * (2 + tp_index))
+        out.full_tensor().sum().backward()  # the cast's backward: the gradient summed over tp
+        torch.testing.assert_close(matrix.grad, torch.arange(8.0).reshape(2, 4).sum(0).expand(4, 4).T)
+    mesh.destroy()
+
+
+@in_both_worlds(4)
 def test_a_value_spmd_types_typed_enters_a_typed_body_with_its_type():
     mesh = meshstate.init_mesh(tp=2)
     with mesh, spmd.set_current_mesh(mesh.dense):

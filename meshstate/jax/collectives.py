@@ -72,11 +72,12 @@ from meshstate.jax.torch_calls import (
     sum_over,
     summed_gradient,
 )
-from meshstate.jax.spmd_checker import Collective, checked, checking
+from meshstate.jax.spmd_checker import Collective, checked, spmd_typed
 from meshstate.jax.vma import (
     VaryingAxesError,
     axes_text,
     body,
+    spmd_types_checking,
     type_text,
     typed,
     vma,
@@ -186,7 +187,7 @@ def _collective(
     (:mod:`meshstate.jax.spmd_checker`; with ``tiled``, ``dims`` are the dims its axes
     split). (Outside a typed body and the checker each collective calls
     its own work itself: the eager path costs one call less.)"""
-    if checking():
+    if spmd_types_checking():
         parallel_mesh = current_mesh() if mesh is None else mesh
         call = Collective(kind, run, group, _axis_groups(parallel_mesh, axes), dims, tiled)
         return checked(x, group, call)
@@ -230,7 +231,7 @@ def _axis_groups(parallel_mesh: ParallelMesh, axes: Axes) -> tuple[Any, ...]:
 def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
     """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
     ``pvary`` inside a typed body, and what casting an operand up inserts)."""
-    if _SPMD_TYPES in _loaded and checking():
+    if spmd_types_checking():
         spelled = tuple(sorted(axes))
         group = _ordered_group(parallel_mesh, spelled)
         call = Collective("convert", lambda v, on: pvary_over(v, axes, parallel_mesh), group,
@@ -261,7 +262,11 @@ def axis_index(
     with _compat.torch_functions_off():
         device = device_for(parallel_mesh.device_type)
         index = torch.full((), group.index, dtype=torch.int64, device=device)
-        return typed(index, _axis_names(axes))
+        names = _axis_names(axes)
+        if spmd_types_checking():
+            view_axes = parallel_mesh.layout.view_of(names).axes_fastest_first
+            spmd_typed(index, index, names, view_axes, parallel_mesh)
+        return typed(index, names)
 
 
 def axis_size(

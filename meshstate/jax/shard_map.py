@@ -55,9 +55,11 @@ from meshstate.jax.collectives import pvary_over
 from meshstate.jax.plan import Leaves, Plan, plan_on, share_grad
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
-from meshstate.jax.spmd_checker import checking, paused, typed_block
+from meshstate.jax.spmd_checker import paused, spmd_typed
 from meshstate.jax.torch_calls import summed_gradient
-from meshstate.jax.vma import NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, typed, vma
+from meshstate.jax.vma import (
+    NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, spmd_types_checking, typed, vma,
+)
 
 __all__ = ["reshard", "shard_map"]
 
@@ -145,12 +147,12 @@ def shard_map(
         plan = plan_on(parallel_mesh, specs)
         arguments = flat_in.tree.leaves(args)
         blocks = [mode.enter(plan, number, x) for number, x in arguments]
-        if checking():
+        if spmd_types_checking():
             mode.checked_blocks(plan, parallel_mesh, arguments, blocks)
         local_args = flat_in.tree.rebuilt(args, iter(blocks))
         results = _run(f, local_args, parallel_mesh, mode.types(parallel_mesh))
         outputs = mode.leave(plan, parallel_mesh, flat_out.tree.leaves(results))
-        if checking():  # DTensor's bookkeeping is not the body's: the checker pauses for it
+        if spmd_types_checking():  # DTensor's bookkeeping is not the body's: the checker pauses
             with paused():
                 return flat_out.tree.rebuilt(results, iter(plan.to_dtensors(outputs, arguments)))
         return flat_out.tree.rebuilt(results, iter(plan.to_dtensors(outputs, arguments)))
@@ -230,7 +232,7 @@ class _Typed:
         """Type the blocks for spmd_types' checker: ``V`` on the axes each in-spec names,
         the argument's own type on the others."""
         for (number, x), block in zip(arguments, blocks):
-            typed_block(block, x, plan.named[number], plan.mesh_axes, parallel_mesh)
+            spmd_typed(block, x, plan.named[number], plan.mesh_axes, parallel_mesh)
 
     def leave(self, plan: Plan, parallel_mesh: ParallelMesh, outputs: Leaves) -> Leaves:
         """The results untyped, once every one is checked (before anything is sent)."""

@@ -52,17 +52,6 @@ RunOn = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
 _loaded = sys.modules
 
 
-def checking() -> bool:
-    """Whether spmd_types' checker types this thread's torch calls now (never while
-    ``torch.compile`` traces)."""
-    spmd_types = _loaded.get("spmd_types")
-    return (
-        spmd_types is not None
-        and spmd_types.is_type_checking()
-        and not torch.compiler.is_compiling()
-    )
-
-
 def paused() -> Any:
     """A context in which spmd_types' checker types nothing (its ``no_typecheck``)."""
     return _loaded["spmd_types"].no_typecheck()
@@ -73,8 +62,9 @@ class Collective:
     """One collective call as the checker types it: its kind (a row of the table), its
     work, its group and the groups of the axes it names (size 1 left out, as
     spmd_types leaves them out), and, with ``tiled``, the dims its axes split: a gather's
-    or a scatter's dim, an all_to_all's split and concat dims. Without ``ordered`` it runs on the group :class:`TypedCollective` is
-    given, in that group's rank order (``spmd_types.rulecheck`` makes its own).
+    or a scatter's dim, an all_to_all's split and concat dims. Without ``ordered`` it runs
+    on the group :class:`TypedCollective` is given, in that group's rank order
+    (``spmd_types.rulecheck`` makes its own).
     ``result_axes`` carries the meshstate type its result had inside a typed
     ``shard_map`` body out of the autograd Function."""
 
@@ -117,8 +107,8 @@ class TypedCollective(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, call: Collective) -> torch.Tensor:
-        ordered = call.ordered if call.ordered is not None and call.given(group) else (
-            OrderedGroup.in_group_order(group))
+        own = call.ordered
+        ordered = own if own is not None and call.given(group) else OrderedGroup.in_group_order(group)
         with paused(), torch.enable_grad():
             inner = x.detach().requires_grad_(x.requires_grad)
             result = call.run(inner, ordered)
@@ -210,27 +200,27 @@ _STEPS: dict[str, Step] = {
 """Each kind's rule on one axis (the table in the module's docstring)."""
 
 
-def typed_block(block: torch.Tensor, argument: torch.Tensor, named: frozenset[str],
-                view_axes: tuple[str, ...], parallel_mesh: ParallelMesh) -> torch.Tensor:
-    """``block``, a ``shard_map`` argument's block, typed for the checker: ``V`` on the
-    axes its in-spec ``named`` names, the argument's own type on the other axes of the
-    view (``I`` where the argument has none: a plain tensor holds the whole value on
-    every rank)."""
+def spmd_typed(value: torch.Tensor, like: torch.Tensor, varying: frozenset[str],
+               view_axes: tuple[str, ...], parallel_mesh: ParallelMesh) -> torch.Tensor:
+    """``value`` typed for the checker: ``V`` on the axes ``varying`` names, ``like``'s type
+    on the other axes of the view (``I`` where ``like`` has none). A ``shard_map`` block
+    is typed so (``varying``: its in-spec's axes, ``like``: its argument, a plain tensor
+    holding the whole value on every rank), and ``axis_index``'s typed value."""
     spmd_types: Any = _loaded["spmd_types"]
-    own = spmd_types.get_local_type(argument) if spmd_types.has_local_type(argument) else {}
-    before = spmd_types.get_local_type(block) if spmd_types.has_local_type(block) else {}
+    own = spmd_types.get_local_type(like) if spmd_types.has_local_type(like) else {}
+    before = spmd_types.get_local_type(value) if spmd_types.has_local_type(value) else {}
     added, changed = {}, {}
     for axis, mesh_axis in _spmd_axes(parallel_mesh, view_axes):
-        wanted = spmd_types.V if axis in named else own.get(mesh_axis, spmd_types.I)
+        wanted = spmd_types.V if axis in varying else own.get(mesh_axis, spmd_types.I)
         if mesh_axis not in before:
             added[mesh_axis] = wanted
         elif before[mesh_axis] is not wanted:
             changed[mesh_axis] = wanted
     if added:
-        spmd_types.assert_type(block, added)
+        spmd_types.assert_type(value, added)
     if changed:
-        spmd_types.mutate_type(block, src={axis: before[axis] for axis in changed}, dst=changed)
-    return block
+        spmd_types.mutate_type(value, src={axis: before[axis] for axis in changed}, dst=changed)
+    return value
 
 
 def _spmd_axes(parallel_mesh: ParallelMesh, view_axes: tuple[str, ...]) -> list[tuple[str, Any]]:

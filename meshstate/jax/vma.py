@@ -84,6 +84,17 @@ def own_type(x: torch.Tensor) -> frozenset[str] | None:
     return getattr(x, _ATTRIBUTE, None)
 
 
+def spmd_types_checking() -> bool:
+    """Whether spmd_types' checker types this thread's torch calls now (never while
+    ``torch.compile`` traces; spmd_types is read from ``sys.modules``, never imported)."""
+    spmd_types = sys.modules.get("spmd_types")
+    return (
+        spmd_types is not None
+        and not torch.compiler.is_compiling()
+        and spmd_types.is_type_checking()
+    )
+
+
 def _spmd_types_loaded() -> bool:
     """Whether spmd_types may have typed a tensor (it is imported; never while tracing)."""
     return "spmd_types" in sys.modules and not torch.compiler.is_compiling()
