@@ -295,7 +295,7 @@ def psum(
     group = _ordered(axes, mesh, "psum")
     if isinstance(x, NUMBERS):
         return x * len(group.ranks)
-    if body.types is None and _SPMD_TYPES not in _loaded:
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
         return sum_over(x, group, "psum")
     run = _in_body(axes, mesh, "psum", _summed, reduces=True, keeps_axes=False)
     return _collective(x, axes, mesh, group, run, "sum")
@@ -329,7 +329,7 @@ def pmean(
     group = _ordered(axes, mesh, "pmean")
     if isinstance(x, NUMBERS):
         return x * len(group.ranks) / len(group.ranks)
-    if body.types is None and _SPMD_TYPES not in _loaded:
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
         return _mean(x, group)
     run = _in_body(axes, mesh, "pmean", _mean, reduces=True, keeps_axes=False)
     return _collective(x, axes, mesh, group, run, "sum")
@@ -373,7 +373,7 @@ def _extreme(
     x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None, op: str, name: str
 ) -> torch.Tensor:
     group = _ordered(axes, mesh, name)
-    if body.types is None and _SPMD_TYPES not in _loaded:
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
         return reduce(x, group, op, name)
     run = _in_body(axes, mesh, name, partial(_reduced, op=op, name=name), keeps_axes=False)
     return _collective(x, axes, mesh, group, run, "extreme")
@@ -410,7 +410,7 @@ def pvary(
         raise ArgumentTypeError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
     if body.legacy:
         return x
-    if body.types is None and _SPMD_TYPES not in _loaded:
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
         return _varying(x, group)
     return _collective(x, axes, mesh, group, partial(_pvary_typed, axes=axes, mesh=mesh),
                        "convert")
@@ -459,7 +459,7 @@ def all_gather(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "all_gather")
     group = _ordered(axes, mesh, "all_gather")
-    if body.types is None and _SPMD_TYPES not in _loaded:
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
         return all_gather_on(x, group, axis, tiled)
     run = _in_body(axes, mesh, "all_gather", lambda v, on: all_gather_on(v, on, axis, tiled))
     return _collective(x, axes, mesh, group, run, "gather", (axis,), tiled)
@@ -484,7 +484,7 @@ def all_gather_invariant(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "all_gather_invariant")
     group = _ordered(axes, mesh, "all_gather_invariant")
-    if body.types is None and _SPMD_TYPES not in _loaded:
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
         return gather_invariant(x, group, axis, tiled)
     run = _in_body(axes, mesh, "all_gather_invariant",
                    lambda v, on: gather_invariant(v, on, axis, tiled), keeps_axes=False)
@@ -510,7 +510,7 @@ def psum_scatter(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "psum_scatter")
     group = _ordered(axes, mesh, "psum_scatter")
-    if body.types is None and _SPMD_TYPES not in _loaded:
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
         return scatter(x, group, scatter_dimension, tiled)
     run = _in_body(axes, mesh, "psum_scatter",
                    lambda v, on: scatter(v, on, scatter_dimension, tiled), reduces=True)
@@ -541,7 +541,7 @@ def all_to_all(
         raise ArgumentTypeError(f"all_to_all() missing its argument {missing!r}")
     split, concat = split_axis, concat_axis
     group = _ordered(axes, mesh, "all_to_all")
-    if body.types is None and _SPMD_TYPES not in _loaded:
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
         return exchange(x, group, split, concat, tiled)
     run = _in_body(axes, mesh, "all_to_all", lambda v, on: exchange(v, on, split, concat, tiled))
     return _collective(x, axes, mesh, group, run, "exchange", (split, concat), tiled)
@@ -567,7 +567,7 @@ def ppermute(
         raise ArgumentTypeError("ppermute() missing its argument 'perm'")
     group = _ordered(axes, mesh, "ppermute")
     pairs = check_perm(perm, len(group.ranks))
-    if body.types is None and _SPMD_TYPES not in _loaded:
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
         return permute(x, group, pairs)
     run = _in_body(axes, mesh, "ppermute", lambda v, on: permute(v, on, pairs))
     return _collective(x, axes, mesh, group, run, "permute")
