@@ -259,11 +259,12 @@ def axis_index(
     if body.types is None:
         return group.index
     parallel_mesh = current_mesh() if mesh is None else mesh
+    checked = spmd_types_checking()  # asked before torch functions go off: it reads the modes
     with _compat.torch_functions_off():
         device = device_for(parallel_mesh.device_type)
         index = torch.full((), group.index, dtype=torch.int64, device=device)
         names = _axis_names(axes)
-        if spmd_types_checking():
+        if checked:
             view_axes = parallel_mesh.layout.view_of(names).axes_fastest_first
             spmd_typed(index, index, names, view_axes, parallel_mesh)
         return typed(index, names)
