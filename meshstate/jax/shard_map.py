@@ -146,18 +146,32 @@ def shard_map(
         )
         plan = plan_on(parallel_mesh, specs)
         arguments = flat_in.tree.leaves(args)
-        blocks = [mode.enter(plan, number, x) for number, x in arguments]
-        if spmd_types_checking():
-            mode.checked_blocks(plan, parallel_mesh, arguments, blocks)
+        blocks = _blocks(mode, plan, parallel_mesh, arguments)
         local_args = flat_in.tree.rebuilt(args, iter(blocks))
         results = _run(f, local_args, parallel_mesh, mode.types(parallel_mesh))
         outputs = mode.leave(plan, parallel_mesh, flat_out.tree.leaves(results))
-        if spmd_types_checking():  # DTensor's bookkeeping is not the body's: the checker pauses
-            with paused():
-                return flat_out.tree.rebuilt(results, iter(plan.to_dtensors(outputs, arguments)))
-        return flat_out.tree.rebuilt(results, iter(plan.to_dtensors(outputs, arguments)))
+        return flat_out.tree.rebuilt(results, iter(_as_dtensors(plan, outputs, arguments)))
 
     return mapped
+
+
+def _blocks(mode: _Typed | _Legacy, plan: Plan, parallel_mesh: ParallelMesh,
+            arguments: Leaves) -> list[torch.Tensor]:
+    """This rank's block of each argument, typed by ``mode`` (and for spmd_types' checker,
+    while it runs)."""
+    blocks = [mode.enter(plan, number, x) for number, x in arguments]
+    if spmd_types_checking():
+        mode.checked_blocks(plan, parallel_mesh, arguments, blocks)
+    return blocks
+
+
+def _as_dtensors(plan: Plan, outputs: Leaves, arguments: Leaves) -> list[DTensor]:
+    """``plan.to_dtensors(outputs, arguments)``, spmd_types' checker paused while it runs:
+    DTensor's bookkeeping is not the body's."""
+    if spmd_types_checking():
+        with paused():
+            return plan.to_dtensors(outputs, arguments)
+    return plan.to_dtensors(outputs, arguments)
 
 
 def _run(
