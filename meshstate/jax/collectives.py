@@ -28,6 +28,8 @@ refuse tensors that require grad. Inside a ``shard_map`` body each collective
 also follows JAX's type rule (see :mod:`meshstate.jax.vma`); inside a
 ``shard_map(check_vma=False)`` body ``psum``, ``pmean`` and ``pvary`` have
 JAX's legacy transposes (``psum``'s backward a ``psum``, ``pvary``'s the identity).
+While spmd_types' checker runs (torchtitan's), each is also typed as spmd_types'
+table says (:mod:`meshstate.jax.spmd_checker`).
 
 Compiled and eager alike: under ``torch.compile`` (or any torch tracer), and
 wherever a gradient is needed, each call is one of torch's traceable functional
