@@ -9,7 +9,7 @@ column- then row-parallel pair, ``gelu(x @ up) @ down``, on
 ``down`` by rows over tp, each collective named where JAX names it. The output is
 ``I`` on tp, the loss ``I`` everywhere; losses and gradients equal one process.
 
-Run it::
+Run it (spmd_types is a development dependency: ``pip install --no-deps spmd_types==0.3.1``)::
 
     torchrun --nproc-per-node 4 examples/spmd_checked_mlp.py
 """
