@@ -77,8 +77,13 @@ def test_each_collective_gives_the_tables_type_and_the_unchecked_values():
         with typecheck(**STRICT):
             total = lax.psum(both, ("dp", "tp"))
             gathered = lax.all_gather(both, ("dp", "tp"), tiled=True)
-        assert types_of(total, mesh) == {"tp": I, "dp": I}
-        assert types_of(gathered, mesh) == {"tp": R, "dp": R}
+            stacked = lax.all_gather(both, ("dp", "tp"))
+            scattered = lax.psum_scatter(both, ("dp", "tp"), tiled=True)
+            with pytest.raises(ConfigError, match="pass tiled=True"):
+                lax.psum_scatter(both, ("dp", "tp"))
+        assert [types_of(y, mesh) for y in (total, gathered, stacked, scattered)] == [
+            {"tp": I, "dp": I}, {"tp": R, "dp": R}, {"tp": R, "dp": R}, {"tp": V, "dp": V}]
+        assert (gathered.shape, stacked.shape, scattered.shape) == ((16,), (4, 4), (1,))
         torch.testing.assert_close(total, torch.full((4,), 4.0))
     mesh.destroy()
 

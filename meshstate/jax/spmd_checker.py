@@ -17,7 +17,8 @@ meshstate                  spmd_types (each named axis)
 ``pmax``, ``pmin``         ``all_reduce(V -> I)``
 ``all_gather``             ``all_gather(V -> R)`` (tiled: ``S(axis)``)
 ``all_gather_invariant``   ``all_gather(V -> I)`` (tiled: ``S(axis)``)
-``psum_scatter``           ``reduce_scatter(V or P -> V)`` (tiled: ``S(dim)``)
+``psum_scatter``           ``reduce_scatter(V or P -> V)`` (tiled: ``S(dim)``; untiled
+                           over one axis only)
 ``all_to_all``             ``all_to_all(V -> V)`` (tiled: ``S(concat) -> S(split)``)
 ``ppermute``               ``V -> V`` (typed as ``all_to_all``)
 =========================  =============================================
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
+from meshstate.errors import ConfigError
 from meshstate.jax.vma import own_type, typed
 
 RunOn = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
@@ -170,8 +172,13 @@ def _gathered(dst: str) -> Step:
 
 
 def _scattered(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: Collective) -> Any:
-    unbinds = last and not call.tiled  # the scattered dim goes, once
-    dst = _type("V") if unbinds else _type("S")(call.dims[0])
+    if not call.tiled and not (first and last):
+        raise ConfigError(
+            "psum_scatter over several axes with tiled=False under spmd_types' checker: "
+            "spmd_types types the dim it removes on one axis only (its unbinding "
+            "reduce_scatter); pass tiled=True, or scatter over one axis at a time"
+        )
+    dst = _type("S")(call.dims[0]) if call.tiled else _type("V")  # untiled: the dim goes
     return _rules().reduce_scatter(x, group, src=_source(x, group, "V", "P"), dst=dst)
 
 
