@@ -222,6 +222,8 @@ def _in_body(
 
 _SPMD_TYPES = "spmd_types"
 _loaded = sys.modules
+"""Each collective's plain path asks ``_SPMD_TYPES in _loaded`` before
+``spmd_types_checking()``: where spmd_types was never imported, one dict lookup."""
 
 
 def _axis_groups(parallel_mesh: ParallelMesh, axes: Axes) -> tuple[Any, ...]:
