@@ -9,6 +9,7 @@ processes and simulated in one process; the hooks are checked numerically by
 """
 
 import hashlib
+import itertools
 import sys
 from pathlib import Path
 
@@ -58,12 +59,13 @@ def test_each_collective_gives_the_tables_type_and_the_unchecked_values():
     mesh = meshstate.init_mesh(tp=2)
     tp = mesh.rank("tp")
     with mesh, spmd.set_current_mesh(mesh.dense):
-        for name, call, given, gives, differentiable in COLLECTIVES:
+        for (name, call, given, gives, differentiable), other in itertools.product(COLLECTIVES, (I, V)):
             values = torch.arange(8.0).reshape(2, 4) + 10 * tp
-            x = spmd.assert_type(values.clone().requires_grad_(differentiable), {"tp": given, "dp": I})
+            x = spmd.assert_type(values.clone().requires_grad_(differentiable),
+                                 {"tp": given, "dp": other})
             with typecheck(**STRICT):
                 y = call(x)
-            assert types_of(y, mesh) == {"tp": gives, "dp": I}, name
+            assert types_of(y, mesh) == {"tp": gives, "dp": other}, name
             plain = values.clone().requires_grad_(differentiable)
             expected = call(plain)  # the checker off: nothing typed
             assert not spmd.has_local_type(expected), name
