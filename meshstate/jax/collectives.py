@@ -238,9 +238,8 @@ def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMes
     if spmd_types_checking():
         spelled = tuple(sorted(axes))
         group = _ordered_group(parallel_mesh, spelled)
-        call = Collective("convert", lambda v, on: pvary_over(v, axes, parallel_mesh), group,
-                          _axis_groups(parallel_mesh, spelled))
-        return checked(x, group, call)
+        return _collective(x, spelled, parallel_mesh, group,
+                           lambda v, on: pvary_over(v, axes, parallel_mesh), "convert")
     if not recorded(x):
         return typed(x.view_as(x), vma(x) | axes)
     group = _ordered_group(parallel_mesh, tuple(sorted(axes)))

@@ -326,7 +326,7 @@ def _union(values: tuple[Any, ...]) -> tuple[frozenset[str], bool]:
         if isinstance(value, torch.Tensor):
             axes = getattr(value, _ATTRIBUTE, None)
             if axes is None:  # a value made outside the body: spmd_types' type, if it gave one
-                axes = _spmd_types_axes(value) if _spmd_types_loaded() else NO_AXES
+                axes = vma(value)
         elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
             axes, inner_mixed = _union(tuple(value))
             mixed = mixed or inner_mixed
