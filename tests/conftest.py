@@ -1,5 +1,6 @@
 """Shared test helpers: megatron-core's RankGenerator as the layout oracle."""
 
+import os
 import signal
 import warnings
 
@@ -111,6 +112,12 @@ def heed_ctrl_c() -> None:
     """In a child about to start: SIGINT as a terminal's Ctrl-C finds it (the default),
     even when this test runs with SIGINT ignored, as a shell's background job does."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): a pytest process per CPU this one may run on, at
+    most 4 (each imports torch and the oracles; the worlds a test starts use the CPUs too)."""
+    return min(len(os.sched_getaffinity(0)), 4)
 
 
 def pytest_collection_finish(session):
