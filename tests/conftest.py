@@ -117,7 +117,8 @@ def heed_ctrl_c() -> None:
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): a pytest process per CPU this one may run on, at
     most 4 (each imports torch and the oracles; the worlds a test starts use the CPUs too)."""
-    return min(len(os.sched_getaffinity(0)), 4)
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return min(len(usable), 4)
 
 
 def pytest_collection_finish(session):
