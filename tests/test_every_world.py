@@ -54,6 +54,7 @@ class Kind:
 
 BRANCH = "a Python branch on a value that differs between the simulated ranks"
 FORMAT = "a format (an f-string) of a value that differs between the simulated ranks"
+COMPILE_OVER_SLICES = "torch.compile cannot trace this with every rank's values in one process"
 KINDS = {
     "a slice at the rank": Kind(bodies.slices_at_a_rank),
     "narrow at the rank": Kind(bodies.narrow_at_a_rank),
@@ -74,6 +75,8 @@ KINDS = {
     "loss.item()": Kind(bodies.loss_items),
     "a TP step": Kind(bodies.tp_step),
     "a TP step compiled by dynamo": Kind(bodies.tp_step, ("eager",)),
+    "a JAX-style TP step compiled, seeded in the body": Kind(
+        bodies.jax_style_tp_step_compiled, simulated=COMPILE_OVER_SLICES),
     "a 1F1B pipeline schedule": Kind(pipeline_step, (2, 2), world_size=8, stages=2),
     "send and recv between stages": Kind(bodies.point_to_point, world_size=8, stages=2),
     "a ring of send and recv": Kind(bodies.send_receive_and_ring, simulated=BRANCH),

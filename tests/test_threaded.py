@@ -194,3 +194,29 @@ def test_each_rank_draws_from_a_default_generator_of_its_own():
         assert torch.equal(result["first"], first) and torch.equal(result["second"], second)
         assert result["initial seed"] == 0
     assert torch.equal(torch.get_rng_state(), state)  # the caller's, untouched
+
+
+def test_a_rank_draws_its_own_numbers_while_another_rank_compiles():
+    # torch holds one process-wide "compiling" flag for a whole compile: rank 0 stops
+    # inside its backend until rank 1 has drawn, and rank 1 must still draw its own.
+    compiling, drawn = threading.Event(), threading.Event()
+
+    def waiting_backend(graph_module, example_inputs):
+        compiling.set()
+        assert drawn.wait(30)
+        return graph_module.forward
+
+    def body():
+        torch.manual_seed(7)
+        if dist.get_rank() == 0:
+            torch.compile(lambda x: x.sin() * 2, backend=waiting_backend, fullgraph=True)(torch.ones(2))
+            return torch.randn(3)
+        assert compiling.wait(30)
+        try:
+            return torch.randn(3)
+        finally:
+            drawn.set()
+
+    expected = torch.randn(3, generator=torch.Generator().manual_seed(7))
+    for rank, drew in enumerate(threaded_world(2).run(body)):
+        assert torch.equal(drew, expected), f"rank {rank} drew {drew}, a process seeded with 7 draws {expected}"

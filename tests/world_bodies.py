@@ -289,6 +289,36 @@ def tp_step(backend=None):
     return loss.detach(), model[0].weight.to_local().detach()
 
 
+def jax_style_tp_step_compiled():
+    """Three SGD steps of ``psum(gelu(pvary(x) @ a) @ b)`` over tp=2, dp=2, compiled
+    (fullgraph, aot_eager); weights and data drawn after ``torch.manual_seed`` in the body,
+    each rank's data while other ranks may be compiling (their compile must not touch it)."""
+    mesh = meshstate.init_mesh(tp=2)
+    t, d = mesh.rank("tp"), mesh.rank("dp")
+    torch.manual_seed(0)
+    a = (torch.randn(4, 8, dtype=torch.float64) / 4)[:, 4 * t:4 * t + 4].clone().requires_grad_()
+    b = (torch.randn(8, 4, dtype=torch.float64) / 4)[4 * t:4 * t + 4].clone().requires_grad_()
+
+    def step(x, y, a, b):
+        h = torch.nn.functional.gelu(meshstate.pvary(x, "tp") @ a)
+        return ((meshstate.psum(h @ b, "tp") - y) ** 2).mean()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    losses = []
+    with mesh:
+        for s in range(3):
+            torch.manual_seed(100 + s)
+            xs, ys = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+            loss = compiled(xs[2 * d:2 * d + 2], ys[2 * d:2 * d + 2], a, b)
+            loss.backward()
+            with torch.no_grad():
+                for weight in (a, b):
+                    weight -= 0.1 * meshstate.pmean(weight.grad, "dp")
+                    weight.grad = None
+            losses.append(meshstate.pmean(loss.detach(), "dp"))
+    return {"losses": torch.stack(losses), "a": a.detach(), "b": b.detach()}
+
+
 def ring_attention():
     """Causal attention over 4 blocks of a sequence, one per cp rank, keys and values passed
     round the ring; a block after this rank's is skipped by a Python ``if`` on its index."""

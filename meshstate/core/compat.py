@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch import _guards
 # Public as torch.distributed.Store, which torch does not declare exported: strict typing sees this.
 from torch._C._distributed_c10d import Store
 # Imported for what it does on import: register the backward of torch.ops._c10d_functional.
@@ -117,6 +118,19 @@ def constant_when_traced(function: _Function) -> _Function:
     """``function``, which ``torch.compile`` calls while tracing and keeps the result of
     as a constant (``torch.compiler.assume_constant_result``, typed here)."""
     return cast(_Function, torch.compiler.assume_constant_result(function))  # type: ignore[no-untyped-call]
+
+
+def tracing() -> bool:
+    """Whether a tracer of this thread is at work: dynamo traces the call
+    (``torch.compiler.is_dynamo_compiling``, True only in its trace) or this thread is in a
+    compile session (private ``torch._guards.TracingContext``, kept per thread).
+    ``torch.compiler.is_compiling()`` alone reads one flag of the whole process, held for a
+    whole compile since torch 2.13: a threaded world's other ranks would see it too."""
+    return _dynamo_tracing() or (_session_flag() and _guards.TracingContext.try_get() is not None)
+
+
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
+_session_flag = torch.compiler.is_compiling
 
 
 def torch_functions_off() -> Any:
@@ -417,7 +431,7 @@ def local_tensor(x: DTensor) -> torch.Tensor:
     """``x.to_local()``, without the autograd node where nothing needs one: the DTensor's
     own local tensor (private ``DTensor._local_tensor``) when autograd does not record
     ``x`` and nothing traces. ``to_local`` costs an autograd apply even then."""
-    if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+    if (x.requires_grad and torch.is_grad_enabled()) or tracing():
         return x.to_local()
     local: torch.Tensor = x._local_tensor
     return local

@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.errors import ArgumentTypeError
 from meshstate.jax import explicit_rules as rules
@@ -159,7 +160,7 @@ class ExplicitAxes(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if (not kwargs and args and isinstance(args[0], DTensor) and not state.suspended
-                and not torch.compiler.is_compiling()):
+                and not _compat.tracing()):
             result = run_fast(func, args, args[0].device_mesh)
             if result is not NOT_FAST:
                 return result

@@ -186,7 +186,7 @@ def _contracted(
     out = None if out_sharding is None else (
         tuple(_axes_of(e) for e in out_sharding.dims), out_sharding.unreduced)
     head = ("contraction", equation, out, matmul)  # a fast op's key, in place of ``run``
-    if not torch.compiler.is_compiling() and not through_dtensor(operands):
+    if not _compat.tracing() and not through_dtensor(operands):
         known = run_fast(run, operands, view, head)
         if known is not NOT_FAST:
             return known  # type: ignore[no-any-return]
@@ -277,7 +277,7 @@ def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     name = _jax_name(func).removeprefix("a")
     plan = _reduction_plan(name, x.device_mesh, layout_of(x), dims, bool(given.get("keepdim", False)))
     refuse_if(plan.error)
-    if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+    if (x.requires_grad and torch.is_grad_enabled()) or _compat.tracing():
         return laid_out(func(leaf_typed(x), *args[1:], **kwargs), plan.final)
     local = func(_compat.local_tensor(x), *args[1:], **kwargs)
     spec = _compat.even_spec(x.device_mesh, plan.result, local)

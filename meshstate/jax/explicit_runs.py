@@ -184,7 +184,7 @@ def leaf_typed(x: DTensor) -> DTensor:
     accumulated, as JAX's cotangents carry their value's type (DTensor would leave a
     pending sum where the leaf was replicated over an axis that split the work)."""
     if x.is_leaf and x.requires_grad and not getattr(x, _TYPED_GRADIENT, False):
-        if not torch.compiler.is_compiling():
+        if not _compat.tracing():
             x.register_post_accumulate_grad_hook(_lay_out_gradient)  # type: ignore[no-untyped-call]
             setattr(x, _TYPED_GRADIENT, True)
     return x
@@ -308,7 +308,7 @@ NOT_FAST = object()
 def through_dtensor(args: Sequence[Any]) -> bool:
     """Whether an op of ``args`` runs as DTensor's own: where autograd records it, and while
     tracing (so the graph is the DTensor op's, and DTensor's propagation runs once, there)."""
-    return torch.compiler.is_compiling() or torch.is_grad_enabled() and any(
+    return _compat.tracing() or torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
@@ -324,7 +324,7 @@ def as_dtensor(
     with suspended():
         given = func(*moved, **kwargs)
     result = laid_out(given, final)
-    if torch.compiler.is_compiling():
+    if _compat.tracing():
         return result
     as_planned = tuple(given.placements) in (plan.result, final)
     if not kwargs and as_planned and all(m is a for m, a in zip(moved, args)):
@@ -340,7 +340,7 @@ def remember_fast(
 ) -> None:
     """Keep ``func`` on these layouts fast (under ``head``, see :func:`fast_key`), where
     nothing is recorded and the operands came laid out as the rule wants."""
-    if torch.compiler.is_compiling():
+    if _compat.tracing():
         return
     found = fast_key(func, args, head)
     if found is None or any(

@@ -43,7 +43,7 @@ def plan_on(parallel_mesh: ParallelMesh, specs: tuple[P, ...]) -> Plan:
     the graph, and then read from the store like any attribute, which torch guards on (a
     traced program reads the store once, so only once the plan is surely in it)."""
     key = ("plan", specs)
-    if torch.compiler.is_compiling():
+    if _compat.tracing():
         _keep_plan(parallel_mesh, *((spec.dims, spec.unreduced) for spec in specs))
         traced: Plan = parallel_mesh.store[key]
         return traced
@@ -178,7 +178,7 @@ class Plan:
             raise ConfigError("shard_map: f returned a DTensor; return local blocks (plain tensors)")
         placements = self.placements[number]
         if shape is None:
-            if (y.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            if (y.requires_grad and torch.is_grad_enabled()) or _compat.tracing():
                 return DTensor.from_local(y, self.view, placements, run_check=False)
             block_key = (number, y.shape, y.stride(), y.dtype, y.device)
             dtensor_spec = self._dtensor_specs.get(block_key)

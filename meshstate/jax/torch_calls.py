@@ -47,7 +47,7 @@ def use_functional(x: object, name: str) -> bool:
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 # The checks of every eager call, as module names: each dotted lookup costs it time.
 _grad_enabled = torch.is_grad_enabled
-_compiling = torch.compiler.is_compiling
+_compiling = _compat.tracing
 _transforms_active = _compat.transforms_active
 
 

@@ -93,7 +93,7 @@ def spmd_types_checking() -> bool:
     return (
         spmd_types is not None
         and has_torch_function(_PROBE)
-        and not torch.compiler.is_compiling()
+        and not _compat.tracing()
         and spmd_types.is_type_checking()
     )
 
@@ -104,7 +104,7 @@ _PROBE = (torch.empty(0),)
 
 def _spmd_types_loaded() -> bool:
     """Whether spmd_types may have typed a tensor (it is imported; never while tracing)."""
-    return "spmd_types" in sys.modules and not torch.compiler.is_compiling()
+    return "spmd_types" in sys.modules and not _compat.tracing()
 
 
 def _spmd_types_axes(x: torch.Tensor) -> frozenset[str]:
@@ -141,7 +141,7 @@ def typed(x: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
     ``torch.compile``, which lets a traced program set attributes only on tensors it
     made in the same scope (not on an op's several results, nor on an autograd
     Function's result inside activation checkpointing), set on a view of ``x``."""
-    if torch.compiler.is_compiling():
+    if _compat.tracing():
         x = x.view_as(x)
     setattr(x, _ATTRIBUTE, axes)
     return x
@@ -224,7 +224,7 @@ class VaryingTypes(TorchFunctionMode):
             if not self.auto_pvary:
                 _refuse_mix(func, args, kwargs)
             args, kwargs = self._cast_up(func, args, kwargs, union)
-        if func in _NARROW and torch.compiler.is_compiling():
+        if func in _NARROW and _compat.tracing():
             func, args, kwargs = _narrow_traceably(func, args, kwargs)
         if getattr(func, "__name__", None) == "apply":
             func = _applied_again(func)
@@ -362,7 +362,7 @@ def _typed_results(result: Any, axes: frozenset[str]) -> Any:
     if not (isinstance(result, (list, tuple)) and result and isinstance(result[0], torch.Tensor)):
         return result
     items = [typed(item, axes) if isinstance(item, torch.Tensor) else item for item in result]
-    return type(result)(items) if torch.compiler.is_compiling() else result
+    return type(result)(items) if _compat.tracing() else result
 
 
 @_compat.constant_when_traced

@@ -27,6 +27,8 @@ from unittest import mock
 import torch
 from torch.overrides import TorchFunctionMode
 
+from meshstate.core import compat as _compat
+
 __all__ = ["RankRandomness", "seeding_per_rank"]
 
 _DRAWING = frozenset({
@@ -71,7 +73,7 @@ class RankRandomness(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if (getattr(func, "__name__", "") not in _DRAWING or kwargs.get("generator") is not None
-                or torch.compiler.is_compiling()):
+                or _compat.tracing()):
             return func(*args, **kwargs)
         with self.installed():
             return func(*args, **kwargs)
