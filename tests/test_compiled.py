@@ -323,3 +323,124 @@ def test_a_compiled_ppermute_warns_nothing(fake_mesh):
         warnings.simplefilter("always")
         assert explained(lambda v: lax.ppermute(v, "tp", ring(2)) * 2, x) == (1, 0)
     assert [str(w.message) for w in caught] == []
+
+
+TYPED_OPS = {
+    "F.pad": lambda a: torch.nn.functional.pad(a, (0, 2)),
+    "F.tanh": torch.nn.functional.tanh,
+    "F.sigmoid": torch.nn.functional.sigmoid,
+    "F.hardswish": torch.nn.functional.hardswish,
+    "F.hardsigmoid": torch.nn.functional.hardsigmoid,
+    "F.silu": torch.nn.functional.silu,
+    "F.gelu": torch.nn.functional.gelu,
+    "F.layer_norm": lambda a: torch.nn.functional.layer_norm(a, (4,)),
+    "F.mse_loss": lambda a: torch.nn.functional.mse_loss(a, torch.zeros_like(a)),
+    ".T": lambda a: a.T,
+    ".mT": lambda a: a.mT,
+    ".H": lambda a: a.H,
+    ".mH": lambda a: a.mH,
+    "torch.chunk": lambda a: torch.chunk(a, 2, 1)[1],
+    "x[:, 1:]": lambda a: a[:, 1:],
+}
+
+
+def test_every_op_keeps_its_type_in_a_compiled_typed_body(fake_mesh):
+    """Dynamo hands some ops to no torch function mode (``F.pad``, ``F.tanh``, ``.T``...):
+    their results lost their type there, and the lost type summed gradients again."""
+    seen = {}
+
+    def body(a):
+        for name, op in TYPED_OPS.items():
+            seen[name] = sorted(meshstate.vma(op(a)))
+        return a * 2
+
+    mapped = shard_map(body, in_specs=P("tp", None), out_specs=P("tp", None))
+    torch._dynamo.reset()
+    torch.compile(lambda x: mapped(x).to_local(), fullgraph=True, backend="aot_eager")(torch.ones(8, 4))
+    assert seen == {name: ["tp"] for name in TYPED_OPS}
+
+
+def bidirectional_matmul(lhs_block, rhs_block):
+    """JAX's shard_map.md all-gather matmul, both directions: the halves of ``rhs`` go round
+    the tp ring in opposite directions, padded into one matmul a step."""
+    size, index = lax.axis_size("tp"), lax.axis_index("tp")
+    up = [(i, (i + 1) % size) for i in range(size)]
+    down = [(i, (i - 1) % size) for i in range(size)]
+    half = lhs_block.shape[1] // size // 2
+
+    def lhs_half(i, high):
+        return lhs_block.index_select(1, torch.arange(half) + (2 * i + high) * half)
+
+    def product(i_low, i_high, rhs_low, rhs_high):
+        lhs = (torch.nn.functional.pad(lhs_half(i_low, 0), (0, half))
+               + torch.nn.functional.pad(lhs_half(i_high, 1), (half, 0)))
+        rhs = (torch.nn.functional.pad(rhs_low, (0, 0, 0, half))
+               + torch.nn.functional.pad(rhs_high, (0, 0, half, 0)))
+        return lhs @ rhs
+
+    rhs_low, rhs_high = torch.chunk(rhs_block, 2, dim=0)
+    out = product(index, index, rhs_low, rhs_high)
+    for i in range(1, size):
+        rhs_low, rhs_high = lax.ppermute(rhs_low, "tp", up), lax.ppermute(rhs_high, "tp", down)
+        out += product((index - i) % size, (index + i) % size, rhs_low, rhs_high)
+    return out
+
+
+@distributed(world_size=4)
+def test_the_bidirectional_all_gather_matmul_compiled_has_jaxs_gradients():
+    mesh = meshstate.init_mesh(tp=4)
+    generator = torch.Generator().manual_seed(0)
+    lhs, rhs, cotangent = (torch.randn(*shape, dtype=torch.float64, generator=generator)
+                           for shape in ((8, 16), (16, 4), (8, 4)))
+    mapped = shard_map(bidirectional_matmul, in_specs=(P("tp", None), P("tp", None)),
+                       out_specs=P("tp", None))
+
+    def loss(a, b):
+        return (mapped(a, b).full_tensor() * cotangent).sum()
+
+    with mesh:
+        for run in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+            a, b = lhs.clone().requires_grad_(), rhs.clone().requires_grad_()
+            run(a, b).backward()
+            # JAX's gradients of the program are the matmul's: ct @ rhs.T and lhs.T @ ct
+            torch.testing.assert_close(a.grad, cotangent @ rhs.T)
+            torch.testing.assert_close(b.grad, lhs.T @ cotangent)
+    mesh.destroy()
+
+
+def each_collective_twice(x):
+    """Every collective whose backward depends on an argument, twice with different
+    arguments, on pieces cut by chunk, split and pad."""
+    n = lax.axis_size("tp")
+    first, second = torch.chunk(x, 2, dim=0)
+    left, right = torch.split(torch.nn.functional.pad(x, (1, 1)), [2, 3], dim=1)
+    return {
+        "ppermute up": lax.ppermute(first, "tp", [(i, (i + 1) % n) for i in range(n)]),
+        "ppermute down": lax.ppermute(second, "tp", [(i, (i - 1) % n) for i in range(n)]),
+        "all_to_all 0 1": lax.all_to_all(left, "tp", 0, 1, tiled=True),
+        "all_to_all 1 0": lax.all_to_all(right[:, :2], "tp", 1, 0, tiled=True),
+        "psum_scatter 0": lax.psum_scatter(first, "tp", scatter_dimension=0, tiled=True),
+        "psum_scatter 1": lax.psum_scatter(left, "tp", scatter_dimension=1, tiled=True),
+        "all_gather 0": lax.all_gather(second, "tp", axis=0, tiled=True),
+        "all_gather 1": lax.all_gather(right, "tp", axis=1),
+    }
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
+@distributed(world_size=4)
+def test_each_collective_twice_with_other_arguments_compiled_equals_eager(check_vma):
+    mesh = meshstate.init_mesh(tp=2, cp=2)
+    rank = dist.get_rank()
+    mapped = shard_map(each_collective_twice, in_specs=P(("cp", "tp")), out_specs=P(("cp", "tp")),
+                       check_vma=check_vma)
+
+    def whole(x):
+        return {name: value.to_local() for name, value in mapped(x).items()}
+
+    with mesh:
+        plain = torch.arange(8.0 * 4 * 3).view(8 * 4, 3) * (rank + 1)
+        eager, compiled = compiled_and_eager(each_collective_twice, plain[:8])
+        assert_same(eager, compiled)
+        eager, compiled = compiled_and_eager(whole, torch.arange(16.0 * 3).view(16, 3))
+        assert_same(eager, compiled)
+    mesh.destroy()

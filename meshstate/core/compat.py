@@ -133,6 +133,77 @@ _dynamo_tracing = torch.compiler.is_dynamo_compiling
 _session_flag = torch.compiler.is_compiling
 
 
+@constant_when_traced
+def modes_see_every_op() -> bool:
+    """Have ``torch.compile`` hand every torch op to torch function modes, as eager code
+    does, so that a mode that types results (a typed shard_map body, Explicit axes) types
+    them compiled too. Once per process; each later call costs a flag read.
+
+    Dynamo dispatches to modes only the functions of its own overridable set (private
+    ``torch._dynamo.variables.torch.get_overridable_functions``): ``F.pad``, ``F.tanh``,
+    ``F.sigmoid``, ``F.hardswish`` and the rest of ``torch._C._nn`` reach no mode there, nor
+    do the properties ``.T``, ``.mT``, ``.H`` and ``.mH`` (private ``TensorVariable``):
+    their results came out untyped, and an untyped value's gradient was summed again.
+    Traced, it runs when the trace reaches it (before the ops it is for)."""
+    if _modes_see.done:
+        return True
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables import torch as dynamo_torch
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    overridable = dynamo_torch.get_overridable_functions()
+    overridable.update(
+        function for function, rule in trace_rules.get_torch_obj_rule_map().items()
+        if rule is dynamo_torch.TorchInGraphFunctionVariable and _tensor_op(function)
+    )
+    TensorVariable.var_getattr = _getattr_through_modes(TensorVariable.var_getattr)  # type: ignore[method-assign]
+    _modes_see.done = True
+    return True
+
+
+class _Once:
+    done = False
+
+
+_modes_see = _Once()
+_TENSOR_OP_MODULES = frozenset({"torch.nn.functional", "torch._C._nn", "torch.functional"})
+
+
+def _tensor_op(function: Any) -> bool:
+    """Whether ``function`` is one of torch's tensor ops: a function of ``torch.nn.functional``
+    or ``torch._C._nn``, or one of ``torch``'s generated ops."""
+    name = getattr(function, "__name__", "")
+    if name.startswith("_") or not callable(function):
+        return False
+    if getattr(function, "__module__", None) in _TENSOR_OP_MODULES:
+        return True
+    return getattr(torch._C._VariableFunctions, name, None) is function
+
+
+_PROPERTY_AS_METHOD: dict[str, Callable[[int], tuple[str, tuple[int, ...]]]] = {
+    "T": lambda ndim: ("permute", tuple(range(ndim - 1, -1, -1))),
+    "mT": lambda ndim: ("transpose", (-2, -1)),
+    "H": lambda ndim: ("adjoint", ()) if ndim == 2 else ("permute", tuple(range(ndim - 1, -1, -1))),
+    "mH": lambda ndim: ("adjoint", ()),
+}
+
+
+def _getattr_through_modes(var_getattr: Callable[..., Any]) -> Callable[..., Any]:
+    """Dynamo's attribute read of a traced tensor, with ``.T``, ``.mT``, ``.H`` and ``.mH``
+    traced as the method each one is, which dynamo hands to a mode when one is on."""
+    from torch._dynamo.variables.constant import ConstantVariable
+    from torch._dynamo.variables.torch_function import can_dispatch_torch_function
+
+    def read(self: Any, tx: Any, name: str) -> Any:
+        as_method = _PROPERTY_AS_METHOD.get(name)
+        if as_method is None or self.ndim is None or not can_dispatch_torch_function(tx, (self,), {}):
+            return var_getattr(self, tx, name)
+        method, dims = as_method(self.ndim)
+        return self.call_method(tx, method, [ConstantVariable.create(dim) for dim in dims], {})
+
+    return read
+
+
 def torch_functions_off() -> Any:
     """A context in which no ``__torch_function__`` runs (modes and subclasses alike):
     ``torch._C.DisableTorchFunction``, which ``torch.compile`` traces."""

@@ -93,6 +93,7 @@ def explicit(mesh: ParallelMesh | None = None) -> Iterator[ParallelMesh]:
     parallel_mesh = current_mesh() if mesh is None else require_parallel_mesh(mesh, "explicit(mesh=...)")
     outer, state.suspended = state.suspended, False
     try:
+        _compat.modes_see_every_op()
         with ExplicitAxes(), parallel_mesh:
             yield parallel_mesh
     finally:

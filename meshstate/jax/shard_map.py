@@ -232,6 +232,7 @@ class _Typed:
 
     def types(self, parallel_mesh: ParallelMesh) -> VaryingTypes:
         """What types the body's values (its casts pvary over ``parallel_mesh``)."""
+        _compat.modes_see_every_op()
         return VaryingTypes(self.auto_pvary, partial(pvary_over, parallel_mesh=parallel_mesh))
 
     def enter(self, plan: Plan, number: int, x: torch.Tensor) -> torch.Tensor:
