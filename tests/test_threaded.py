@@ -220,3 +220,13 @@ def test_a_rank_draws_its_own_numbers_while_another_rank_compiles():
     expected = torch.randn(3, generator=torch.Generator().manual_seed(7))
     for rank, drew in enumerate(threaded_world(2).run(body)):
         assert torch.equal(drew, expected), f"rank {rank} drew {drew}, a process seeded with 7 draws {expected}"
+
+
+def test_a_skip_in_a_body_skips_the_test_as_in_processes():
+    def body():
+        if dist.get_rank() == 1:
+            pytest.skip("rank 1 has no GPU")
+        dist.barrier()  # the other ranks wait for rank 1, and are released
+
+    with pytest.raises(pytest.skip.Exception, match="rank 1 has no GPU"):
+        threaded_world(4).run(body)

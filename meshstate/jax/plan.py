@@ -30,7 +30,7 @@ from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.world import each_rank
-from meshstate.jax.torch_calls import device_for, gather
+from meshstate.jax.torch_calls import block, device_for, gather, gather_whole, take_block
 from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
 
 Leaves = list[tuple[int, torch.Tensor]]
@@ -279,32 +279,6 @@ def device_of(view: DeviceMesh) -> torch.device:
     return device_for(view.device_type)
 
 
-def block(x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]) -> torch.Tensor:
-    """The caller's block of ``x``: each split dim narrowed to its chunk along the dim's axes."""
-    for dim, group in split_dims:
-        step = x.shape[dim] // len(group.ranks)
-        x = x.narrow(dim, group.index * step, step)
-    return x
-
-
-class _TakeBlock(torch.autograd.Function):
-    """The caller's block of a value every rank holds whole; backward gathers the
-    gradient whole again. Hand-written: torch has no slice whose backward gathers."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]
-    ) -> torch.Tensor:
-        ctx.split_dims = split_dims
-        return block(x, split_dims)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        for dim, group in ctx.split_dims:
-            grad = gather(grad, group, dim, tiled=True, traced=True)
-        return grad, None
-
-
 class _ShareGrad(torch.autograd.Function):
     """Identity forward; backward divides the gradient into ``parts`` equal shares.
 
@@ -321,7 +295,4 @@ class _ShareGrad(torch.autograd.Function):
 
 
 # Function.apply is untyped; these name each one's signature.
-take_block: Callable[
-    [torch.Tensor, Sequence[tuple[int, OrderedGroup]]], torch.Tensor
-] = _TakeBlock.apply
 share_grad: Callable[[torch.Tensor, int], torch.Tensor] = _ShareGrad.apply

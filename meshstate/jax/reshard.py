@@ -26,8 +26,8 @@ from meshstate.core import compat as _compat
 from meshstate.errors import NotInitializedError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.ordered import OrderedGroup
-from meshstate.jax.torch_calls import gather
-from meshstate.jax.plan import block, contiguous_strides, plan_on, take_block
+from meshstate.jax.plan import contiguous_strides, plan_on
+from meshstate.jax.torch_calls import block, gather, gather_whole, take_block
 from meshstate.jax.sharding import DimAxes, P, _axes_of, to_placements
 
 __all__ = ["reshard"]
@@ -61,7 +61,7 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
             return x.redistribute(x.device_mesh, placements)
         local = x.to_local()
         for dim, group in move.gathers:
-            local = _gather_whole(local, dim, group)
+            local = gather_whole(local, dim, group)
         if move.takes:
             local = take_block(local, move.takes)
         return DTensor.from_local(
@@ -229,19 +229,3 @@ def spec_of(view: DeviceMesh, placements: tuple[Placement, ...]) -> P | None:
             return candidate
     return None
 
-
-class _GatherWhole(torch.autograd.Function):
-    """Dim ``dim`` gathered whole over ``group``; backward keeps the caller's block, as
-    DTensor's Shard -> Replicate does (every replica holds the whole cotangent)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: OrderedGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return gather(x, group, dim, tiled=True, traced=True)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return block(grad, [(ctx.dim, ctx.group)]), None, None
-
-
-_gather_whole: Callable[[torch.Tensor, int, OrderedGroup], torch.Tensor] = _GatherWhole.apply

@@ -266,11 +266,11 @@ class _SumWithIdentityGradient(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        pass
+        ctx.group_name = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+        return summed_gradient(grad, ctx.group_name), None  # pvary: a gradient of it sums
 
 
 class _SummedGradient(torch.autograd.Function):
@@ -290,7 +290,7 @@ class _SummedGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _compat.traced_all_reduce(grad.contiguous(), "sum", ctx.group_name), None
+        return _sum_with_identity_gradient(grad.contiguous(), ctx.group_name), None  # psum
 
 
 class _GatherKeepingSlice(torch.autograd.Function):
@@ -305,15 +305,56 @@ class _GatherKeepingSlice(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, ctx.group, ctx.axis, ctx.tiled = inputs
-        ctx.size = x.shape[ctx.axis] if ctx.tiled else 1
+        _, ctx.group, ctx.axis, ctx.tiled = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        index = ctx.group.index
+        # the caller's block, whose own backward gathers again (JAX's transpose of the transpose)
         if ctx.tiled:
-            return grad.narrow(ctx.axis, index * ctx.size, ctx.size), None, None, None
-        return grad.select(ctx.axis, index), None, None, None
+            return take_block(grad, [(ctx.axis, ctx.group)]), None, None, None
+        return take_block(grad, [(ctx.axis, ctx.group)]).squeeze(ctx.axis), None, None, None
+
+
+def block(x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]) -> torch.Tensor:
+    """The caller's block of ``x``: each split dim narrowed to its chunk along the dim's axes."""
+    for dim, group in split_dims:
+        step = x.shape[dim] // len(group.ranks)
+        x = x.narrow(dim, group.index * step, step)
+    return x
+
+
+class _TakeBlock(torch.autograd.Function):
+    """The caller's block of a value every rank holds whole; backward gathers the
+    gradient whole again (:func:`gather_whole`, so a gradient of the gradient takes the
+    block again). Hand-written: torch has no slice whose backward gathers."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]
+    ) -> torch.Tensor:
+        ctx.split_dims = split_dims
+        return block(x, split_dims)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        for dim, group in reversed(ctx.split_dims):
+            grad = gather_whole(grad, dim, group)
+        return grad, None
+
+
+class _GatherWhole(torch.autograd.Function):
+    """Dim ``dim`` gathered whole over ``group``; backward keeps the caller's block
+    (:func:`take_block`), as DTensor's Shard -> Replicate does: every replica holds the
+    whole cotangent. torch's all-gather would sum the copies instead."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: OrderedGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return gather(x, group, dim, tiled=True, traced=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return take_block(grad, [(ctx.dim, ctx.group)]), None, None
 
 
 # Function.apply is untyped; these name each one's signature.
@@ -323,6 +364,14 @@ _sum_with_identity_gradient: Callable[[torch.Tensor, str], torch.Tensor] = (
 
 
 summed_gradient: Callable[[torch.Tensor, str], torch.Tensor] = _SummedGradient.apply
+
+
+take_block: Callable[
+    [torch.Tensor, Sequence[tuple[int, OrderedGroup]]], torch.Tensor
+] = _TakeBlock.apply
+
+
+gather_whole: Callable[[torch.Tensor, int, OrderedGroup], torch.Tensor] = _GatherWhole.apply
 
 
 _gather_keeping_slice: Callable[[torch.Tensor, OrderedGroup, int, bool], torch.Tensor] = (

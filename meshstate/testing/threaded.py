@@ -109,6 +109,13 @@ def threaded_world(world_size: int, *, timeout: timedelta = DEFAULT_TIMEOUT) -> 
     return ThreadedWorld(world_size, timeout=timeout)
 
 
+def _is_skip(error: BaseException) -> bool:
+    """Whether ``error`` is pytest's ``pytest.skip()`` (named, not imported: pytest is a
+    development dependency)."""
+    pytest = sys.modules.get("pytest")
+    return pytest is not None and isinstance(error, pytest.skip.Exception)
+
+
 class _Released(SystemExit):
     """Raised in a rank woken from a receive because the run ended (as torch's threaded
     collectives raise ``SystemExit``): not an error of its own."""
@@ -300,6 +307,9 @@ class _Run:
         receives raise ``SystemExit`` then)."""
         if self.woken is not None and isinstance(error, SystemExit):
             return "released", _stack(traceback.extract_tb(error.__traceback__))
+        if _is_skip(error):  # pytest.skip() in a body: the test is skipped, as in a process
+            self.wake(f"rank {rank} skipped the test")
+            return "skipped", error
         failure = _failure(error)
         self.wake(f"rank {rank} raised {failure.summary}")
         return "error", failure
@@ -345,6 +355,9 @@ class _Run:
             thread.join(max(0.0, wake_deadline - time.monotonic()))
         running = [rank for rank in unfinished if self.threads[rank].is_alive()]
         failures = {rank: failure for rank, (kind, failure) in outcomes.items() if kind == "error"}
+        skips = [skip for kind, skip in outcomes.values() if kind == "skipped"]
+        if skips and not failures:
+            raise skips[0]
         if failures or stacks:
             raise _report(name, self.world_size, timeout, failures, {}, stacks, running)
         return [outcomes[rank][1] for rank in range(self.world_size)]
