@@ -232,3 +232,16 @@ def test_rulecheck_refuses_a_kernel_its_hook_does_not_describe(monkeypatch):
     with pytest.raises(RuleCheckError):
         rulecheck(TypedCollective, (x, "tp", skips_the_sum), placements={"x": {"tp": spmd.P}},
                   mesh={"tp": 2}, local_tensor_mode=True)
+
+
+@in_both_worlds(4)
+def test_vma_outside_with_mesh_reads_the_mesh_spmd_types_types_over():
+    mesh = meshstate.init_mesh(tp=2)
+    with spmd.set_current_mesh(mesh.dense):
+        varying = spmd.assert_type(torch.ones(2) * (mesh.rank("tp") + 1), {"tp": V, "dp": I})
+        assert vma(varying) == {"tp"}  # no `with mesh:`: the one live mesh of those axes
+        other = meshstate.init_mesh(tp=2)  # a second grid of the same axes: no guess
+        with pytest.raises(meshstate.MeshStateError, match="2 live meshes"):
+            vma(varying)
+        other.destroy()
+    mesh.destroy()

@@ -493,6 +493,13 @@ def track_mesh(mesh: _Destroyable) -> None:
     _live_meshes[mesh] = _compat.default_group()
 
 
+def live_meshes() -> list[ParallelMesh]:
+    """This rank's meshes not destroyed yet (those built under its default group)."""
+    world = _compat.default_group() if dist.is_initialized() else None
+    return [mesh for mesh, built_under in list(_live_meshes.items())
+            if isinstance(mesh, ParallelMesh) and (world is None or built_under is world)]
+
+
 def destroy_every_mesh() -> None:
     """Destroy every mesh of this rank not destroyed yet (hybrid meshes too), and forget
     the calling thread's current meshes.

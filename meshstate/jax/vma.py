@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode, has_torch_function, resolve_name
 
 from meshstate.core import compat as _compat
 from meshstate.errors import MeshStateError
-from meshstate.core.mesh import current_mesh
+from meshstate.core.mesh import ParallelMesh, current_mesh, live_meshes
 
 __all__ = ["VaryingAxesError", "VaryingTypes", "vma"]
 
@@ -68,7 +68,8 @@ def vma(x: torch.Tensor) -> frozenset[str]:
     A value spmd_types typed (torchtitan's type system) answers the axes it types
     ``V``, ``R`` or ``P`` there (varying, replicated with its gradient pending a sum,
     a pending sum: the axes a JAX value of that type varies over), named as the
-    current mesh names them.
+    current mesh names them; outside ``with mesh:``, as the one live mesh that
+    spmd_types' current mesh is made of names them (two such meshes are refused).
 
     Example: ``vma(x)`` is ``frozenset({'tp'})`` inside ``shard_map(f,
     in_specs=P(None, "tp"), ...)``; ``vma(psum(x, "tp"))`` is ``frozenset()``.
@@ -114,22 +115,46 @@ def _spmd_types_axes(x: torch.Tensor) -> frozenset[str]:
     if not spmd_types.has_local_type(x):
         return NO_AXES
     try:
-        parallel_mesh = current_mesh()
+        names = _spmd_axis_names(current_mesh(), spmd_types)
     except MeshStateError:
-        return NO_AXES
-    names: dict[Any, str] | None = parallel_mesh.store.get(_SPMD_AXES)
-    if names is None:
-        layout, names = parallel_mesh.layout, {}
-        # dense axes first: an expert axis over the same ranks (etp, tp) is the same MeshAxis
-        for axis in (*layout.dense.axes_fastest_first, *layout.expert.axes_fastest_first):
-            if parallel_mesh.size(axis) > 1:  # spmd_types leaves size-1 axes out
-                names.setdefault(spmd_types.MeshAxis.of(parallel_mesh.group(axis)), axis)
-        parallel_mesh.store[_SPMD_AXES] = names
+        names = _names_where_spmd_types_types(spmd_types)
     varying = (spmd_types.V, spmd_types.R, spmd_types.P)
     return frozenset(
         names[axis] for axis, kind in spmd_types.get_local_type(x).items()
         if kind in varying and axis in names
     )
+
+
+def _spmd_axis_names(parallel_mesh: ParallelMesh, spmd_types: Any) -> dict[Any, str]:
+    """The axes of ``parallel_mesh`` by spmd_types' ``MeshAxis`` (size-1 axes left out, as
+    spmd_types leaves them), kept in the mesh's store."""
+    names: dict[Any, str] | None = parallel_mesh.store.get(_SPMD_AXES)
+    if names is None:
+        layout, names = parallel_mesh.layout, {}
+        # dense axes first: an expert axis over the same ranks (etp, tp) is the same MeshAxis
+        for axis in (*layout.dense.axes_fastest_first, *layout.expert.axes_fastest_first):
+            if parallel_mesh.size(axis) > 1:
+                names.setdefault(spmd_types.MeshAxis.of(parallel_mesh.group(axis)), axis)
+        parallel_mesh.store[_SPMD_AXES] = names
+    return names
+
+
+def _names_where_spmd_types_types(spmd_types: Any) -> dict[Any, str]:
+    """Outside ``with mesh:``, the axes of the one live mesh that spmd_types' current mesh
+    is made of; none where spmd_types has no current mesh. Several such meshes, or none,
+    are refused: an answer from another grid would be silently wrong."""
+    typed_over = spmd_types.current_mesh()
+    if not typed_over:
+        return {}
+    found = [names for names in (_spmd_axis_names(mesh, spmd_types) for mesh in live_meshes())
+             if set(typed_over) <= set(names)]
+    if len(found) != 1:
+        raise MeshStateError(
+            f"vma: spmd_types types values over {sorted(map(str, typed_over))}, which "
+            f"{'no live mesh' if not found else f'{len(found)} live meshes'} of this rank "
+            "name; ask inside `with mesh:` for the mesh whose axes you mean"
+        )
+    return found[0]
 
 
 _SPMD_AXES = ("vma", "spmd_types axes")
