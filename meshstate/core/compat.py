@@ -142,7 +142,8 @@ def modes_see_every_op() -> bool:
     Dynamo dispatches to modes only the functions of its own overridable set (private
     ``torch._dynamo.variables.torch.get_overridable_functions``): ``F.pad``, ``F.tanh``,
     ``F.sigmoid``, ``F.hardswish`` and the rest of ``torch._C._nn`` reach no mode there, nor
-    do the properties ``.T``, ``.mT``, ``.H`` and ``.mH`` (private ``TensorVariable``):
+    do the properties ``.T``, ``.mT``, ``.H`` and ``.mH`` (private ``TensorVariable``'s
+    attribute read):
     their results came out untyped, and an untyped value's gradient was summed again.
     Traced, it runs when the trace reaches it (before the ops it is for)."""
     if _modes_see.done:
@@ -156,7 +157,9 @@ def modes_see_every_op() -> bool:
         function for function, rule in trace_rules.get_torch_obj_rule_map().items()
         if rule is dynamo_torch.TorchInGraphFunctionVariable and _tensor_op(function)
     )
-    TensorVariable.var_getattr = _getattr_through_modes(TensorVariable.var_getattr)  # type: ignore[method-assign]
+    # the attribute read is var_getattr in torch 2.13, tp_getattro_impl from 2.14
+    read = "var_getattr" if "var_getattr" in vars(TensorVariable) else "tp_getattro_impl"
+    setattr(TensorVariable, read, _getattr_through_modes(getattr(TensorVariable, read)))
     _modes_see.done = True
     return True
 
