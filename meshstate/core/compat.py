@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from torch import _guards
 # Public as torch.distributed.Store, which torch does not declare exported: strict typing sees this.
 from torch._C._distributed_c10d import Store
 # Imported for what it does on import: register the backward of torch.ops._c10d_functional.
@@ -126,14 +125,19 @@ def tracing() -> bool:
     compile session (private ``torch._guards.TracingContext``, kept per thread).
     ``torch.compiler.is_compiling()`` alone reads one flag of the whole process, held for a
     whole compile since torch 2.13: a threaded world's other ranks would see it too."""
-    return _dynamo_tracing() or (_session_flag() and _guards.TracingContext.try_get() is not None)
+    if _dynamo_tracing():
+        return True
+    if not _session_flag():
+        return False
+    from torch import _guards  # loads DTensor: asked only while some thread compiles
+
+    return _guards.TracingContext.try_get() is not None
 
 
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
 _session_flag = torch.compiler.is_compiling
 
 
-@constant_when_traced
 def modes_see_every_op() -> bool:
     """Have ``torch.compile`` hand every torch op to torch function modes, as eager code
     does, so that a mode that types results (a typed shard_map body, Explicit axes) types
@@ -145,7 +149,8 @@ def modes_see_every_op() -> bool:
     do the properties ``.T``, ``.mT``, ``.H`` and ``.mH`` (private ``TensorVariable``'s
     attribute read):
     their results came out untyped, and an untyped value's gradient was summed again.
-    Traced, it runs when the trace reaches it (before the ops it is for)."""
+    Callers wrap it in :func:`constant_when_traced`, so that traced it runs when the trace
+    reaches it (before the ops it is for); wrapped here it would load dynamo at import."""
     if _modes_see.done:
         return True
     from torch._dynamo import trace_rules

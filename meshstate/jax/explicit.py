@@ -44,6 +44,7 @@ from meshstate.jax.explicit_runs import (
 from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
+from meshstate.jax.vma import every_op_typed
 
 __all__ = [
     "ExplicitType", "ShardingTypeError", "auto_axes", "device_put", "einsum", "explicit",
@@ -93,7 +94,7 @@ def explicit(mesh: ParallelMesh | None = None) -> Iterator[ParallelMesh]:
     parallel_mesh = current_mesh() if mesh is None else require_parallel_mesh(mesh, "explicit(mesh=...)")
     outer, state.suspended = state.suspended, False
     try:
-        _compat.modes_see_every_op()
+        every_op_typed()
         with ExplicitAxes(), parallel_mesh:
             yield parallel_mesh
     finally:

@@ -58,7 +58,8 @@ from meshstate.jax.sharding import P
 from meshstate.jax.spmd_checker import paused, spmd_typed
 from meshstate.jax.torch_calls import summed_gradient
 from meshstate.jax.vma import (
-    NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, spmd_types_checking, typed, vma,
+    NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, every_op_typed, spmd_types_checking,
+    typed, vma,
 )
 
 __all__ = ["reshard", "shard_map"]
@@ -232,7 +233,7 @@ class _Typed:
 
     def types(self, parallel_mesh: ParallelMesh) -> VaryingTypes:
         """What types the body's values (its casts pvary over ``parallel_mesh``)."""
-        _compat.modes_see_every_op()
+        every_op_typed()
         return VaryingTypes(self.auto_pvary, partial(pvary_over, parallel_mesh=parallel_mesh))
 
     def enter(self, plan: Plan, number: int, x: torch.Tensor) -> torch.Tensor:

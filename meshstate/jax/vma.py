@@ -198,6 +198,11 @@ def axes_text(axes: Iterable[str]) -> str:
     return "{" + ",".join(sorted(axes)) + "}"
 
 
+every_op_typed = _compat.constant_when_traced(_compat.modes_see_every_op)
+"""Have torch.compile hand every op to a typing mode (:func:`meshstate.core.compat.modes_see_every_op`),
+also when first asked inside a trace."""
+
+
 class _Body(threading.local):
     """What the shard_map body running in this thread types (a thread-local, which
     ``torch.compile`` guards on): ``types`` while a ``check_vma=True`` body runs,
