@@ -125,10 +125,10 @@ def tracing() -> bool:
     compile session (private ``torch._guards.TracingContext``, kept per thread).
     ``torch.compiler.is_compiling()`` alone reads one flag of the whole process, held for a
     whole compile since torch 2.13: a threaded world's other ranks would see it too."""
-    if _dynamo_tracing():
-        return True
-    if not _session_flag():
+    if not _session_flag():  # eager code while no thread compiles: one call, as before
         return False
+    if _dynamo_tracing():  # traced, both questions answer True without a guard
+        return True
     from torch import _guards  # loads DTensor: asked only while some thread compiles
 
     return _guards.TracingContext.try_get() is not None
@@ -151,7 +151,8 @@ def modes_see_every_op() -> bool:
     their results came out untyped, and an untyped value's gradient was summed again.
     Callers wrap it in :func:`constant_when_traced`, so that traced it runs when the trace
     reaches it (before the ops it is for); wrapped here it would load dynamo at import."""
-    if _modes_see.done:
+    global _every_op_seen
+    if _every_op_seen:
         return True
     from torch._dynamo import trace_rules
     from torch._dynamo.variables import torch as dynamo_torch
@@ -165,15 +166,13 @@ def modes_see_every_op() -> bool:
     # the attribute read is var_getattr in torch 2.13, tp_getattro_impl from 2.14
     read = "var_getattr" if "var_getattr" in vars(TensorVariable) else "tp_getattro_impl"
     setattr(TensorVariable, read, _getattr_through_modes(getattr(TensorVariable, read)))
-    _modes_see.done = True
+    _every_op_seen = True
     return True
 
 
-class _Once:
-    done = False
+_every_op_seen = False
 
 
-_modes_see = _Once()
 _TENSOR_OP_MODULES = frozenset({"torch.nn.functional", "torch._C._nn", "torch.functional"})
 
 

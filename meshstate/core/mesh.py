@@ -495,9 +495,15 @@ def track_mesh(mesh: _Destroyable) -> None:
 
 def live_meshes() -> list[ParallelMesh]:
     """This rank's meshes not destroyed yet (those built under its default group)."""
+    return [mesh for mesh in _this_ranks_meshes() if isinstance(mesh, ParallelMesh)]
+
+
+def _this_ranks_meshes() -> list[_Destroyable]:
+    """The meshes of this rank not destroyed yet (hybrid meshes too): those built under its
+    default group, all of them where none is initialised."""
     world = _compat.default_group() if dist.is_initialized() else None
     return [mesh for mesh, built_under in list(_live_meshes.items())
-            if isinstance(mesh, ParallelMesh) and (world is None or built_under is world)]
+            if world is None or built_under is world]
 
 
 def destroy_every_mesh() -> None:
@@ -510,10 +516,8 @@ def destroy_every_mesh() -> None:
     threaded world (each has a default group of its own): a rank's meshes are
     those built under its default group, all of them where none is initialised.
     """
-    world = _compat.default_group() if dist.is_initialized() else None
-    for mesh, built_under in list(_live_meshes.items()):
-        if world is None or built_under is world:
-            mesh.destroy()
+    for mesh in _this_ranks_meshes():
+        mesh.destroy()
     _current.set_mesh, _current.entered = None, ()
 
 

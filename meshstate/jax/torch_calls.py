@@ -89,7 +89,7 @@ def gather_invariant(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: boo
     if not recorded(x):
         return all_gather_on(x, group, axis, tiled)
     axis = checked_dim(axis, x.dim() + (not tiled), "all_gather_invariant", "axis")
-    return _gather_keeping_slice(x, group, axis, tiled)
+    return gather_whole(x if tiled else x.unsqueeze(axis), axis, group)
 
 
 def gather(
@@ -293,28 +293,6 @@ class _SummedGradient(torch.autograd.Function):
         return _sum_with_identity_gradient(grad.contiguous(), ctx.group_name), None  # psum
 
 
-class _GatherKeepingSlice(torch.autograd.Function):
-    """``all_gather_invariant``: gather forward; backward keeps the caller's slice of
-    the gradient (every rank holds the whole gradient of an invariant value)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x: torch.Tensor, group: OrderedGroup, axis: int, tiled: bool) -> torch.Tensor:
-        return gather(x, group, axis, tiled=tiled, traced=True)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.axis, ctx.tiled = inputs
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        # the caller's block, whose own backward gathers again (JAX's transpose of the transpose)
-        if ctx.tiled:
-            return take_block(grad, [(ctx.axis, ctx.group)]), None, None, None
-        return take_block(grad, [(ctx.axis, ctx.group)]).squeeze(ctx.axis), None, None, None
-
-
 def block(x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]) -> torch.Tensor:
     """The caller's block of ``x``: each split dim narrowed to its chunk along the dim's axes."""
     for dim, group in split_dims:
@@ -328,12 +306,15 @@ class _TakeBlock(torch.autograd.Function):
     gradient whole again (:func:`gather_whole`, so a gradient of the gradient takes the
     block again). Hand-written: torch has no slice whose backward gathers."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]
-    ) -> torch.Tensor:
-        ctx.split_dims = split_dims
+    def forward(x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]) -> torch.Tensor:
         return block(x, split_dims)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.split_dims = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -344,13 +325,19 @@ class _TakeBlock(torch.autograd.Function):
 
 class _GatherWhole(torch.autograd.Function):
     """Dim ``dim`` gathered whole over ``group``; backward keeps the caller's block
-    (:func:`take_block`), as DTensor's Shard -> Replicate does: every replica holds the
-    whole cotangent. torch's all-gather would sum the copies instead."""
+    (:func:`take_block`), as DTensor's Shard -> Replicate does and as
+    ``all_gather_invariant``'s transpose is: every replica holds the whole cotangent.
+    torch's all-gather would sum the copies instead."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: OrderedGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
+    def forward(x: torch.Tensor, dim: int, group: OrderedGroup) -> torch.Tensor:
         return gather(x, group, dim, tiled=True, traced=True)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.dim, ctx.group = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -374,9 +361,6 @@ take_block: Callable[
 gather_whole: Callable[[torch.Tensor, int, OrderedGroup], torch.Tensor] = _GatherWhole.apply
 
 
-_gather_keeping_slice: Callable[[torch.Tensor, OrderedGroup, int, bool], torch.Tensor] = (
-    _GatherKeepingSlice.apply
-)
 
 
 def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
