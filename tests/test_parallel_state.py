@@ -259,7 +259,10 @@ def test_getters_before_init_raise_what_megatron_raises():
          "data-parallel sizes, but dp = 4 and edp = 2"),
         (dict(sharp_enabled_group="dp"), AssertionError,
          "sharp_enabled_group is only valid when use_sharp is True"),
-        (dict(use_sharp=True), AssertionError, "use_sharp needs the NCCL backend; this world runs fake"),
+        # megatron-core asks torch.cuda.current_device() first: a CUDA build of torch without
+        # a GPU (torch 2.14.1's wheel) raises RuntimeError there, a CPU build lets it assert
+        (dict(use_sharp=True), (AssertionError, RuntimeError),
+         "use_sharp needs the NCCL backend; this world runs fake"),
         (dict(pipeline_model_parallel_comm_backend="mpi"), RuntimeError,
          '"mpi" backend for PP communication is not supported; use "nccl" or "ucc"'),
     ],

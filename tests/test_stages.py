@@ -44,6 +44,22 @@ def test_a_1f1b_step_of_64_ranks_in_four_stages_equals_one_process() -> None:
     torch.testing.assert_close(got, pipeline_expected(64, 2, 4))
 
 
+def _a_dtensor_backward() -> None:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = meshstate.init_mesh(tp=2)
+    weight = distribute_tensor(torch.ones(2, 2), mesh["tp"], [Replicate()]).requires_grad_()
+    (weight * 2).to_local().sum().backward()
+
+
+def test_stages_run_autograd_after_a_dtensor_backward_in_the_caller() -> None:
+    # torch 2.14: a process forked after a DTensor backward cannot run autograd ("Unable to
+    # handle autograd's threading in combination with fork-based multiprocessing")
+    simulated_world(2).run(_a_dtensor_backward)
+    got = simulated_world(16, stages=2).run(pipeline_step, 2, 2)
+    torch.testing.assert_close(got, pipeline_expected(16, 2, 2))
+
+
 @distributed(world_size=4, simulate=True, stages=2)
 def test_a_decorated_test_runs_stage_by_stage() -> None:
     mesh = meshstate.init_mesh(pp=2)

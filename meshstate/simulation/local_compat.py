@@ -87,6 +87,15 @@ class _SimulatedMode(LocalTensorMode):
             return self._draw_per_rank(func, args, kwargs or {}, generator)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def _patch_dist(self) -> None:
+        """Leave ``dist.get_rank`` to the simulated world's own answer: torch 2.14's
+        ``LocalTensorMode`` replaces it on enter (private ``_patch_dist``) with one that answers
+        for every member of a group, other stages' ranks too, and whichever replacement is
+        entered last wins. (torch 2.13 has no such method and calls none.)"""
+
+    def _unpatch_dist(self) -> None:
+        """Nothing to restore (see ``_patch_dist``)."""
+
     def _shared(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` held by every simulated rank, one storage for all (views stay views)."""
         shared: torch.Tensor = LocalTensor({rank: tensor.detach() for rank in self.ranks})  # type: ignore[no-untyped-call]
@@ -374,6 +383,12 @@ def constant_bool_node(value: bool) -> Any:
     return torch._C._get_constant_bool_symnode(value)
 
 
+_QUERIES = frozenset({"get_rank"})
+"""What torch's simulation asks the groups of without moving data: torch 2.14's
+``LocalTensorMode`` answers ``dist.get_rank(group)`` so, and torch's collective logger asks
+it before every collective."""
+
+
 @contextlib.contextmanager
 def collectives_checked(
     check: Callable[[str, ProcessGroup, list[tuple[int, ...]]], None]
@@ -390,7 +405,8 @@ def collectives_checked(
         unboxed = ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
         caller = sys._getframe(1).f_code.co_name
         name = caller.removeprefix("_local_").removeprefix("functional_").strip("_")
-        check(name, unboxed, [tuple(start + rank for rank in relative) for start in offsets])
+        if name not in _QUERIES:
+            check(name, unboxed, [tuple(start + rank for rank in relative) for start in offsets])
         return relative, offsets, offset
 
     with mock.patch.object(_simulation._c10d, "_prepare_collective_groups", checked):

@@ -248,6 +248,20 @@ class _PointToPoint:
     def __init__(self, channel: StageChannel) -> None:
         self.channel = channel
 
+    def get_backend(self, torchs: Callable[..., Any]) -> Callable[..., Any]:
+        """``dist.get_backend``, naming gloo, which carries their messages, for the groups
+        other than the world that span stages (torch 2.14's pipelining refuses to infer
+        shapes over a ``fake`` group, whose receives would read zeros; here they do not)."""
+
+        def get_backend(group: dist.ProcessGroup | None = None) -> Any:
+            if group is not None and group is not c10d.GroupMember.WORLD and (
+                self.channel.spanned(group) is not None
+            ):
+                return dist.Backend.GLOO
+            return torchs(group)
+
+        return get_backend
+
     def peer_stage(
         self, what: str, group: dist.ProcessGroup | None, peer: int | None,
         group_peer: int | None, library: bool,
@@ -406,6 +420,7 @@ def between_stages(channel: StageChannel) -> Iterator[None]:
         for name in ("all_gather_into_tensor", "all_gather_single"):
             gather = calls.all_gather_into_tensor(getattr(dist, name))
             patches.enter_context(mock.patch.object(dist, name, gather))
+        patches.enter_context(mock.patch.object(dist, "get_backend", calls.get_backend(dist.get_backend)))
         patches.enter_context(local_compat.collectives_checked(channel.refuse_across))
         yield
 

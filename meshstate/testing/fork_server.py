@@ -44,27 +44,54 @@ _WORKER_MARK = "MESHSTATE_WORKER"
 _spawnv_passfds = multiprocessing.util.spawnv_passfds
 
 
-def warm_up() -> None:
+def warm_up(fork_from_here: bool = True) -> None:
     """Start the fork server the workers come from, if it is not running; returns at once.
 
     Where :func:`_server_can_fork_from_here`, the server is a fork of this
     process and serves at once; otherwise it is a new interpreter that imports
     torch (and pytest, when the caller has) in the background, so a world
     started later forks its workers from a warm process. Example:
-    ``warm_up()`` while a test module is collected.
+    ``warm_up()`` while a test module is collected. ``fork_from_here=False`` starts a new
+    interpreter whatever this process is.
     """
     if _WORKER_MARK in os.environ:
         return  # a worker importing a test module: its caller's server is the one to use
     loaded_extras = [name for name in ("pytest",) if name in sys.modules]
     _CONTEXT.set_forkserver_preload(_PRELOADED + loaded_extras)
     os.environ[_WORKER_MARK] = "1"  # the server inherits it, and so every worker from birth
-    if _server_can_fork_from_here():
+    if fork_from_here and _server_can_fork_from_here():
         multiprocessing.util.spawnv_passfds = _fork_server_from_here
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
         multiprocessing.util.spawnv_passfds = _spawnv_passfds
         del os.environ[_WORKER_MARK]
+
+
+def autograd_survives_a_fork() -> bool:
+    """Whether a process forked from this one can run autograd: since torch 2.14 one forked
+    after a DTensor backward cannot ("Unable to handle autograd's threading in combination
+    with fork-based multiprocessing"). Asked of a fork that runs a backward (milliseconds)."""
+    with uncollected():
+        pid = os.fork()
+        if pid == 0:
+            try:
+                probe = torch.ones(1, requires_grad=True)
+                torch.autograd.backward((probe * 2).sum())
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def clean_context() -> Any:
+    """The fork server's start method with its server running: the one :func:`warm_up`
+    started (before the caller ran anything), else a new interpreter started now, never a
+    fork of this process."""
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is None:
+        warm_up(fork_from_here=False)
+    return _CONTEXT
 
 
 def _server_can_fork_from_here() -> bool:

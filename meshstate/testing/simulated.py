@@ -77,10 +77,31 @@ import torch.distributed as dist
 from meshstate.errors import OTHER_WORLDS, MeshStateError, SimulationError
 from meshstate.core.mesh import destroy_every_mesh
 from meshstate.testing import torch_internals
-from meshstate.testing.fork_server import uncollected
+from meshstate.testing.fork_server import autograd_survives_a_fork, clean_context, uncollected
 from meshstate.testing.launch import DEFAULT_TIMEOUT
 
 _FORK = multiprocessing.get_context("fork")
+
+
+def _stage_starter(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """How a stage's process starts: forked from this process, or, where a fork of it could
+    not run autograd (torch 2.14, after a DTensor backward here), from the harness's fork
+    server, ``fn`` and its arguments pickled by importable names. A function that does not
+    pickle so (typed at ``python -``) is refused there by name."""
+    if autograd_survives_a_fork():
+        return _FORK
+    try:
+        pickled = pickle.dumps((fn, args, kwargs))
+    except Exception:
+        pickled = b"__main__"
+    if b"__main__" in pickled:
+        raise SimulationError(
+            "a world simulated in stages cannot fork this process: it ran a DTensor backward, "
+            "after which torch (2.14) runs no autograd in a forked process, and "
+            f"{getattr(fn, '__qualname__', fn)!r} cannot be imported by name in a fresh one; "
+            "define it in a module, or run the stages in a process that ran no DTensor backward"
+        )
+    return clean_context()
 
 
 class SimulatedWorld:
@@ -135,12 +156,13 @@ class SimulatedWorld:
         processes: dict[multiprocessing.connection.Connection, tuple[int, Any]] = {}
         results: dict[int, Any] = {}
         _import_for_the_stages()
+        starter = _stage_starter(fn, args, kwargs)
         with tempfile.TemporaryDirectory(prefix="meshstate-stages-") as folder:
             try:
                 with uncollected():
                     for stage in range(self.stages):
-                        reader, writer = _FORK.Pipe(duplex=False)
-                        process = _FORK.Process(
+                        reader, writer = starter.Pipe(duplex=False)
+                        process = starter.Process(
                             target=self._stage_process, name=f"meshstate stage {stage}",
                             args=(stage, os.path.join(folder, "store"), writer, fn, args, kwargs,
                                   each_rank),

@@ -235,6 +235,11 @@ class _ThreadedGroup(torch_internals.ProcessLocalGroup):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
         raise MeshStateError("a threaded world receives from a given rank only: pass src= to recv")
 
+    def _get_backend(self, device: torch.device) -> Any:  # a Backend to torch; here the group
+        """This group, which is its own backend on every device (torch 2.14's
+        ``batch_isend_irecv`` asks a group's backend whether it coalesces; this one does not)."""
+        return self
+
 
 def _create_threaded_group(
     store: torch_internals.Store, rank: int, world_size: int, timeout: timedelta
