@@ -77,7 +77,7 @@ def _torch_group(ranks: Sequence[int], group_rank: int, *args: Any, **kwargs: An
     ``range`` converts fastest, any other lattice is listed (and freed) here.
     """
     lattice = ranks.as_range() if isinstance(ranks, Ranks) else None
-    members = lattice if lattice is not None else list(ranks)
+    members: Any = lattice if lattice is not None else list(ranks)  # torch types a list
     return c10d._new_process_group_helper(len(ranks), group_rank, members, *args, **kwargs)[0]
 
 
@@ -361,7 +361,7 @@ def thread_store() -> Store:
         return store
     kept: tuple[Store, Store] | None = getattr(_per_thread, "store", None)
     if kept is None or kept[0] is not store:
-        kept = _per_thread.store = (store, store.clone())  # type: ignore[attr-defined]
+        kept = _per_thread.store = (store, store.clone())  # type: ignore[attr-defined, unused-ignore]
     return kept[1]
 
 
@@ -540,7 +540,7 @@ def dtensor_of(local: torch.Tensor, spec: Any, fresh: bool = False) -> DTensor:
     ``even_spec`` made, as ``from_local`` makes one autograd does not record, without its
     autograd apply (the private ``DTensor(local, spec, requires_grad=False)``)."""
     from torch.distributed.tensor import DTensor
-    return DTensor(local if fresh else local.view_as(local), spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    return DTensor(local if fresh else local.view_as(local), spec, requires_grad=False)  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def root_of(device_mesh: DeviceMesh) -> DeviceMesh:

@@ -321,8 +321,9 @@ class _Builder:
             ) from error
         self.may_fall_back = False
         self.result.creation_calls += 1
-        if group is not None:
-            self.result.owned.append(group)
+        if not isinstance(group, dist.ProcessGroup):  # None, or torch 2.14's typed -100
+            return None
+        self.result.owned.append(group)
         return group
 
 

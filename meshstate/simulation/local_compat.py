@@ -120,7 +120,7 @@ class _SimulatedMode(LocalTensorMode):
         firsts, spec = pytree.tree_flatten(first)
         flat_by_rank = {rank: pytree.tree_leaves(result) for rank, result in by_rank.items()}
         merged = [
-            LocalTensor({rank: flat[index]._local_tensors[rank] for rank, flat in flat_by_rank.items()})  # type: ignore[no-untyped-call]
+            LocalTensor({rank: flat[index]._local_tensors[rank] for rank, flat in flat_by_rank.items()})  # type: ignore[no-untyped-call, unused-ignore]
             if isinstance(value, LocalTensor) else value
             for index, value in enumerate(firsts)
         ]
@@ -226,7 +226,7 @@ def rng_states() -> torch.Tensor | None:
     if not ranks_draw_apart() or mode is None:
         return None
     with mode.disable():
-        states: torch.Tensor = LocalTensor(  # type: ignore[no-untyped-call]
+        states: torch.Tensor = LocalTensor(  # type: ignore[no-untyped-call, unused-ignore]
             {rank: mode._per_rank_rng_states[rank][0].clone() for rank in mode.ranks})
     return states
 
@@ -321,7 +321,7 @@ def per_rank_rows(rows: torch.Tensor, first: int = 0) -> torch.Tensor:
     rank. Builds a ``LocalTensor`` from its per-rank dict.
     """
     with maybe_disable_local_tensor_mode():
-        local: torch.Tensor = LocalTensor(dict(enumerate(rows.unbind(0), first)))  # type: ignore[no-untyped-call]
+        local: torch.Tensor = LocalTensor(dict(enumerate(rows.unbind(0), first)))  # type: ignore[no-untyped-call, unused-ignore]
     return local
 
 
@@ -329,7 +329,7 @@ def per_rank_tensor(values: dict[int, torch.Tensor]) -> torch.Tensor:
     """A tensor whose value on simulated rank ``r`` is ``values[r]`` (detached). Builds a
     ``LocalTensor``."""
     with maybe_disable_local_tensor_mode():
-        local: torch.Tensor = LocalTensor({rank: value.detach() for rank, value in values.items()})  # type: ignore[no-untyped-call]
+        local: torch.Tensor = LocalTensor({rank: value.detach() for rank, value in values.items()})  # type: ignore[no-untyped-call, unused-ignore]
     return local
 
 
@@ -339,7 +339,7 @@ def replicated(tensor: torch.Tensor, ranks: frozenset[int]) -> torch.Tensor:
     if isinstance(tensor, LocalTensor):
         return tensor
     with maybe_disable_local_tensor_mode():
-        local: torch.Tensor = LocalTensor({rank: tensor.clone() for rank in ranks})  # type: ignore[no-untyped-call]
+        local: torch.Tensor = LocalTensor({rank: tensor.clone() for rank in ranks})  # type: ignore[no-untyped-call, unused-ignore]
     return local
 
 

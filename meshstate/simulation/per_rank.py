@@ -267,7 +267,7 @@ def per_rank_int(values: Mapping[int, int]) -> int:
     first = next(iter(values.values()))
     if all(value == first for value in values.values()):
         return first
-    return cast(int, torch.SymInt(PerRankIntNode(dict(values))))  # type: ignore[no-untyped-call]
+    return cast(int, torch.SymInt(PerRankIntNode(dict(values))))  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def on_any_rank(value: bool) -> bool:
@@ -283,7 +283,7 @@ def per_rank_bool(values: Mapping[int, bool]) -> bool:
     Example: ``value_on(per_rank_bool({0: True, 1: False}), 1)`` is ``False``.
     """
     node = _bool_node(dict(values))
-    return cast(bool, node if isinstance(node, bool) else torch.SymBool(node))  # type: ignore[no-untyped-call]
+    return cast(bool, node if isinstance(node, bool) else torch.SymBool(node))  # type: ignore[no-untyped-call, unused-ignore]
 
 
 class PerRankRanks(Sequence[int]):
@@ -397,7 +397,7 @@ class PerRankParts(tuple[torch.Tensor, ...]):
     def __getitem__(self, index: int | slice) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.whole is None or not holds_per_rank(index):
             return super().__getitem__(index)
-        indices = local_compat.local_ints(cast(torch.SymInt, index).node)
+        indices = local_compat.local_ints(cast(Any, index).node)
         picked = {rank: at % len(self) for rank, at in indices.items()
                   if -len(self) <= at < len(self)}
         if len(picked) < len(indices):

@@ -194,8 +194,8 @@ def _new_subgroups_by_enumeration(
     torch's simulation would run over other ranks."""
     from meshstate.simulation.per_rank import tiling_mismatch
 
-    mine, subgroups = _enumerate_subgroups(ranks_per_subgroup_list, *args, **kwargs)  # type: ignore[no-untyped-call]
-    mismatch = tiling_mismatch("subgroups", mine, ranks_per_subgroup_list)
+    mine, subgroups = _enumerate_subgroups(ranks_per_subgroup_list, *args, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]
+    mismatch = tiling_mismatch("subgroups", cast(Any, mine), ranks_per_subgroup_list)
     if mismatch is not None:
         raise SimulationError(mismatch)
     return mine, subgroups
