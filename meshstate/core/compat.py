@@ -20,6 +20,9 @@ from torch._C._distributed_c10d import Store
 # Imported for what it does on import: register the backward of torch.ops._c10d_functional.
 import torch.distributed._functional_collectives  # noqa: F401
 from torch.distributed import distributed_c10d as c10d
+# The class of torch's higher-order ops (activation checkpointing, cond, ...), which hand a
+# torch function mode their body whole: public as torch._ops only.
+from torch._ops import HigherOrderOperator as HigherOrderOperator
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 

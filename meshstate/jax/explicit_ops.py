@@ -468,7 +468,7 @@ _KINDS: dict[Callable[..., Any], str] = {
     **dict.fromkeys(_PERMUTES, "permute"),
     **dict.fromkeys([torch.unsqueeze, _T.unsqueeze], "unsqueeze"),
     **dict.fromkeys([torch.cat, torch.concat, torch.concatenate], "cat"),
-    torch._C.TensorBase.__getitem__: "getitem",
+    torch.Tensor.__getitem__: "getitem",
     _T.requires_grad_: "requires_grad",
     **dict.fromkeys([
         _T.size, _T.dim, _T.numel, _T.stride, _T.__len__, _T.backward,

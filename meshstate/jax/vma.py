@@ -32,7 +32,6 @@ from functools import partial
 from typing import Any, cast
 
 import torch
-from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode, has_torch_function, resolve_name
 
 from meshstate.core import compat as _compat
@@ -248,7 +247,7 @@ class VaryingTypes(TorchFunctionMode):
             union, mixed = _union(args)
         if func is torch.autograd.grad:
             return _typed_gradients(func, args, kwargs)
-        if isinstance(func, HigherOrderOperator) and _name_of(func) in _WITH_BODIES:
+        if isinstance(func, _compat.HigherOrderOperator) and _name_of(func) in _WITH_BODIES:
             return self._higher_order(func, args, kwargs)
         if mixed:
             if not self.auto_pvary:
@@ -269,7 +268,7 @@ class VaryingTypes(TorchFunctionMode):
         return result
 
     def _higher_order(
-        self, func: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, func: _compat.HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """A higher-order op with a body, which ``torch.compile`` hands to the mode whole
         (eagerly the body's ops come one by one). Activation checkpointing runs its body
@@ -434,7 +433,7 @@ control flow (flex attention's score function runs on no typed value)."""
 
 
 @_compat.constant_when_traced
-def _name_of(operator: HigherOrderOperator) -> str:
+def _name_of(operator: _compat.HigherOrderOperator) -> str:
     """A higher-order op's name (``torch.compile`` reads it while tracing)."""
     name: str = operator.name()  # type: ignore[no-untyped-call]
     return name

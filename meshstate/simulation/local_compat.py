@@ -21,6 +21,9 @@ from unittest import mock
 
 import torch
 import torch.distributed._local_tensor as _simulation
+# Public as torch.distributed.FileStore, which torch does not declare exported: strict typing
+# sees this name (the stages of a staged world meet through one file).
+from torch._C._distributed_c10d import FileStore as FileStore
 from torch.distributed import ProcessGroup
 # The per-rank integer node torch's simulation maps to each rank's value in every op;
 # meshstate's per-rank integers subclass it so they reach aten ops as torch's do.

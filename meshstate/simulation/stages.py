@@ -41,9 +41,6 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-# FileStore is public as torch.distributed.FileStore, but torch does not declare it exported
-# there, so a strict type check sees only this torch._C name.
-from torch._C._distributed_c10d import FileStore
 from torch.distributed import distributed_c10d as c10d
 
 from meshstate.errors import OTHER_WORLDS, SimulationError
@@ -89,7 +86,7 @@ class StageChannel:
         self.world_size = world_size
         self.ranks = range(stage * self.stage_size, (stage + 1) * self.stage_size)
         # gloo's backend: send, recv, allreduce and allgather, which torch's stubs leave out.
-        self.group: Any = dist.ProcessGroupGloo(FileStore(store_path, stages), stage, stages, timeout)
+        self.group: Any = dist.ProcessGroupGloo(local_compat.FileStore(store_path, stages), stage, stages, timeout)
 
     def describe(self) -> str:
         """``"stage 1 (ranks 4-7)"``."""

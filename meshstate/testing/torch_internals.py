@@ -175,3 +175,20 @@ def release_threaded_collectives() -> None:
 def reset_threaded_collectives() -> None:
     """Forget the collectives of torch's threaded group and its wake-up (``ProcessLocalGroup.reset``)."""
     ProcessLocalGroup.reset()  # type: ignore[no-untyped-call]
+
+
+def compiler_backend(name: str) -> Any:
+    """torch.compile's backend ``name`` as a callable (private ``torch._dynamo.lookup_backend``),
+    for a backend that counts graphs and hands them on."""
+    import torch._dynamo
+
+    return torch._dynamo.lookup_backend(name)
+
+
+def graphs_and_breaks(function: Any, *args: Any) -> tuple[int, int]:
+    """The graphs and graph breaks dynamo makes of ``function(*args)`` (private
+    ``torch._dynamo.explain``)."""
+    import torch._dynamo
+
+    explained = torch._dynamo.explain(function)(*args)
+    return explained.graph_count, explained.graph_break_count

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from meshstate.core.build import init_mesh
 from meshstate.jax.explicit import device_put, explicit, matmul
 from meshstate.jax.sharding import P
+from meshstate.testing import torch_internals
 from meshstate.testing.fake import fake_world
 from meshstate.tools.bench_runtime import _us_per_call
 
@@ -94,16 +95,14 @@ def _compiled_graphs(typed: Callable[[], object]) -> tuple[int, int]:
     """(graphs, graph breaks) of ``typed`` compiled on ``aot_eager``, counted as dynamo
     hands them over (``explain``'s own backend reruns the graph's torch calls, which the
     explicit mode would see again; every real backend compiles aten ops)."""
-    import torch._dynamo
-
     graphs: list[object] = []
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+    aot_eager = torch_internals.compiler_backend("aot_eager")
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
         graphs.append(graph)
         return aot_eager(graph, example_inputs)
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(lambda _: typed(), backend=backend)(torch.zeros(1))
     return len(graphs), len(graphs) - 1
 

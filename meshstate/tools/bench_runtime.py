@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import local_map
 
+from meshstate.testing import torch_internals
 from meshstate.core import compat as _compat
 from meshstate.core.build import init_mesh
 from meshstate.core.mesh import ParallelMesh
@@ -110,11 +111,8 @@ def _us_per_call_side_by_side(
 
 def _explain(function: Callable[..., object], *args: torch.Tensor) -> tuple[int, int]:
     """(graphs, graph breaks) that ``torch._dynamo.explain`` counts for ``function(*args)``."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(function)(*args)
-    return explained.graph_count, explained.graph_break_count
+    torch.compiler.reset()
+    return torch_internals.graphs_and_breaks(function, *args)
 
 
 def _compiled_us(function: Callable[..., object], *args: torch.Tensor) -> float:
