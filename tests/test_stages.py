@@ -71,6 +71,11 @@ def test_a_decorated_test_runs_stage_by_stage() -> None:
     assert torch.equal(mine, torch.full((1,), dist.get_rank() % 2))
 
 
+def test_a_decorated_staged_test_runs_after_a_dtensor_backward_in_its_process() -> None:
+    simulated_world(2).run(_a_dtensor_backward)
+    test_a_decorated_test_runs_stage_by_stage()  # its body, imported by name in the stages
+
+
 def test_stages_without_simulate_are_refused_in_one_line() -> None:
     with pytest.raises(MeshStateError, match=r"^stages=2 splits a simulated world; add simulate=True$"):
         distributed(4, stages=2)

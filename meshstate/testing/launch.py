@@ -287,9 +287,13 @@ class LocalWorld:
 
     def close(self) -> None:
         """Stop the workers, giving them a few seconds to exit; safe to call twice."""
-        for tasks, worker in zip(self._tasks, self._workers):
-            if worker.is_alive():
-                tasks.put(None)
+        try:
+            for tasks, worker in zip(self._tasks, self._workers):
+                if worker.is_alive():
+                    tasks.put(None)
+        except RuntimeError:  # at interpreter exit Python 3.12 starts no queue feeder thread
+            self._kill()
+            return
         deadline = time.monotonic() + 5.0
         for worker in self._workers:
             worker.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -61,14 +61,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import sys
 import tempfile
 import threading
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -83,13 +86,20 @@ from meshstate.testing.launch import DEFAULT_TIMEOUT
 _FORK = multiprocessing.get_context("fork")
 
 
-def _stage_starter(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """How a stage's process starts: forked from this process, or, where a fork of it could
-    not run autograd (torch 2.14, after a DTensor backward here), from the harness's fork
-    server, ``fn`` and its arguments pickled by importable names. A function that does not
-    pickle so (typed at ``python -``) is refused there by name."""
+def _stage_starter(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Callable[..., Any]]:
+    """How a stage's process starts, and the ``fn`` it runs: forked from this process, or,
+    where a fork of it could not run autograd (torch 2.14, after a DTensor backward here),
+    from the harness's fork server, ``fn`` and its arguments pickled by importable names
+    (a body a decorator wraps at its name, ``@distributed``'s, by that name). A function
+    that does not pickle so (typed at ``python -``) is refused there by name."""
     if autograd_survives_a_fork():
-        return _FORK
+        return _FORK, fn
+    named = sys.modules.get(getattr(fn, "__module__", "") or "")
+    decorated = getattr(named, getattr(fn, "__qualname__", "") or "", None)
+    if decorated is not fn and getattr(decorated, "__wrapped__", None) is fn:
+        fn = _WrappedBody(fn.__module__, fn.__qualname__)
     try:
         pickled = pickle.dumps((fn, args, kwargs))
     except Exception:
@@ -101,7 +111,18 @@ def _stage_starter(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
             f"{getattr(fn, '__qualname__', fn)!r} cannot be imported by name in a fresh one; "
             "define it in a module, or run the stages in a process that ran no DTensor backward"
         )
-    return clean_context()
+    return clean_context(), fn
+
+
+@dataclass(frozen=True)
+class _WrappedBody:
+    """The function a decorator wraps at ``module.name``, found by that name where called."""
+
+    module: str
+    name: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(self.module), self.name).__wrapped__(*args, **kwargs)
 
 
 class SimulatedWorld:
@@ -156,7 +177,7 @@ class SimulatedWorld:
         processes: dict[multiprocessing.connection.Connection, tuple[int, Any]] = {}
         results: dict[int, Any] = {}
         _import_for_the_stages()
-        starter = _stage_starter(fn, args, kwargs)
+        starter, fn = _stage_starter(fn, args, kwargs)
         with tempfile.TemporaryDirectory(prefix="meshstate-stages-") as folder:
             try:
                 with uncollected():
