@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from meshstate.jax.collectives import all_gather, all_gather_invariant, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary
     from meshstate.jax.vma import VaryingAxesError, vma
     from meshstate.core.adopt import adopt
+    from meshstate.core.one_rank import compile_on_one_rank
     from meshstate.layout.config import DEFAULT_ORDER, MeshConfig
     from meshstate.errors import ArgumentTypeError, AxisError, ConfigError, MeshStateError, NotInitializedError, SimulationError, WrongMeshError
     from meshstate.megatron.errors import ParallelStateError
@@ -44,6 +45,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary'), "meshstate.jax.collectives"),
     **dict.fromkeys(('VaryingAxesError', 'vma'), "meshstate.jax.vma"),
     **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
+    **dict.fromkeys(('compile_on_one_rank',), "meshstate.core.one_rank"),
     **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.layout.config"),
     **dict.fromkeys(('ArgumentTypeError', 'AxisError', 'ConfigError', 'MeshStateError', 'NotInitializedError', 'SimulationError', 'WrongMeshError'), "meshstate.errors"),
     **dict.fromkeys(('ParallelStateError',), "meshstate.megatron.errors"),
@@ -81,4 +83,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['ArgumentTypeError', 'AxisError', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']
+__all__ = ['ArgumentTypeError', 'AxisError', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'compile_on_one_rank', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']

@@ -6,6 +6,7 @@ private name it relies on. The harness's and benchmark's: :mod:`meshstate.testin
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import warnings
@@ -326,6 +327,89 @@ def traced_all_to_all(
     return cast(torch.Tensor, _wait(exchanged))
 
 
+def name_for_every_rank(group: dist.ProcessGroup, name: str) -> None:
+    """Register ``group`` under ``name`` too, the name torch's traceable collectives then
+    resolve to it in this process (private ``_register_process_group``)."""
+    torch._C._distributed_c10d._register_process_group(c10d.GroupName(name), group)
+
+
+def forget_name(name: str) -> None:
+    """Undo :func:`name_for_every_rank` (private ``_unregister_process_group``)."""
+    torch._C._distributed_c10d._unregister_process_group(c10d.GroupName(name))
+
+
+def group_named(name: str) -> dist.ProcessGroup:
+    """The group registered under ``name`` (private ``_resolve_process_group``)."""
+    return torch._C._distributed_c10d._resolve_process_group(c10d.GroupName(name))
+
+
+def compile_to_bytes(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: str
+) -> bytes:
+    """``function`` compiled whole for ``args`` and ``kwargs``, as bytes another process
+    loads with :func:`load_compiled`: ``torch.compile(...).aot_compile`` and its
+    ``serialize`` (experimental; their module is private ``torch._dynamo.aot_compile``)."""
+    from torch.utils import _pytree
+
+    # An example argument's .grad would go into the artifact, which then fails to load.
+    with_grads = [leaf for leaf in _pytree.tree_leaves((args, kwargs))
+                  if isinstance(leaf, torch.Tensor) and leaf.grad is not None]
+    grads = [leaf.grad for leaf in with_grads]
+    for leaf in with_grads:
+        leaf.grad = None
+    try:
+        with _coordinates_read_when_run():
+            compiled = torch.compile(function, fullgraph=True, backend=backend).aot_compile(  # type: ignore[attr-defined]
+                (args, kwargs)
+            )
+        return cast(bytes, type(compiled).serialize(compiled).serialized_data)
+    finally:
+        for leaf, grad in zip(with_grads, grads):
+            leaf.grad = grad
+
+
+@contextlib.contextmanager
+def _coordinates_read_when_run() -> Iterator[None]:
+    """A block in which a traced DTensor reads its rank's mesh coordinates when the graph
+    runs, as torch's ``compile_on_one_rank`` makes it (private
+    ``DeviceMesh._sym_get_coordinate`` answering from the op that flag uses); the flag itself
+    would also put process groups in the graph, which a compiled artifact cannot hold."""
+    original = DeviceMesh._sym_get_coordinate
+
+    def read_when_run(mesh: DeviceMesh, index: int) -> Any:
+        with _one_rank_config().patch(compile_on_one_rank=True):
+            return original(mesh, index)
+
+    DeviceMesh._sym_get_coordinate = read_when_run  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        DeviceMesh._sym_get_coordinate = original  # type: ignore[method-assign]
+
+
+def _one_rank_config() -> Any:
+    """The config module that holds torch's ``compile_on_one_rank``:
+    ``torch.compiler.config`` from torch 2.14, ``torch.distributed.config`` before."""
+    import torch.compiler.config as compiler_config
+
+    if hasattr(compiler_config, "compile_on_one_rank"):
+        return compiler_config
+    import torch.distributed.config as distributed_config
+
+    return distributed_config
+
+
+def load_compiled(data: bytes) -> Callable[..., Any]:
+    """The function :func:`compile_to_bytes` compiled (``torch.compiler.load_compiled_function``)."""
+    import io
+
+    # The op a graph reads DTensor coordinates with (_coordinates_read_when_run), registered
+    # on import of torch's private torch.distributed._ops.device_mesh.
+    import torch.distributed._ops.device_mesh  # noqa: F401
+
+    return torch.compiler.load_compiled_function(io.BytesIO(data))
+
+
 def default_group() -> dist.ProcessGroup:
     """The default (world) process group. Uses ``c10d._get_default_group``."""
     return c10d._get_default_group()
@@ -446,10 +530,23 @@ def share_rank_map(mesh: DeviceMesh, source: DeviceMesh) -> None:
     mesh._flatten_rank_map = source._flatten_rank_map
 
 
+def call_groups_by(
+    device_mesh: DeviceMesh, group_names: list[str], groups: list[dist.ProcessGroup]
+) -> None:
+    """Have ``device_mesh`` call its dims' ``groups`` by ``group_names`` (registered for them,
+    :func:`name_for_every_rank`), the names DTensor's traced collectives then take. Sets
+    ``DeviceMesh._dim_group_names`` and ``_pg_registry``."""
+    device_mesh._dim_group_names = [c10d.GroupName(name) for name in group_names]
+    for name, group in zip(group_names, groups):
+        device_mesh._pg_registry[name] = group
+
+
 def flatten_with_group(
-    root: DeviceMesh, axes: tuple[str, ...], name: str, group: dist.ProcessGroup
+    root: DeviceMesh, axes: tuple[str, ...], name: str, group: dist.ProcessGroup,
+    group_name: str | None = None,
 ) -> DeviceMesh:
-    """Flatten ``root[axes]`` into a 1-D mesh named ``name`` that uses ``group``.
+    """Flatten ``root[axes]`` into a 1-D mesh named ``name`` that uses ``group``, called
+    ``group_name`` (default: its own name; see :func:`call_groups_by`).
 
     Torch's ``DeviceMesh._flatten`` would create the flattened dimension's
     groups for every rank of the world; this registers the one group the caller
@@ -467,8 +564,9 @@ def flatten_with_group(
         _root_mesh=root,
         _init_backend=False,
     )
-    flattened._dim_group_names = [group.group_name]
-    root._pg_registry[group.group_name] = group
+    group_name = group.group_name if group_name is None else group_name
+    flattened._dim_group_names = [c10d.GroupName(group_name)]
+    root._pg_registry[group_name] = group
     root._flatten_mapping[name] = flattened
     share_rank_map(flattened, root)
     return flattened

@@ -35,7 +35,7 @@ from meshstate.core.agreement import leave_barrier, store_barrier
 from meshstate.errors import ConfigError, MeshStateError, MeshTimeoutError, SimulationError
 from meshstate.layout.layout import Key
 from meshstate.layout.ranks import identity, ranks_text
-from meshstate.core.world import process_rank, tiling_mismatch
+from meshstate.core.world import process_rank, ranks_share_the_process, tiling_mismatch
 
 _builds_of_world: weakref.WeakKeyDictionary[dist.ProcessGroup, Iterator[int]] = (
     weakref.WeakKeyDictionary()
@@ -87,11 +87,34 @@ class ProcessGroupSet:
     build_id: str = ""
     backend: str | None = None
     timeout: timedelta | None = None
+    traced_names: dict[dist.ProcessGroup, str] = field(default_factory=dict)
+    """The name a traced graph calls each group by where it is not the group's own."""
+
+    def name_for_every_rank(self, group: dist.ProcessGroup, family: Key, backend: str) -> None:
+        """Give ``group`` a second name, ``meshstate-{build}-{backend}-{family}``, which the
+        caller's group of ``family`` has on every rank: a graph traced on one rank then
+        calls each rank's own group (``compile_on_one_rank``). Not where ranks share a
+        process (threads, a simulation), whose groups share one table of names, nor for a
+        group whose name is every rank's already (the default group's)."""
+        if group in self.traced_names or backend == "fake" or ranks_share_the_process():
+            return
+        if group is _compat.default_group():
+            return
+        name = f"meshstate-{self.build_id}-{backend}-{family}"
+        _compat.name_for_every_rank(group, name)
+        self.traced_names[group] = name
+
+    def traced_name(self, group: dist.ProcessGroup) -> str:
+        """The name of ``group`` for torch's traceable collectives: every rank's where it has one."""
+        return self.traced_names.get(group, group.group_name)
 
     def destroy(self) -> None:
         """Destroy every group this build created; safe to call twice. Where this set
         holds a group's last reference (a mesh clears its tables first), the teardowns
         run side by side (see :func:`release_side_by_side`)."""
+        for name in self.traced_names.values():
+            _compat.forget_name(name)
+        self.traced_names.clear()
         _unregister(self.owned)
         self.by_name.clear()
         release_side_by_side(self.owned)
@@ -213,6 +236,7 @@ class _Builder:
             group = self._group(spec)
             if spec.members is not None and group is not None:
                 self.result.by_name[spec.name] = group
+                self.result.name_for_every_rank(group, spec.name, self._backend(spec))
         return self.result
 
     def _group(self, spec: GroupSpec) -> dist.ProcessGroup | None:
@@ -359,6 +383,7 @@ def create_axis_set_group(
             builder.result = owner
             backend = builder.backend or builder.default_backend
             owner.by_name[axes] = builder._member_group(members, f"axes:{axes}", backend, None)
+            owner.name_for_every_rank(owner.by_name[axes], f"axes:{axes}", backend)
     return owner.by_name[axes]
 
 

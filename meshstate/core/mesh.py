@@ -233,6 +233,11 @@ class ParallelMesh:
             return self.layout.coordinate(self.global_rank)
         return simulation().coordinate(self.layout, self.simulated)
 
+    def traced_name(self, group: dist.ProcessGroup) -> str:
+        """The name a traced graph calls ``group`` (one of this mesh's) by: the same on
+        every rank where the mesh could name its groups alike (not in threads)."""
+        return self._process_groups.traced_name(group)
+
     def ordered(self, axes: str | Sequence[str]) -> OrderedGroup:
         """The caller's group over ``axes`` with its ranks in the caller's axis order.
 
@@ -255,7 +260,7 @@ class ParallelMesh:
         with creating:
             ranks = grid.group_ranks(self._rank, major_to_minor)
             group = self._axis_set_group(mesh_axes, ranks)
-        found = OrderedGroup.of(ranks, self._rank, group)
+        found = OrderedGroup.of(ranks, self._rank, group, self.traced_name(group))
         if self.simulated is not None:
             with outside_simulation():
                 groups = grid.groups(major_to_minor).tolist()

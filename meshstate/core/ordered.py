@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
+from meshstate.core import compat as _compat
 from meshstate.errors import ArgumentTypeError
 
 
@@ -33,13 +35,18 @@ class OrderedGroup:
     group: dist.ProcessGroup
     group_rank_at: tuple[int, ...]
     group_name: str
-    """``group.group_name``, which torch's traceable collectives take."""
+    """The name torch's traceable collectives call ``group`` by: on every rank the same where
+    the mesh gave its groups names alike (``ProcessGroupSet.name_for_every_rank``)."""
     by_group_rank: tuple[int, ...] | None
     """The axis index of each group rank; ``None`` where they agree (no reordering)."""
 
     @classmethod
-    def of(cls, ranks: tuple[int, ...], caller: int, group: dist.ProcessGroup) -> OrderedGroup:
-        """``caller``'s group ``group`` over the axis-ordered ``ranks``.
+    def of(
+        cls, ranks: tuple[int, ...], caller: int, group: dist.ProcessGroup,
+        group_name: str | None = None,
+    ) -> OrderedGroup:
+        """``caller``'s group ``group`` over the axis-ordered ``ranks``, called ``group_name``
+        in traced graphs (default: its own name).
 
         Example: ``OrderedGroup.of((0, 4, 2, 6), 2, group).group_rank_at`` is
         ``(0, 2, 1, 3)`` for a group of ranks 0, 2, 4 and 6.
@@ -51,7 +58,7 @@ class OrderedGroup:
             by_group_rank[group_rank] = index
         return cls(
             ranks=ranks, index=ranks.index(caller), group=group, group_rank_at=group_rank_at,
-            group_name=group.group_name,
+            group_name=group.group_name if group_name is None else group_name,
             by_group_rank=None if group_rank_at == tuple(range(len(ranks))) else tuple(by_group_rank),
         )
 
@@ -74,3 +81,24 @@ def axis_tuple(axes: object) -> tuple[str, ...]:
     if isinstance(axes, (tuple, list)) and all(isinstance(axis, str) for axis in axes):
         return tuple(axes)
     raise ArgumentTypeError(f"axes must be an axis name or a tuple of axis names, got {axes!r}")
+
+
+def index_when_run(group: OrderedGroup) -> torch.Tensor:
+    """``group.index`` as a 0-dim int64 tensor that a traced graph reads from the group it
+    runs on, not from the rank that traced it (see :func:`~meshstate.compile_on_one_rank`).
+    """
+    by_group_rank = group.by_group_rank
+    axis_of_group_rank = list(range(len(group.ranks)) if by_group_rank is None else by_group_rank)
+    index: torch.Tensor = _index_in_group(group.group_name, axis_of_group_rank)
+    return index
+
+
+@torch.library.custom_op("meshstate::index_in_group", mutates_args=())
+def _index_in_group(group_name: str, axis_of_group_rank: list[int]) -> torch.Tensor:
+    """The axis index of this process's rank in the group called ``group_name``."""
+    return torch.tensor(axis_of_group_rank[_compat.group_named(group_name).rank()])
+
+
+@_index_in_group.register_fake
+def _(group_name: str, axis_of_group_rank: list[int]) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
@@ -33,6 +34,7 @@ class ViewedMesh(Protocol):
     def __getitem__(self, key: str | tuple[str, ...]) -> DeviceMesh: ...
     def check_alive(self) -> None: ...
     def ordered(self, axes: str | tuple[str, ...]) -> OrderedGroup: ...
+    def traced_name(self, group: dist.ProcessGroup) -> str: ...
     def root_of(self, grid: Grid) -> DeviceMesh: ...
     def cached_view(self, key: tuple[str, ...]) -> DeviceMesh | None: ...
     def keep_view(self, key: tuple[str, ...], view: DeviceMesh) -> None: ...
@@ -70,9 +72,11 @@ def build_root_mesh(mesh: ViewedMesh, grid: Grid) -> DeviceMesh:
         for axis in grid.axes_mesh_order
     ]
     with outside_simulation():  # one rank grid, shared by every simulated rank
-        return DeviceMesh.from_group(
+        root = DeviceMesh.from_group(
             groups, mesh.device_type, mesh=grid.rank_grid(), mesh_dim_names=grid.axes_mesh_order
         )
+    _compat.call_groups_by(root, [mesh.traced_name(group) for group in groups], groups)
+    return root
 
 
 def flattened_mesh(mesh: ViewedMesh, key: str, view: Grid | None = None) -> DeviceMesh:
@@ -86,7 +90,7 @@ def flattened_mesh(mesh: ViewedMesh, key: str, view: Grid | None = None) -> Devi
         return found
     group, root = mesh.ordered(axes).group, mesh.root_of(grid)
     with outside_simulation():
-        flattened = _compat.flatten_with_group(root, axes, canonical, group)
+        flattened = _compat.flatten_with_group(root, axes, canonical, group, mesh.traced_name(group))
     check_consistent(mesh, flattened, (canonical,))
     if cached:
         mesh.keep_view((canonical,), flattened)

@@ -212,6 +212,12 @@ def state_per_thread() -> Iterator[None]:
             _threads = None
 
 
+def ranks_share_the_process() -> bool:
+    """Whether several ranks live in this process: a threaded world runs, or a simulation
+    is on. Then a name this process gives a group is every rank's, not one rank's."""
+    return _threads is not None or simulated_ranks() is not None
+
+
 def process_rank() -> int:
     """This process's rank in the default group.
 

@@ -60,7 +60,8 @@ import torch
 from meshstate.core import compat as _compat
 from meshstate.errors import ArgumentTypeError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
-from meshstate.core.ordered import OrderedGroup
+from meshstate.core.one_rank import tracing_for_every_rank
+from meshstate.core.ordered import OrderedGroup, index_when_run
 from meshstate.jax.torch_calls import (
     all_gather_on,
     check_perm,
@@ -254,18 +255,23 @@ def axis_index(
 
     An ``int``; inside a ``shard_map`` body with ``check_vma=True`` (the default)
     JAX's typed value instead: a 0-dim int64 tensor that varies over ``axes``, so
-    what is computed from it is typed as varying too.
+    what is computed from it is typed as varying too. Traced by
+    :func:`~meshstate.compile_on_one_rank`, a 0-dim int64 tensor read when the graph runs.
     """
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "axis_index")
     group = _ordered(axes, mesh, "axis_index")
+    every_rank = tracing_for_every_rank()
     if body.types is None:
-        return group.index
+        return index_when_run(group) if every_rank else group.index
     parallel_mesh = current_mesh() if mesh is None else mesh
     checked = spmd_types_checking()  # asked before torch functions go off: it reads the modes
     with _compat.torch_functions_off():
         device = device_for(parallel_mesh.device_type)
-        index = torch.full((), group.index, dtype=torch.int64, device=device)
+        if every_rank:
+            index = index_when_run(group).to(device)
+        else:
+            index = torch.full((), group.index, dtype=torch.int64, device=device)
         names = _axis_names(axes)
         if checked:
             view_axes = parallel_mesh.layout.view_of(names).axes_fastest_first

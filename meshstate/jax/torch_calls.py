@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.errors import ArgumentTypeError, ConfigError
-from meshstate.core.ordered import OrderedGroup
+from meshstate.core.one_rank import refuse_for_every_rank, tracing_for_every_rank
+from meshstate.core.ordered import OrderedGroup, index_when_run
 from meshstate.core.world import each_rank
 from meshstate.jax.vma import body
 
@@ -167,6 +168,11 @@ def permute(
     # from the source: a point-to-point exchange that traces, and whose backward (the
     # splits swapped) is the inverse permutation.
     if use_functional(x, "ppermute"):
+        if tracing_for_every_rank():
+            refuse_for_every_rank(
+                "ppermute cannot be in a graph every rank runs: its split sizes are each "
+                "rank's own; compile this step with torch.compile on each rank"
+            )
         return _traced_ppermute(x, group, pairs)
     if not x.dim():
         return permute(x.view(1), group, pairs).view(())
@@ -295,9 +301,14 @@ class _SummedGradient(torch.autograd.Function):
 
 def block(x: torch.Tensor, split_dims: Sequence[tuple[int, OrderedGroup]]) -> torch.Tensor:
     """The caller's block of ``x``: each split dim narrowed to its chunk along the dim's axes."""
+    every_rank = tracing_for_every_rank()
     for dim, group in split_dims:
         step = x.shape[dim] // len(group.ranks)
-        x = x.narrow(dim, group.index * step, step)
+        if every_rank:  # the offset read when the graph runs
+            rows = index_when_run(group).to(x.device) * step + torch.arange(step, device=x.device)
+            x = x.index_select(dim, rows)
+        else:
+            x = x.narrow(dim, group.index * step, step)
     return x
 
 

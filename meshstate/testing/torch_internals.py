@@ -192,3 +192,10 @@ def graphs_and_breaks(function: Any, *args: Any) -> tuple[int, int]:
 
     explained = torch._dynamo.explain(function)(*args)
     return explained.graph_count, explained.graph_break_count
+
+
+def graphs_traced() -> int:
+    """The graphs dynamo has traced in this process so far (private ``torch._dynamo.utils.counters``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
