@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from meshstate.tools import bench, bench_explicit, bench_harness, bench_init, bench_processes, bench_runtime
+from meshstate.tools import bench, bench_compile, bench_explicit, bench_harness, bench_init, bench_processes, bench_runtime
 from meshstate.tools.cli import main
 
 SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
@@ -51,6 +51,7 @@ def test_table_and_json(report):
     assert set(decoded) == {
         "machine", "config", "rows", "process_config", "process_rows", "axis_set_rows",
         "harness_rows", "runtime_rows", "query_rows", "explicit_rows", "simulated_check_rows",
+        "compile_rows",
         "notes"}
     assert [(r["world_size"], r["axes"], r["declared"]) for r in decoded["axis_set_rows"]] == [
         (4, list(bench_processes.UNDECLARED_AXES), bench_processes.DECLARED_KEY)]
@@ -72,11 +73,13 @@ def test_cli_bench_json_and_bad_input(capsys):
     assert main(["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
                  "--etp", "1", "--repeat", "1", "--processes", "0", "--without-megatron",
                  "--without-torchtitan", "--without-runtime", "--harness-tests", "0",
-                 "--simulated-checks", "0", "--simulated-pipeline", "0", "--json"]) == 0
+                 "--simulated-checks", "0", "--simulated-pipeline", "0", "--compile-ranks", "0",
+                 "--json"]) == 0
     decoded = json.loads(capsys.readouterr().out)
     assert [row["approach"] for row in decoded["rows"]] == [
         bench_init.INIT_MESH, bench_init.PARALLEL_STATE, bench_init.DEVICE_MESH]
     assert decoded["simulated_check_rows"] == []  # neither checks nor the 1F1B step, told 0
+    assert decoded["compile_rows"] == []
     assert main(["bench", "--world-sizes", "12", "--tp", "8"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "meshstate bench: error: world size 12 is not divisible by tp*cp*pp = 8*2*8 = 128"]
@@ -84,6 +87,19 @@ def test_cli_bench_json_and_bad_input(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "meshstate bench: error: simulated check (tp=2 cp=2 pp=2): world size 12 is not divisible "
         "by tp*cp*pp = 2*2*2 = 8"]
+    assert main(["bench", "--world-sizes", "1024", "--compile-ranks", "12"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "meshstate bench: error: compiled step (tp=2 cp=2 pp=2): world size 12 is not divisible "
+        "by tp*cp*pp = 2*2*2 = 8"]
+
+
+def test_the_compile_table_puts_both_ways_side_by_side():
+    rows = [bench_compile.CompileRow(8, every_rank_seconds=24.0, every_rank_graphs=8,
+                                     one_rank_seconds=6.0, one_rank_graphs=1)]
+    assert bench_compile.format_compile(rows).splitlines()[1:] == [
+        "  ranks  every rank graphs  one rank graphs speed-up",
+        "      8       24.0s      8      6.0s      1     4.0x",
+    ]
 
 
 def test_megatron_counts_as_absent_when_no_megatron_package_is_installed(monkeypatch):

@@ -117,3 +117,20 @@ def test_a_simulated_world_refuses_it_by_name():
 
     with pytest.raises(meshstate.SimulationError, match=r"compile_on_one_rank\(\) cannot run in a simulated world"):
         simulated_world(4).run(body)
+
+
+@distributed(world_size=4)
+def test_under_torchs_own_flag_a_traced_axis_index_is_read_when_the_graph_runs():
+    from meshstate.core.compat import _one_rank_config
+
+    graphs = []
+
+    def recording(graph, example_inputs):
+        graphs.append(graph.code)
+        return graph.forward
+
+    with meshstate.init_mesh(tp=2) as mesh, _one_rank_config().patch(compile_on_one_rank=True):
+        scaled = torch.compile(lambda x: x * axis_index("tp"), fullgraph=True, backend=recording)
+        assert torch.equal(scaled(torch.ones(2)), torch.full((2,), float(mesh.rank("tp"))))
+    mesh.destroy()
+    assert "meshstate.index_in_group" in graphs[0]

@@ -387,6 +387,11 @@ def _coordinates_read_when_run() -> Iterator[None]:
         DeviceMesh._sym_get_coordinate = original  # type: ignore[method-assign]
 
 
+def torch_compiles_on_one_rank() -> bool:
+    """Whether torch's ``compile_on_one_rank`` flag is on (:func:`_one_rank_config`)."""
+    return bool(_one_rank_config().compile_on_one_rank)
+
+
 def _one_rank_config() -> Any:
     """The config module that holds torch's ``compile_on_one_rank``:
     ``torch.compiler.config`` from torch 2.14, ``torch.distributed.config`` before."""

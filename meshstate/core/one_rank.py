@@ -47,8 +47,11 @@ _FAILED = b"meshstate: failed: "
 
 def tracing_for_every_rank() -> bool:
     """Whether this thread traces a graph that every rank will run (a rank's values are
-    then read when the graph runs, or refused)."""
-    return getattr(_per_thread, "every_rank", False)
+    then read when the graph runs, or refused): in :func:`compile_on_one_rank`, or under
+    ``torch.compile`` with torch's ``compile_on_one_rank`` flag on."""
+    if getattr(_per_thread, "every_rank", False):
+        return True
+    return _compat.tracing() and _compat.torch_compiles_on_one_rank()
 
 
 def refuse_for_every_rank(why: str) -> NoReturn:

@@ -54,12 +54,14 @@ from meshstate.tools.bench_runtime import (
     QueryRow, RuntimeRow, format_queries, format_runtime, measure_queries, measure_runtime,
 )
 from meshstate.tools.bench_settings import (
+    COMPILE_SIZES,
     MAX_SIMULATED_CHECK,
     MAX_FAKE_WORLD,
     PROCESS_SIZES,
     SIMULATED_CHECK_SIZES,
     SIMULATED_PIPELINE_SIZES,
 )
+from meshstate.tools.bench_compile import CompileRow, format_compile, measure_compile
 from meshstate.tools.bench_explicit import ExplicitRow, format_explicit, measure_explicit
 from meshstate.tools.bench_simulated import (
     SimulatedCheckRow,
@@ -85,6 +87,7 @@ class Report:
     query_rows: list[QueryRow] = field(default_factory=list)
     explicit_rows: list[ExplicitRow] = field(default_factory=list)
     simulated_check_rows: list[SimulatedCheckRow] = field(default_factory=list)
+    compile_rows: list[CompileRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -103,13 +106,15 @@ def run(
     harness_world_size: int = 8,
     simulated_checks: Sequence[int] = (),
     simulated_pipeline: int = 0,
+    compile_world_sizes: Sequence[int] = (),
     progress: Callable[[str], object] = lambda message: None,
 ) -> Report:
     """Measure every approach; see the module docstring.
 
     ``simulated_pipeline``, unless 0, is the world a 1F1B step is timed at, simulated
     stage by stage with :data:`SIMULATED_PIPELINE_SIZES`; its row joins the simulated
-    checks'. Every argument is checked before anything is measured; ``progress`` is told
+    checks'. ``compile_world_sizes`` are the local worlds a step is compiled on, every rank
+    compiling and one for all. Every argument is checked before anything is measured; ``progress`` is told
     each world size and approach as it starts.
     """
     process_sizes = process_sizes or dict(PROCESS_SIZES)
@@ -117,6 +122,8 @@ def run(
     _check_simulated_checks(simulated_checks)
     if simulated_pipeline:
         _check_layout("simulated 1F1B step", simulated_pipeline, SIMULATED_PIPELINE_SIZES)
+    for world_size in compile_world_sizes:
+        _check_layout("compiled step", world_size, COMPILE_SIZES)
     check_positive_int("repeats", repeats)
     report = Report(machine=machine(), config={"world_sizes": list(world_sizes), **sizes})
     approaches = _peers(with_megatron, with_titan, report.notes)
@@ -136,6 +143,7 @@ def run(
     report.simulated_check_rows = measure_simulated_checks(
         simulated_checks, SIMULATED_CHECK_SIZES, progress
     )
+    report.compile_rows = measure_compile(compile_world_sizes, progress)
     if simulated_pipeline:
         progress(f"a 1F1B step of {simulated_pipeline} ranks, simulated stage by stage")
         report.simulated_check_rows.append(
@@ -228,6 +236,7 @@ def format_report(report: Report) -> str:
         format_runtime(report.runtime_rows) if report.runtime_rows else "",
         format_queries(report.query_rows) if report.query_rows else "",
         format_explicit(report.explicit_rows) if report.explicit_rows else "",
+        format_compile(report.compile_rows) if report.compile_rows else "",
         _harness_table(report),
         format_simulated_checks(report.simulated_check_rows, SIMULATED_CHECK_SIZES)
         if report.simulated_check_rows else "",

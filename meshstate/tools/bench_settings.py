@@ -22,3 +22,5 @@ SIMULATED_PIPELINE_SIZES: dict[str, Any] = dict(tp=8, pp=4)
 """The layout ``bench`` times one 1F1B step with, simulated stage by stage (dp inferred)."""
 SIMULATED_PIPELINE_WORLD = 1024
 """The world ``bench`` times the 1F1B step at unless told otherwise."""
+COMPILE_SIZES: dict[str, Any] = dict(tp=2, cp=2, pp=2)
+"""The layout ``bench`` compiles a training step on, every rank and one for all (dp inferred)."""

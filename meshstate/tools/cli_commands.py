@@ -225,7 +225,7 @@ def run_bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
         process_world_sizes=args.processes, with_megatron=not args.without_megatron,
         with_titan=not args.without_torchtitan, with_runtime=not args.without_runtime,
         harness_tests=args.harness_tests, simulated_checks=args.simulated_checks,
-        simulated_pipeline=args.simulated_pipeline,
+        simulated_pipeline=args.simulated_pipeline, compile_world_sizes=args.compile_ranks,
         progress=progress,
     )
     return 0, bench.report_json(report) if args.json else bench.format_report(report)

@@ -21,6 +21,7 @@ from typing import Any, NoReturn, cast
 from meshstate.layout.config import DEFAULT_ORDER, MAX_WORLD_SIZE, MeshArguments, MeshConfig, sizes_text
 from meshstate.errors import ConfigError
 from meshstate.tools.bench_settings import (
+    COMPILE_SIZES,
     MAX_SIMULATED_CHECK,
     MAX_FAKE_WORLD,
     PROCESS_SIZES,
@@ -285,6 +286,11 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         help="the world to time one 1F1B training step at, simulated stage by stage (a process "
         "per stage, " + sizes_text(SIMULATED_PIPELINE_SIZES) + ", dp inferred) in a fresh "
         "process, beside the simulated checks; 0 for none",
+    )
+    bench.add_argument(
+        "--compile-ranks", type=_process_world_sizes, default="8",
+        help="local worlds to compile a training step on (" + sizes_text(COMPILE_SIZES)
+        + "), every rank compiling and one rank for all (compile_on_one_rank); 0 for none",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     _add_force_flag(bench)
