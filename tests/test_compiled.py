@@ -194,8 +194,7 @@ def assert_same(eager, compiled):
         torch.testing.assert_close(compiled_grad, eager_grad)
 
 
-@distributed(world_size=4)
-def test_compiled_collectives_equal_eager_values_and_gradients():
+def compiled_collectives_equal_eager():
     mesh = meshstate.init_mesh(tp=2, cp=2)
     rank = dist.get_rank()
     with mesh:  # one compiled function over every axis set (one trace, not one per set)
@@ -208,6 +207,16 @@ def test_compiled_collectives_equal_eager_values_and_gradients():
         eager, compiled = compiled_and_eager(over_every_axis_set, *inputs)
         assert_same(eager, compiled)
     mesh.destroy()
+
+
+@distributed(world_size=4)
+def test_compiled_collectives_equal_eager_values_and_gradients():
+    compiled_collectives_equal_eager()
+
+
+@distributed(world_size=4, threads=True)
+def test_compiled_collectives_equal_eager_in_threads_too():
+    compiled_collectives_equal_eager()
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
@@ -388,6 +397,15 @@ def bidirectional_matmul(lhs_block, rhs_block):
 
 @distributed(world_size=4)
 def test_the_bidirectional_all_gather_matmul_compiled_has_jaxs_gradients():
+    bidirectional_matmul_has_jaxs_gradients()
+
+
+@distributed(world_size=4, threads=True)
+def test_the_bidirectional_all_gather_matmul_compiled_in_threads_has_jaxs_gradients():
+    bidirectional_matmul_has_jaxs_gradients()
+
+
+def bidirectional_matmul_has_jaxs_gradients():
     mesh = meshstate.init_mesh(tp=4)
     generator = torch.Generator().manual_seed(0)
     lhs, rhs, cotangent = (torch.randn(*shape, dtype=torch.float64, generator=generator)
