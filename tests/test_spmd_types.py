@@ -25,7 +25,7 @@ from meshstate import P, VaryingAxesError, shard_map, vma
 from meshstate.errors import ConfigError
 from meshstate.jax import collectives as lax
 from meshstate.jax import torch_calls
-from meshstate.jax.spmd_checker import Collective, TypedCollective
+from meshstate.jax.spmd_checker import CheckedCall, TypedCollective
 from conftest import in_both_worlds
 
 V, I, R = spmd.V, spmd.I, spmd.R
@@ -203,16 +203,16 @@ def _noise(like, *key):
 
 
 HOOKS = [  # each collective of the table in its form with a global reading (S(i) for V)
-    ("psum", Collective("sum", lambda v, on: torch_calls.sum_over(v, on, "psum")), spmd.P),
-    ("pvary", Collective("convert", lambda v, on: torch_calls.summed_gradient(v, on.group_name)), I),
-    ("all_gather", Collective("gather", lambda v, on: torch_calls.all_gather_on(v, on, 1, True),
+    ("psum", CheckedCall("sum", lambda v, on: torch_calls.sum_over(v, on, "psum")), spmd.P),
+    ("pvary", CheckedCall("convert", lambda v, on: torch_calls.summed_gradient(v, on.group_name)), I),
+    ("all_gather", CheckedCall("gather", lambda v, on: torch_calls.all_gather_on(v, on, 1, True),
                               dims=(1,), tiled=True), spmd.S(1)),
-    ("all_gather_invariant", Collective(
+    ("all_gather_invariant", CheckedCall(
         "gather_invariant", lambda v, on: torch_calls.gather_invariant(v, on, 0, True), tiled=True),
      spmd.S(0)),
-    ("psum_scatter", Collective("scatter", lambda v, on: torch_calls.scatter(v, on, 0, True),
+    ("psum_scatter", CheckedCall("scatter", lambda v, on: torch_calls.scatter(v, on, 0, True),
                                 tiled=True), spmd.P),
-    ("all_to_all", Collective("exchange", lambda v, on: torch_calls.exchange(v, on, 0, 1, True),
+    ("all_to_all", CheckedCall("exchange", lambda v, on: torch_calls.exchange(v, on, 0, 1, True),
                               dims=(0, 1), tiled=True), spmd.S(1)),
 ]
 
@@ -227,7 +227,7 @@ def test_each_hook_passes_rulecheck(name, call, placement, monkeypatch):
 
 def test_rulecheck_refuses_a_kernel_its_hook_does_not_describe(monkeypatch):
     monkeypatch.setattr(rulecheck_module, "_seeded_noise", _noise)
-    skips_the_sum = Collective("sum", lambda v, on: v.clone())
+    skips_the_sum = CheckedCall("sum", lambda v, on: v.clone())
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with pytest.raises(RuleCheckError):
         rulecheck(TypedCollective, (x, "tp", skips_the_sum), placements={"x": {"tp": spmd.P}},

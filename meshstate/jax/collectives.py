@@ -28,8 +28,8 @@ refuse tensors that require grad. Inside a ``shard_map`` body each collective
 also follows JAX's type rule (see :mod:`meshstate.jax.vma`); inside a
 ``shard_map(check_vma=False)`` body ``psum``, ``pmean`` and ``pvary`` have
 JAX's legacy transposes (``psum``'s backward a ``psum``, ``pvary``'s the identity).
-While spmd_types' checker runs (torchtitan's), each is also typed as spmd_types'
-table says (:mod:`meshstate.jax.spmd_checker`).
+While torchtitan's type checker runs, each is also typed as its table says
+(:mod:`meshstate.jax.typing` asks which types apply, once per call).
 
 Compiled and eager alike: under ``torch.compile`` (or any torch tracer), and
 wherever a gradient is needed, each call is one of torch's traceable functional
@@ -50,24 +50,24 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, TypeVar, overload
 
 import torch
 
-from meshstate.core import compat as _compat
 from meshstate.errors import ArgumentTypeError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.one_rank import tracing_for_every_rank
 from meshstate.core.ordered import OrderedGroup, index_when_run
+from meshstate.jax import typing
 from meshstate.jax.torch_calls import (
+    Axes,
     all_gather_on,
     check_perm,
-    device_for,
     exchange,
     gather_invariant,
+    ordered_group,
     permute,
     recorded,
     reduce,
@@ -75,18 +75,7 @@ from meshstate.jax.torch_calls import (
     sum_over,
     summed_gradient,
 )
-from meshstate.jax.spmd_checker import Collective, checked, spmd_typed
-from meshstate.jax.vma import (
-    VaryingAxesError,
-    axes_text,
-    body,
-    spmd_types_checking,
-    type_text,
-    typed,
-    vma,
-)
-
-Axes = str | tuple[str, ...]
+from meshstate.jax.vma import body
 
 __all__ = [
     "all_gather",
@@ -128,124 +117,8 @@ def _spelled(axes: Axes | None, axis_name: Axes | None, name: str) -> Axes:
 
 def _ordered(axes: Axes, mesh: ParallelMesh | None, name: str) -> OrderedGroup:
     if mesh is None:
-        return _ordered_group(current_mesh(), axes)
-    return _ordered_group(require_parallel_mesh(mesh, f"{name}(mesh=...)"), axes)
-
-
-@_compat.constant_when_traced
-def _ordered_group(mesh: ParallelMesh, axes: Axes) -> OrderedGroup:
-    """``mesh.ordered(axes)``. To ``torch.compile`` a constant, made while tracing (a
-    first use creates its group there, outside the graph) and guarded by the mesh's
-    identity, so a compiled call under another mesh traces again."""
-    return mesh.ordered(axes)
-
-
-@_compat.constant_when_traced
-def _axis_names(axes: Axes) -> frozenset[str]:
-    """The mesh axes a collective names: ``"dp-cp"`` and ``("cp", "dp")`` name dp and cp."""
-    names = _names_of.get(axes)
-    if names is None:
-        spelled = axes.split("-") if isinstance(axes, str) else "-".join(axes).split("-")
-        names = _names_of[axes] = frozenset(spelled)
-    return names
-
-
-_names_of: dict[Axes, frozenset[str]] = {}
-
-
-def _typed_input(
-    x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None, name: str, *, reduces: bool
-) -> tuple[torch.Tensor, frozenset[str]]:
-    """``x`` made to vary over the collective's axes (pvary'd where it does not), and
-    its type before: JAX's rule inside a typed body. A reduction (psum, pmean,
-    psum_scatter) over axes of which ``x`` varies over some and not others is refused."""
-    if not isinstance(x, torch.Tensor):
-        raise ArgumentTypeError(f"{name} takes a torch.Tensor, got {type(x).__name__}")
-    names, before = _axis_names(axes), vma(x)
-    varying = names & before
-    if varying == names:
-        return x, before
-    if reduces and varying:
-        raise VaryingAxesError(
-            f"meshstate.{name} can only accept axis_name which corresponds to one of varying "
-            f"or invarying state of the input. Got input type: {type_text(x)}, axes: "
-            f"{axes!r} and input state: {{'invarying', 'varying'}}; pvary the input over "
-            f"{tuple(sorted(names - before))!r} or reduce over {tuple(sorted(varying))!r} alone"
-        )
-    parallel_mesh = current_mesh() if mesh is None else mesh
-    return pvary_over(x, names - before, parallel_mesh), before
-
-
-def _collective(
-    x: torch.Tensor,
-    axes: Axes,
-    mesh: ParallelMesh | None,
-    group: OrderedGroup,
-    run: Callable[[torch.Tensor, OrderedGroup], torch.Tensor],
-    kind: str,
-    dims: tuple[int, ...] = (0,),
-    tiled: bool = False,
-) -> torch.Tensor:
-    """``run(x, group)``; while spmd_types' checker runs, typed by its rule ``kind``
-    (:mod:`meshstate.jax.spmd_checker`; with ``tiled``, ``dims`` are the dims its axes
-    split). (Outside a typed body and the checker each collective calls
-    its own work itself: the eager path costs one call less.)"""
-    if spmd_types_checking():
-        parallel_mesh = current_mesh() if mesh is None else mesh
-        call = Collective(kind, run, group, _axis_groups(parallel_mesh, axes), dims, tiled)
-        return checked(x, group, call)
-    return run(x, group)
-
-
-def _in_body(
-    axes: Axes,
-    mesh: ParallelMesh | None,
-    name: str,
-    run: Callable[[torch.Tensor, OrderedGroup], torch.Tensor],
-    *,
-    reduces: bool = False,
-    keeps_axes: bool = True,
-) -> Callable[[torch.Tensor, OrderedGroup], torch.Tensor]:
-    """``run``, with JAX's rule inside a typed body: ``x`` cast up to vary over ``axes``
-    first, the result typed with them (``keeps_axes``) or without them, a reduction over a
-    mix of varying and invariant axes refused."""
-
-    def typed_run(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
-        if body.types is None:
-            return run(x, group)
-        with _compat.torch_functions_off():
-            x, before = _typed_input(x, axes, mesh, name, reduces=reduces)
-            names = _axis_names(axes)
-            return typed(run(x, group), before | names if keeps_axes else before - names)
-
-    return typed_run
-
-
-_SPMD_TYPES = "spmd_types"
-_loaded = sys.modules
-"""Each collective's plain path asks ``_SPMD_TYPES in _loaded`` before
-``spmd_types_checking()``: where spmd_types was never imported, one dict lookup."""
-
-
-def _axis_groups(parallel_mesh: ParallelMesh, axes: Axes) -> tuple[Any, ...]:
-    """The process group of each axis ``axes`` names, size 1 left out (spmd_types' axes)."""
-    return tuple(parallel_mesh.group(axis) for axis in sorted(_axis_names(axes))
-                 if parallel_mesh.size(axis) > 1)
-
-
-def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
-    """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
-    ``pvary`` inside a typed body, and what casting an operand up inserts)."""
-    if spmd_types_checking():
-        spelled = tuple(sorted(axes))
-        group = _ordered_group(parallel_mesh, spelled)
-        return _collective(x, spelled, parallel_mesh, group,
-                           lambda v, on: pvary_over(v, axes, parallel_mesh), "convert")
-    if not recorded(x):
-        return typed(x.view_as(x), vma(x) | axes)
-    group = _ordered_group(parallel_mesh, tuple(sorted(axes)))
-    aliased = x.view_as(x) if len(group.ranks) == 1 else summed_gradient(x, group.group_name)
-    return typed(aliased, vma(x) | axes)
+        return ordered_group(current_mesh(), axes)
+    return ordered_group(require_parallel_mesh(mesh, f"{name}(mesh=...)"), axes)
 
 
 def axis_index(
@@ -264,19 +137,13 @@ def axis_index(
     every_rank = tracing_for_every_rank()
     if body.types is None:
         return index_when_run(group) if every_rank else group.index
-    parallel_mesh = current_mesh() if mesh is None else mesh
-    checked = spmd_types_checking()  # asked before torch functions go off: it reads the modes
-    with _compat.torch_functions_off():
-        device = device_for(parallel_mesh.device_type)
+
+    def index(device: torch.device) -> torch.Tensor:
         if every_rank:
-            index = index_when_run(group).to(device)
-        else:
-            index = torch.full((), group.index, dtype=torch.int64, device=device)
-        names = _axis_names(axes)
-        if checked:
-            view_axes = parallel_mesh.layout.view_of(names).axes_fastest_first
-            spmd_typed(index, index, names, view_axes, parallel_mesh)
-        return typed(index, names)
+            return index_when_run(group).to(device)
+        return torch.full((), group.index, dtype=torch.int64, device=device)
+
+    return typing.typed_index(index, axes, current_mesh() if mesh is None else mesh)
 
 
 def axis_size(
@@ -305,10 +172,7 @@ def psum(
     group = _ordered(axes, mesh, "psum")
     if isinstance(x, NUMBERS):
         return x * len(group.ranks)
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
-        return sum_over(x, group, "psum")
-    run = _in_body(axes, mesh, "psum", _summed, reduces=True, keeps_axes=False)
-    return _collective(x, axes, mesh, group, run, "sum")
+    return typing.collective(typing.PSUM, x, axes, mesh, group, _summed)
 
 
 @overload
@@ -339,10 +203,7 @@ def pmean(
     group = _ordered(axes, mesh, "pmean")
     if isinstance(x, NUMBERS):
         return x * len(group.ranks) / len(group.ranks)
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
-        return _mean(x, group)
-    run = _in_body(axes, mesh, "pmean", _mean, reduces=True, keeps_axes=False)
-    return _collective(x, axes, mesh, group, run, "sum")
+    return typing.collective(typing.PMEAN, x, axes, mesh, group, _mean)
 
 
 def _summed(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
@@ -363,7 +224,8 @@ def pmax(
     """The elementwise maximum of ``x`` over ``axes`` (not differentiable)."""
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "pmax")
-    return _extreme(x, axes, mesh, "max", "pmax")
+    return typing.collective(typing.PMAX, x, axes, mesh, _ordered(axes, mesh, "pmax"),
+                             partial(_reduced, op="max", name="pmax"))
 
 
 def pmin(
@@ -376,17 +238,8 @@ def pmin(
     """The elementwise minimum of ``x`` over ``axes`` (not differentiable)."""
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "pmin")
-    return _extreme(x, axes, mesh, "min", "pmin")
-
-
-def _extreme(
-    x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None, op: str, name: str
-) -> torch.Tensor:
-    group = _ordered(axes, mesh, name)
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
-        return reduce(x, group, op, name)
-    run = _in_body(axes, mesh, name, partial(_reduced, op=op, name=name), keeps_axes=False)
-    return _collective(x, axes, mesh, group, run, "extreme")
+    return typing.collective(typing.PMIN, x, axes, mesh, _ordered(axes, mesh, "pmin"),
+                             partial(_reduced, op="min", name="pmin"))
 
 
 def _reduced(x: torch.Tensor, group: OrderedGroup, op: str, name: str) -> torch.Tensor:
@@ -420,10 +273,7 @@ def pvary(
         raise ArgumentTypeError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
     if body.legacy:
         return x
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
-        return _varying(x, group)
-    return _collective(x, axes, mesh, group, partial(_pvary_typed, axes=axes, mesh=mesh),
-                       "convert")
+    return typing.collective(typing.PVARY, x, axes, mesh, group, _varying)
 
 
 def _varying(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
@@ -431,23 +281,6 @@ def _varying(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
     if len(group.ranks) == 1 or not recorded(x):
         return x
     return summed_gradient(x, group.group_name)
-
-
-def _pvary_typed(
-    x: torch.Tensor, group: OrderedGroup, axes: Axes, mesh: ParallelMesh | None
-) -> torch.Tensor:
-    """``pvary`` in plain code, or with JAX's rule inside a typed body."""
-    if body.types is None:
-        return _varying(x, group)
-    names = _axis_names(axes)
-    if names & vma(x):
-        raise VaryingAxesError(
-            f"meshstate.pvary: x of type {type_text(x)} already varies over "
-            f"{axes_text(names & vma(x))}; pvary only casts invariant axes to varying "
-            "(JAX: Unsupported pcast from=varying, to='varying')"
-        )
-    with _compat.torch_functions_off():
-        return pvary_over(x, names, current_mesh() if mesh is None else mesh)
 
 
 def all_gather(
@@ -469,10 +302,8 @@ def all_gather(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "all_gather")
     group = _ordered(axes, mesh, "all_gather")
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
-        return all_gather_on(x, group, axis, tiled)
-    run = _in_body(axes, mesh, "all_gather", lambda v, on: all_gather_on(v, on, axis, tiled))
-    return _collective(x, axes, mesh, group, run, "gather", (axis,), tiled)
+    return typing.collective(typing.ALL_GATHER, x, axes, mesh, group,
+                             lambda v, on: all_gather_on(v, on, axis, tiled), (axis,), tiled)
 
 
 def all_gather_invariant(
@@ -494,11 +325,8 @@ def all_gather_invariant(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "all_gather_invariant")
     group = _ordered(axes, mesh, "all_gather_invariant")
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
-        return gather_invariant(x, group, axis, tiled)
-    run = _in_body(axes, mesh, "all_gather_invariant",
-                   lambda v, on: gather_invariant(v, on, axis, tiled), keeps_axes=False)
-    return _collective(x, axes, mesh, group, run, "gather_invariant", (axis,), tiled)
+    return typing.collective(typing.ALL_GATHER_INVARIANT, x, axes, mesh, group,
+                             lambda v, on: gather_invariant(v, on, axis, tiled), (axis,), tiled)
 
 
 def psum_scatter(
@@ -520,11 +348,9 @@ def psum_scatter(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "psum_scatter")
     group = _ordered(axes, mesh, "psum_scatter")
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
-        return scatter(x, group, scatter_dimension, tiled)
-    run = _in_body(axes, mesh, "psum_scatter",
-                   lambda v, on: scatter(v, on, scatter_dimension, tiled), reduces=True)
-    return _collective(x, axes, mesh, group, run, "scatter", (scatter_dimension,), tiled)
+    return typing.collective(typing.PSUM_SCATTER, x, axes, mesh, group,
+                             lambda v, on: scatter(v, on, scatter_dimension, tiled),
+                             (scatter_dimension,), tiled)
 
 
 def all_to_all(
@@ -551,10 +377,9 @@ def all_to_all(
         raise ArgumentTypeError(f"all_to_all() missing its argument {missing!r}")
     split, concat = split_axis, concat_axis
     group = _ordered(axes, mesh, "all_to_all")
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
-        return exchange(x, group, split, concat, tiled)
-    run = _in_body(axes, mesh, "all_to_all", lambda v, on: exchange(v, on, split, concat, tiled))
-    return _collective(x, axes, mesh, group, run, "exchange", (split, concat), tiled)
+    return typing.collective(typing.ALL_TO_ALL, x, axes, mesh, group,
+                             lambda v, on: exchange(v, on, split, concat, tiled), (split, concat),
+                             tiled)
 
 
 def ppermute(
@@ -577,9 +402,7 @@ def ppermute(
         raise ArgumentTypeError("ppermute() missing its argument 'perm'")
     group = _ordered(axes, mesh, "ppermute")
     pairs = check_perm(perm, len(group.ranks))
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_types_checking()):
-        return permute(x, group, pairs)
-    run = _in_body(axes, mesh, "ppermute", lambda v, on: permute(v, on, pairs))
-    return _collective(x, axes, mesh, group, run, "permute")
+    return typing.collective(typing.PPERMUTE, x, axes, mesh, group,
+                             lambda v, on: permute(v, on, pairs))
 
 

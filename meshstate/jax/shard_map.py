@@ -51,15 +51,15 @@ from torch.distributed.tensor import DTensor
 from meshstate.core import compat as _compat
 from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
-from meshstate.jax.collectives import pvary_over
 from meshstate.jax.plan import Leaves, Plan, plan_on, share_grad
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
-from meshstate.jax.spmd_checker import paused, spmd_typed
+from meshstate.jax.typing import (
+    checker_on, checker_paused, checker_types_block, pvary_over, refuse_legacy_under_checker, vma,
+)
 from meshstate.jax.torch_calls import summed_gradient
 from meshstate.jax.vma import (
-    NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, every_op_typed, spmd_types_checking,
-    typed, vma,
+    NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, every_op_typed, typed,
 )
 
 __all__ = ["reshard", "shard_map"]
@@ -158,21 +158,19 @@ def shard_map(
 
 def _blocks(mode: _Typed | _Legacy, plan: Plan, parallel_mesh: ParallelMesh,
             arguments: Leaves) -> list[torch.Tensor]:
-    """This rank's block of each argument, typed by ``mode`` (and for spmd_types' checker,
+    """This rank's block of each argument, typed by ``mode`` (and for torchtitan's checker,
     while it runs)."""
     blocks = [mode.enter(plan, number, x) for number, x in arguments]
-    if spmd_types_checking():
+    if checker_on():
         mode.checked_blocks(plan, parallel_mesh, arguments, blocks)
     return blocks
 
 
 def _as_dtensors(plan: Plan, outputs: Leaves, arguments: Leaves) -> list[DTensor]:
-    """``plan.to_dtensors(outputs, arguments)``, spmd_types' checker paused while it runs:
+    """``plan.to_dtensors(outputs, arguments)``, torchtitan's checker paused while it runs:
     DTensor's bookkeeping is not the body's."""
-    if spmd_types_checking():
-        with paused():
-            return plan.to_dtensors(outputs, arguments)
-    return plan.to_dtensors(outputs, arguments)
+    with checker_paused():
+        return plan.to_dtensors(outputs, arguments)
 
 
 def _run(
@@ -245,10 +243,10 @@ class _Typed:
 
     def checked_blocks(self, plan: Plan, parallel_mesh: ParallelMesh, arguments: Leaves,
                        blocks: list[torch.Tensor]) -> None:
-        """Type the blocks for spmd_types' checker: ``V`` on the axes each in-spec names,
+        """Type the blocks for torchtitan's checker: ``V`` on the axes each in-spec names,
         the argument's own type on the others."""
         for (number, x), block in zip(arguments, blocks):
-            spmd_typed(block, x, plan.named[number], plan.mesh_axes, parallel_mesh)
+            checker_types_block(block, x, plan.named[number], plan.mesh_axes, parallel_mesh)
 
     def leave(self, plan: Plan, parallel_mesh: ParallelMesh, outputs: Leaves) -> Leaves:
         """The results untyped, once every one is checked (before anything is sent)."""
@@ -293,12 +291,8 @@ class _Legacy:
 
     def checked_blocks(self, plan: Plan, parallel_mesh: ParallelMesh, arguments: Leaves,
                        blocks: list[torch.Tensor]) -> None:
-        """Refused: spmd_types' checker types values, and this mode has no types."""
-        raise ConfigError(
-            "shard_map(check_vma=False) under spmd_types' checker: JAX's legacy mode has no "
-            "types (its psum's backward is a psum, which no spmd_types type says); use "
-            "check_vma=True, JAX's default, whose types the checker follows"
-        )
+        """Refused: the checker types values, and this mode has no types."""
+        refuse_legacy_under_checker()
 
     def leave(self, plan: Plan, parallel_mesh: ParallelMesh, outputs: Leaves) -> Leaves:
         """The results, each replicated one sharing its cotangent among its replicas."""

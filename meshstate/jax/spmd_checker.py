@@ -43,10 +43,13 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from meshstate.core.mesh import ParallelMesh
+from torch.overrides import has_torch_function
+
+from meshstate.core import compat as _compat
+from meshstate.core.mesh import ParallelMesh, current_mesh, live_meshes
 from meshstate.core.ordered import OrderedGroup
-from meshstate.errors import ConfigError
-from meshstate.jax.vma import own_type, typed
+from meshstate.errors import ConfigError, MeshStateError
+from meshstate.jax.vma import NO_AXES, own_type, typed
 
 RunOn = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
 """A collective's work on one rank: its input and its group."""
@@ -60,7 +63,7 @@ def paused() -> Any:
 
 
 @dataclass
-class Collective:
+class CheckedCall:
     """One collective call as the checker types it: its kind (a row of the table), its
     work, its group and the groups of the axes it names (size 1 left out, as
     spmd_types leaves them out), and, with ``tiled``, the dims its axes split: a gather's
@@ -87,7 +90,7 @@ class Collective:
         return self.ordered is not None and group is self.ordered.group
 
 
-def checked(x: torch.Tensor, group: OrderedGroup, call: Collective) -> torch.Tensor:
+def checked(x: torch.Tensor, group: OrderedGroup, call: CheckedCall) -> torch.Tensor:
     """``call.run(x, group)``, typed by the checker through :class:`TypedCollective`."""
     # Looked up each call: the checker replaces Function.apply while it runs.
     apply = cast(Callable[..., torch.Tensor], getattr(TypedCollective, "apply"))
@@ -108,7 +111,7 @@ class TypedCollective(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, call: Collective) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, call: CheckedCall) -> torch.Tensor:
         own = call.ordered
         ordered = own if own is not None and call.given(group) else OrderedGroup.in_group_order(group)
         with paused(), torch.enable_grad():
@@ -128,7 +131,7 @@ class TypedCollective(torch.autograd.Function):
         return grad_x, None, None
 
     @staticmethod
-    def spmd_typecheck(*, x: torch.Tensor, group: dist.ProcessGroup, call: Collective) -> Any:
+    def spmd_typecheck(*, x: torch.Tensor, group: dist.ProcessGroup, call: CheckedCall) -> Any:
         groups = call.axis_groups if call.given(group) else (group,)
         if not groups:  # every axis it names has size 1: spmd_types types nothing there
             _rules().ignore(x)
@@ -158,20 +161,20 @@ def _source(x: Any, group: dist.ProcessGroup, *accepted: str) -> Any:
     return kind if any(kind is _type(name) for name in accepted) else _type(accepted[-1])
 
 
-Step = Callable[[Any, dist.ProcessGroup, bool, bool, Collective], Any]
+Step = Callable[[Any, dist.ProcessGroup, bool, bool, CheckedCall], Any]
 """A rule on one axis: the value so far, the axis's group, whether it is the first and the
 last axis the call names, and the call."""
 
 
 def _gathered(dst: str) -> Step:
-    def step(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: Collective) -> Any:
+    def step(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: CheckedCall) -> Any:
         stacks = first and not call.tiled  # the stack form adds one dim, once
         src = _type("V") if stacks else _type("S")(call.dims[0])
         return _rules().all_gather(x, group, src=src, dst=_type(dst))
     return step
 
 
-def _scattered(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: Collective) -> Any:
+def _scattered(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: CheckedCall) -> Any:
     if not call.tiled and not (first and last):
         raise ConfigError(
             "psum_scatter over several axes with tiled=False under spmd_types' checker: "
@@ -182,7 +185,7 @@ def _scattered(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: 
     return _rules().reduce_scatter(x, group, src=_source(x, group, "V", "P"), dst=dst)
 
 
-def _exchanged(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: Collective) -> Any:
+def _exchanged(x: Any, group: dist.ProcessGroup, first: bool, last: bool, call: CheckedCall) -> Any:
     """all_to_all: tiled, a value split along its concat dim leaves split along its split dim."""
     if not call.tiled:
         return _rules().all_to_all(x, group, src=_type("V"), dst=_type("V"))
@@ -235,3 +238,79 @@ def _spmd_axes(parallel_mesh: ParallelMesh, view_axes: tuple[str, ...]) -> list[
     spmd_types: Any = _loaded["spmd_types"]
     return [(axis, spmd_types.MeshAxis.of(parallel_mesh.group(axis)))
             for axis in view_axes if parallel_mesh.size(axis) > 1]
+
+
+def checking() -> bool:
+    """Whether spmd_types' checker types this thread's torch calls now (never while
+    ``torch.compile`` traces; spmd_types is read from ``sys.modules``, never imported).
+    The checker is a torch function mode: where none sees a tensor (20 ns to ask), it is
+    off, and asking spmd_types (400 ns in a thread that never checked) is skipped."""
+    spmd_types = sys.modules.get("spmd_types")
+    return (
+        spmd_types is not None
+        and has_torch_function(_PROBE)
+        and not _compat.tracing()
+        and spmd_types.is_type_checking()
+    )
+
+
+_PROBE = (torch.empty(0),)
+"""A plain tensor: ``has_torch_function(_PROBE)`` is whether a torch function mode is on."""
+
+
+def may_have_typed() -> bool:
+    """Whether spmd_types may have typed a tensor (it is imported; never while tracing)."""
+    return "spmd_types" in sys.modules and not _compat.tracing()
+
+
+def varying_axes(x: torch.Tensor) -> frozenset[str]:
+    """The axes of the current mesh that spmd_types types ``x`` ``V``, ``R`` or ``P`` on
+    (none where it has no spmd type, or there is no current mesh)."""
+    spmd_types: Any = sys.modules["spmd_types"]
+    if not spmd_types.has_local_type(x):
+        return NO_AXES
+    try:
+        names = _spmd_axis_names(current_mesh(), spmd_types)
+    except MeshStateError:
+        names = _names_where_spmd_types_types(spmd_types)
+    varying = (spmd_types.V, spmd_types.R, spmd_types.P)
+    return frozenset(
+        names[axis] for axis, kind in spmd_types.get_local_type(x).items()
+        if kind in varying and axis in names
+    )
+
+
+def _spmd_axis_names(parallel_mesh: ParallelMesh, spmd_types: Any) -> dict[Any, str]:
+    """The axes of ``parallel_mesh`` by spmd_types' ``MeshAxis`` (size-1 axes left out, as
+    spmd_types leaves them), kept in the mesh's store."""
+    names: dict[Any, str] | None = parallel_mesh.store.get(_SPMD_AXES)
+    if names is None:
+        layout, names = parallel_mesh.layout, {}
+        # dense axes first: an expert axis over the same ranks (etp, tp) is the same MeshAxis
+        for axis in (*layout.dense.axes_fastest_first, *layout.expert.axes_fastest_first):
+            if parallel_mesh.size(axis) > 1:
+                names.setdefault(spmd_types.MeshAxis.of(parallel_mesh.group(axis)), axis)
+        parallel_mesh.store[_SPMD_AXES] = names
+    return names
+
+
+def _names_where_spmd_types_types(spmd_types: Any) -> dict[Any, str]:
+    """Outside ``with mesh:``, the axes of the one live mesh that spmd_types' current mesh
+    is made of; none where spmd_types has no current mesh. Several such meshes, or none,
+    are refused: an answer from another grid would be silently wrong."""
+    typed_over = spmd_types.current_mesh()
+    if not typed_over:
+        return {}
+    found = [names for names in (_spmd_axis_names(mesh, spmd_types) for mesh in live_meshes())
+             if set(typed_over) <= set(names)]
+    if len(found) != 1:
+        raise MeshStateError(
+            f"vma: spmd_types types values over {sorted(map(str, typed_over))}, which "
+            f"{'no live mesh' if not found else f'{len(found)} live meshes'} of this rank "
+            "name; ask inside `with mesh:` for the mesh whose axes you mean"
+        )
+    return found[0]
+
+
+_SPMD_AXES = ("spmd_checker", "spmd_types axes")
+"""The key in a mesh's store of its axes by spmd_types' ``MeshAxis``."""

@@ -32,13 +32,13 @@ from functools import partial
 from typing import Any, cast
 
 import torch
-from torch.overrides import TorchFunctionMode, has_torch_function, resolve_name
+from torch.overrides import TorchFunctionMode, resolve_name
 
 from meshstate.core import compat as _compat
 from meshstate.errors import MeshStateError
-from meshstate.core.mesh import ParallelMesh, current_mesh, live_meshes
+from meshstate.core.mesh import ParallelMesh, current_mesh
 
-__all__ = ["VaryingAxesError", "VaryingTypes", "vma"]
+__all__ = ["VaryingAxesError", "VaryingTypes", "own_type", "plug_outside_types", "vma"]
 
 NO_AXES: frozenset[str] = frozenset()
 _ATTRIBUTE = "_meshstate_vma"
@@ -56,108 +56,39 @@ class VaryingAxesError(MeshStateError, ValueError):
     """
 
 
+def own_type(x: torch.Tensor) -> frozenset[str] | None:
+    """The type a typed ``shard_map`` body gave ``x``; ``None`` where it gave none."""
+    return getattr(x, _ATTRIBUTE, None)
+
+
 def vma(x: torch.Tensor) -> frozenset[str]:
     """The mesh axes ``x`` may vary over: its JAX type inside ``shard_map``.
 
     Inside a ``shard_map`` body (``check_vma=True``, the default) every tensor
     has one: an argument varies over the axes its in-spec names, a constant
     or closed-over value over none. Outside any body, and with
-    ``check_vma=False``, nothing is typed and every tensor answers ``frozenset()``.
-
-    A value spmd_types typed (torchtitan's type system) answers the axes it types
-    ``V``, ``R`` or ``P`` there (varying, replicated with its gradient pending a sum,
-    a pending sum: the axes a JAX value of that type varies over), named as the
-    current mesh names them; outside ``with mesh:``, as the one live mesh that
-    spmd_types' current mesh is made of names them (two such meshes are refused).
+    ``check_vma=False``, nothing is typed and every tensor answers ``frozenset()``,
+    but for a value another type system typed: the answer :func:`plug_outside_types`
+    was given (:mod:`meshstate.jax.typing` plugs torchtitan's checker's in).
 
     Example: ``vma(x)`` is ``frozenset({'tp'})`` inside ``shard_map(f,
     in_specs=P(None, "tp"), ...)``; ``vma(psum(x, "tp"))`` is ``frozenset()``.
     """
     found: frozenset[str] | None = getattr(x, _ATTRIBUTE, None)
-    if found is not None:
-        return found
-    return _spmd_types_axes(x) if _spmd_types_loaded() else NO_AXES
+    return _outside_type(x) if found is None else found
 
 
-def own_type(x: torch.Tensor) -> frozenset[str] | None:
-    """The type a typed ``shard_map`` body gave ``x``; ``None`` where it gave none."""
-    return getattr(x, _ATTRIBUTE, None)
+def _no_type(x: torch.Tensor) -> frozenset[str]:
+    return NO_AXES
 
 
-def spmd_types_checking() -> bool:
-    """Whether spmd_types' checker types this thread's torch calls now (never while
-    ``torch.compile`` traces; spmd_types is read from ``sys.modules``, never imported).
-    The checker is a torch function mode: where none sees a tensor (20 ns to ask), it is
-    off, and asking spmd_types (400 ns in a thread that never checked) is skipped."""
-    spmd_types = sys.modules.get("spmd_types")
-    return (
-        spmd_types is not None
-        and has_torch_function(_PROBE)
-        and not _compat.tracing()
-        and spmd_types.is_type_checking()
-    )
+_outside_type: Callable[[torch.Tensor], frozenset[str]] = _no_type
 
 
-_PROBE = (torch.empty(0),)
-"""A plain tensor: ``has_torch_function(_PROBE)`` is whether a torch function mode is on."""
-
-
-def _spmd_types_loaded() -> bool:
-    """Whether spmd_types may have typed a tensor (it is imported; never while tracing)."""
-    return "spmd_types" in sys.modules and not _compat.tracing()
-
-
-def _spmd_types_axes(x: torch.Tensor) -> frozenset[str]:
-    """The axes of the current mesh that spmd_types types ``x`` ``V``, ``R`` or ``P`` on
-    (none where it has no spmd type, or there is no current mesh)."""
-    spmd_types: Any = sys.modules["spmd_types"]
-    if not spmd_types.has_local_type(x):
-        return NO_AXES
-    try:
-        names = _spmd_axis_names(current_mesh(), spmd_types)
-    except MeshStateError:
-        names = _names_where_spmd_types_types(spmd_types)
-    varying = (spmd_types.V, spmd_types.R, spmd_types.P)
-    return frozenset(
-        names[axis] for axis, kind in spmd_types.get_local_type(x).items()
-        if kind in varying and axis in names
-    )
-
-
-def _spmd_axis_names(parallel_mesh: ParallelMesh, spmd_types: Any) -> dict[Any, str]:
-    """The axes of ``parallel_mesh`` by spmd_types' ``MeshAxis`` (size-1 axes left out, as
-    spmd_types leaves them), kept in the mesh's store."""
-    names: dict[Any, str] | None = parallel_mesh.store.get(_SPMD_AXES)
-    if names is None:
-        layout, names = parallel_mesh.layout, {}
-        # dense axes first: an expert axis over the same ranks (etp, tp) is the same MeshAxis
-        for axis in (*layout.dense.axes_fastest_first, *layout.expert.axes_fastest_first):
-            if parallel_mesh.size(axis) > 1:
-                names.setdefault(spmd_types.MeshAxis.of(parallel_mesh.group(axis)), axis)
-        parallel_mesh.store[_SPMD_AXES] = names
-    return names
-
-
-def _names_where_spmd_types_types(spmd_types: Any) -> dict[Any, str]:
-    """Outside ``with mesh:``, the axes of the one live mesh that spmd_types' current mesh
-    is made of; none where spmd_types has no current mesh. Several such meshes, or none,
-    are refused: an answer from another grid would be silently wrong."""
-    typed_over = spmd_types.current_mesh()
-    if not typed_over:
-        return {}
-    found = [names for names in (_spmd_axis_names(mesh, spmd_types) for mesh in live_meshes())
-             if set(typed_over) <= set(names)]
-    if len(found) != 1:
-        raise MeshStateError(
-            f"vma: spmd_types types values over {sorted(map(str, typed_over))}, which "
-            f"{'no live mesh' if not found else f'{len(found)} live meshes'} of this rank "
-            "name; ask inside `with mesh:` for the mesh whose axes you mean"
-        )
-    return found[0]
-
-
-_SPMD_AXES = ("vma", "spmd_types axes")
-"""The key in a mesh's store of its axes by spmd_types' ``MeshAxis``."""
+def plug_outside_types(answer: Callable[[torch.Tensor], frozenset[str]]) -> None:
+    """Have :func:`vma` answer ``answer(x)`` for a value no typed body typed."""
+    global _outside_type
+    _outside_type = answer
 
 
 def typed(x: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
@@ -318,10 +249,10 @@ class VaryingTypes(TorchFunctionMode):
 
 
 def _applied_again(func: Callable[..., Any]) -> Callable[..., Any]:
-    """An autograd Function's ``apply`` as a mode beneath this one must see it: spmd_types'
-    checker dispatches ``apply`` as a torch function (to run a Function's
-    ``spmd_typecheck`` hook), but the ``func`` a mode is handed is the original, which
-    no mode beneath sees; the class's ``apply`` goes through the checker again."""
+    """An autograd Function's ``apply`` as a mode beneath this one must see it: torchtitan's
+    type checker dispatches ``apply`` as a torch function (to run a Function's typing
+    hook), but the ``func`` a mode is handed is the original, which no mode beneath
+    sees; the class's ``apply`` goes through the checker again."""
     function = getattr(func, "__self__", None)
     if isinstance(function, type) and issubclass(function, torch.autograd.Function):
         return cast(Callable[..., Any], getattr(function, "apply"))
@@ -354,7 +285,7 @@ def _union(values: tuple[Any, ...]) -> tuple[frozenset[str], bool]:
     for value in values:
         if isinstance(value, torch.Tensor):
             axes = getattr(value, _ATTRIBUTE, None)
-            if axes is None:  # a value made outside the body: spmd_types' type, if it gave one
+            if axes is None:  # a value made outside the body: another type system's, if any
                 axes = vma(value)
         elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
             axes, inner_mixed = _union(tuple(value))

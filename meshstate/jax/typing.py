@@ -1,0 +1,222 @@
+"""Which types a call of the JAX layer runs under, asked in one place.
+
+A collective, ``axis_index`` and ``shard_map`` run in one of four modes: plain code (the
+data move alone, the fast path), inside a typed ``shard_map`` body (JAX's types,
+:mod:`meshstate.jax.vma`), under torchtitan's spmd_types checker (its adapter,
+:mod:`meshstate.jax.spmd_checker`), or both. This module asks which, once per call, and is
+the one place that puts the two type systems together; each collective is described once
+here (:class:`CollectiveRule`), and its data move is :mod:`meshstate.jax.torch_calls`'.
+
+Example (what ``psum`` does)::
+
+    group = ordered_group(mesh, "tp")
+    collective(PSUM, x, "tp", None, group, summed)   # plain: summed(x, group)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+
+from meshstate.core import compat as _compat
+from meshstate.core.mesh import ParallelMesh, current_mesh
+from meshstate.core.ordered import OrderedGroup
+from meshstate.errors import ArgumentTypeError, ConfigError
+from meshstate.jax import spmd_checker
+from meshstate.jax.torch_calls import Axes, axis_names, ordered_group, recorded, summed_gradient
+from meshstate.jax.vma import (
+    NO_AXES, VaryingAxesError, axes_text, body, plug_outside_types, type_text, typed, vma,
+)
+
+__all__ = ["CollectiveRule", "collective", "vma"]
+
+Move = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
+"""A collective's data move on one rank: its input and its group."""
+
+
+@dataclass(frozen=True)
+class CollectiveRule:
+    """What the types need to know of a collective, said once: its ``name`` in messages,
+    its row of spmd_types' table (``checker_kind``), whether JAX refuses it over axes the
+    value varies over only some of (``reduces``), and whether its result varies over its
+    axes (``keeps_axes``: ``all_gather``) or not (``psum``)."""
+
+    name: str
+    checker_kind: str
+    reduces: bool = False
+    keeps_axes: bool = True
+
+
+PSUM = CollectiveRule("psum", "sum", reduces=True, keeps_axes=False)
+PMEAN = CollectiveRule("pmean", "sum", reduces=True, keeps_axes=False)
+PMAX = CollectiveRule("pmax", "extreme", keeps_axes=False)
+PMIN = CollectiveRule("pmin", "extreme", keeps_axes=False)
+ALL_GATHER = CollectiveRule("all_gather", "gather")
+ALL_GATHER_INVARIANT = CollectiveRule("all_gather_invariant", "gather_invariant", keeps_axes=False)
+PSUM_SCATTER = CollectiveRule("psum_scatter", "scatter", reduces=True)
+ALL_TO_ALL = CollectiveRule("all_to_all", "exchange")
+PPERMUTE = CollectiveRule("ppermute", "permute")
+PVARY = CollectiveRule("pvary", "convert")
+"""The cast itself: inside a typed body it refuses an axis the value varies over already."""
+
+_SPMD_TYPES = "spmd_types"
+_loaded = sys.modules
+"""The plain path asks ``_SPMD_TYPES in _loaded`` before the checker: where spmd_types
+was never imported, one dict lookup."""
+
+
+def collective(
+    rule: CollectiveRule,
+    x: torch.Tensor,
+    axes: Axes,
+    mesh: ParallelMesh | None,
+    group: OrderedGroup,
+    move: Move,
+    dims: tuple[int, ...] = (0,),
+    tiled: bool = False,
+) -> torch.Tensor:
+    """``move(x, group)`` under the types that apply now: plain, JAX's rule inside a typed
+    body (``x`` cast up to vary over ``axes`` first, the result typed), spmd_types' rule
+    while its checker runs (``dims``: with ``tiled``, the dims the axes split), or both."""
+    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_checker.checking()):
+        return move(x, group)
+    run = _in_body(rule, axes, mesh, move)
+    if spmd_checker.checking():
+        parallel_mesh = current_mesh() if mesh is None else mesh
+        call = spmd_checker.CheckedCall(
+            rule.checker_kind, run, group, _axis_groups(parallel_mesh, axes), dims, tiled
+        )
+        return spmd_checker.checked(x, group, call)
+    return run(x, group)
+
+
+def _in_body(rule: CollectiveRule, axes: Axes, mesh: ParallelMesh | None, move: Move) -> Move:
+    """``move`` with JAX's rule inside a typed body (outside one, ``move`` itself)."""
+
+    def typed_move(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
+        if body.types is None:
+            return move(x, group)
+        if rule is PVARY:
+            return _pvary_in_body(x, axes, mesh)
+        with _compat.torch_functions_off():
+            x, before = _cast_up(x, axes, mesh, rule)
+            names = axis_names(axes)
+            return typed(move(x, group), before | names if rule.keeps_axes else before - names)
+
+    return typed_move
+
+
+def _cast_up(
+    x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None, rule: CollectiveRule
+) -> tuple[torch.Tensor, frozenset[str]]:
+    """``x`` made to vary over the collective's axes (pvary'd where it does not), and its
+    type before. A reduction over axes ``x`` varies over only some of is refused."""
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentTypeError(f"{rule.name} takes a torch.Tensor, got {type(x).__name__}")
+    names, before = axis_names(axes), vma(x)
+    varying = names & before
+    if varying == names:
+        return x, before
+    if rule.reduces and varying:
+        raise VaryingAxesError(
+            f"meshstate.{rule.name} can only accept axis_name which corresponds to one of "
+            f"varying or invarying state of the input. Got input type: {type_text(x)}, axes: "
+            f"{axes!r} and input state: {{'invarying', 'varying'}}; pvary the input over "
+            f"{tuple(sorted(names - before))!r} or reduce over {tuple(sorted(varying))!r} alone"
+        )
+    parallel_mesh = current_mesh() if mesh is None else mesh
+    return pvary_over(x, names - before, parallel_mesh), before
+
+
+def _pvary_in_body(x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None) -> torch.Tensor:
+    """``pvary`` with JAX's rule inside a typed body: an axis ``x`` varies over is refused."""
+    names = axis_names(axes)
+    if names & vma(x):
+        raise VaryingAxesError(
+            f"meshstate.pvary: x of type {type_text(x)} already varies over "
+            f"{axes_text(names & vma(x))}; pvary only casts invariant axes to varying "
+            "(JAX: Unsupported pcast from=varying, to='varying')"
+        )
+    with _compat.torch_functions_off():
+        return pvary_over(x, names, current_mesh() if mesh is None else mesh)
+
+
+def _axis_groups(parallel_mesh: ParallelMesh, axes: Axes) -> tuple[Any, ...]:
+    """The process group of each axis ``axes`` names, size 1 left out (spmd_types' axes)."""
+    return tuple(parallel_mesh.group(axis) for axis in sorted(axis_names(axes))
+                 if parallel_mesh.size(axis) > 1)
+
+
+def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
+    """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
+    ``pvary`` inside a typed body, and what casting an operand up inserts)."""
+    if spmd_checker.checking():
+        spelled = tuple(sorted(axes))
+        group = ordered_group(parallel_mesh, spelled)
+        call = spmd_checker.CheckedCall(
+            PVARY.checker_kind, lambda v, on: pvary_over(v, axes, parallel_mesh), group,
+            _axis_groups(parallel_mesh, spelled),
+        )
+        return spmd_checker.checked(x, group, call)
+    if not recorded(x):
+        return typed(x.view_as(x), vma(x) | axes)
+    group = ordered_group(parallel_mesh, tuple(sorted(axes)))
+    aliased = x.view_as(x) if len(group.ranks) == 1 else summed_gradient(x, group.group_name)
+    return typed(aliased, vma(x) | axes)
+
+
+def typed_index(
+    index: Callable[[torch.device], torch.Tensor], axes: Axes, parallel_mesh: ParallelMesh
+) -> torch.Tensor:
+    """``axis_index`` inside a typed body: ``index(device)`` typed to vary over ``axes``
+    (for spmd_types' checker too, while it runs)."""
+    checking = spmd_checker.checking()  # asked before torch functions go off: it reads the modes
+    with _compat.torch_functions_off():
+        value = index(torch.device(parallel_mesh.device_type))
+        names = axis_names(axes)
+        if checking:
+            view_axes = parallel_mesh.layout.view_of(names).axes_fastest_first
+            spmd_checker.spmd_typed(value, value, names, view_axes, parallel_mesh)
+        return typed(value, names)
+
+
+def checker_on() -> bool:
+    """Whether spmd_types' checker types this thread's torch calls now."""
+    return _SPMD_TYPES in _loaded and spmd_checker.checking()
+
+
+def checker_paused() -> contextlib.AbstractContextManager[Any]:
+    """A block the checker types nothing in (where it runs; else nothing changes)."""
+    return spmd_checker.paused() if checker_on() else contextlib.nullcontext()
+
+
+def checker_types_block(block: torch.Tensor, argument: torch.Tensor, varying: frozenset[str],
+                        view_axes: tuple[str, ...], parallel_mesh: ParallelMesh) -> None:
+    """Type a ``shard_map`` block for the checker: varying over ``varying``, ``argument``'s
+    own type on the view's other axes."""
+    spmd_checker.spmd_typed(block, argument, varying, view_axes, parallel_mesh)
+
+
+def refuse_legacy_under_checker() -> NoReturn:
+    """Refuse ``shard_map(check_vma=False)`` while the checker runs: that mode has no types."""
+    raise ConfigError(
+        "shard_map(check_vma=False) under spmd_types' checker: JAX's legacy mode has no "
+        "types (its psum's backward is a psum, which no spmd_types type says); use "
+        "check_vma=True, JAX's default, whose types the checker follows"
+    )
+
+
+def _checker_type(x: torch.Tensor) -> frozenset[str]:
+    """The axes spmd_types types ``x`` ``V``, ``R`` or ``P`` on, named as the current mesh
+    names them (outside ``with mesh:``, as the one live mesh that spmd_types' current mesh
+    is made of names them; two such meshes are refused): the axes a JAX value of that type
+    varies over. None where it has not typed ``x``."""
+    return spmd_checker.varying_axes(x) if spmd_checker.may_have_typed() else NO_AXES
+
+
+plug_outside_types(_checker_type)
