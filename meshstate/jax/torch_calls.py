@@ -462,15 +462,3 @@ def ordered_group(mesh: ParallelMesh, axes: Axes) -> OrderedGroup:
     identity, so a compiled call under another mesh traces again."""
     return mesh.ordered(axes)
 
-
-@_compat.constant_when_traced
-def axis_names(axes: Axes) -> frozenset[str]:
-    """The mesh axes a collective names: ``"dp-cp"`` and ``("cp", "dp")`` name dp and cp."""
-    names = _names_of.get(axes)
-    if names is None:
-        spelled = axes.split("-") if isinstance(axes, str) else "-".join(axes).split("-")
-        names = _names_of[axes] = frozenset(spelled)
-    return names
-
-
-_names_of: dict[Axes, frozenset[str]] = {}

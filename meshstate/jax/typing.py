@@ -28,7 +28,7 @@ from meshstate.core.mesh import ParallelMesh, current_mesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.jax import spmd_checker
-from meshstate.jax.torch_calls import Axes, axis_names, ordered_group, recorded, summed_gradient
+from meshstate.jax.torch_calls import Axes, ordered_group, recorded, summed_gradient
 from meshstate.jax.vma import (
     NO_AXES, VaryingAxesError, axes_text, body, plug_outside_types, type_text, typed, vma,
 )
@@ -63,6 +63,19 @@ ALL_TO_ALL = CollectiveRule("all_to_all", "exchange")
 PPERMUTE = CollectiveRule("ppermute", "permute")
 PVARY = CollectiveRule("pvary", "convert")
 """The cast itself: inside a typed body it refuses an axis the value varies over already."""
+
+@_compat.constant_when_traced
+def axis_names(axes: Axes) -> frozenset[str]:
+    """The mesh axes a collective names: ``"dp-cp"`` and ``("cp", "dp")`` name dp and cp."""
+    names = _names_of.get(axes)
+    if names is None:
+        spelled = axes.split("-") if isinstance(axes, str) else "-".join(axes).split("-")
+        names = _names_of[axes] = frozenset(spelled)
+    return names
+
+
+_names_of: dict[Axes, frozenset[str]] = {}
+
 
 _SPMD_TYPES = "spmd_types"
 _loaded = sys.modules
