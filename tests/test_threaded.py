@@ -230,3 +230,47 @@ def test_a_skip_in_a_body_skips_the_test_as_in_processes():
 
     with pytest.raises(pytest.skip.Exception, match="rank 1 has no GPU"):
         threaded_world(4).run(body)
+
+
+PYTEST_MODULE_FAILING_IN_GROUP_CREATION = textwrap.dedent('''
+    import threading
+    from datetime import timedelta
+
+    import pytest
+    import torch.distributed as dist
+
+    import meshstate
+    from meshstate.testing import threaded_world
+    from meshstate.testing.report import RankFailure
+
+
+    def fail_on_one_while_others_build_a_mesh():
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 fails")
+        meshstate.init_mesh(tp=2)  # the others wait for rank 1 in the mesh build's agreement
+
+
+    def fail_on_one_while_others_form_a_group():
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 fails")
+        dist.new_group([0, 1, 2, 3])  # the others wait for rank 1 in the group's creation
+
+
+    @pytest.mark.parametrize("body", [fail_on_one_while_others_build_a_mesh,
+                                      fail_on_one_while_others_form_a_group])
+    def test_the_waiting_ranks_are_woken(body):
+        with pytest.raises(RankFailure) as failed:
+            threaded_world(4).run(body, timeout=timedelta(seconds=60))
+        assert str(failed.value).splitlines()[0] == (
+            f"{body.__name__}: rank 1 raised; ranks 0, 2-3 of 4 did not finish")
+        assert not [t for t in threading.enumerate() if t.name.startswith("meshstate-rank")]
+''')
+
+
+def test_a_failure_during_group_creation_leaves_no_thread_and_the_process_exits_0(tmp_path):
+    (tmp_path / "test_creation.py").write_text(PYTEST_MODULE_FAILING_IN_GROUP_CREATION)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "test_creation.py"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout

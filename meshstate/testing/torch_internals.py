@@ -151,16 +151,6 @@ def thread_per_rank_world_installed() -> bool:
     return isinstance(c10d._world, _multi_threaded_pg.ThreadLocalWorld)
 
 
-def wait_for_group_members(store: Store, rank: int, size: int, timeout: timedelta) -> None:
-    """Return once all ``size`` members have created the group whose ``store`` this is.
-
-    Threads create different groups at once (the tp and dp groups of a 2x2
-    mesh); a collective must not start before its group exists on every
-    member. Uses ``c10d._store_based_barrier``, as torch's threaded group does.
-    """
-    c10d._store_based_barrier(rank, store, c10d.GroupName(""), size, timeout)
-
-
 def release_threaded_collectives() -> None:
     """Wake every rank waiting in a collective of torch's threaded group, and every rank
     that enters one from now on: each raises ``SystemExit``.
