@@ -274,3 +274,20 @@ def test_a_failure_during_group_creation_leaves_no_thread_and_the_process_exits_
                           timeout=120, env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "2 passed" in done.stdout
+
+
+def every_rank_fails_after_a_collective():
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    assert x.item() == 0
+
+
+def test_a_failure_every_rank_raises_is_every_rank_s_as_in_processes():
+    # A rank that had passed the collective when the first failure released the run goes
+    # on to raise its own (it was reported as "did not finish", its stack in the collective).
+    for _ in range(5):  # the ranks race to their assertion: several runs, each the same
+        with pytest.raises(RankFailure) as failed:
+            threaded_world(8).run(every_rank_fails_after_a_collective)
+        assert str(failed.value).splitlines()[:2] == [
+            "every_rank_fails_after_a_collective: ranks 0-7 raised",
+            "--- ranks 0-7: AssertionError ---"]
