@@ -296,3 +296,30 @@ def items_and_equality() -> dict[str, Any]:
 
 def test_values_torch_makes_from_ops_answer_per_rank() -> None:
     assert simulated_world(4).run(items_and_equality) == local_world(4).run(items_and_equality)
+
+
+def test_run_keeps_one_contract_in_every_world() -> None:
+    """``run``, ``close`` and the timeout as local_world's and threaded_world's: a
+    ``timeout=`` is the world's, not the body's."""
+    import inspect
+    from datetime import timedelta
+
+    from meshstate.errors import MeshStateError
+    from meshstate.testing import SimulatedWorld, ThreadedWorld
+    from meshstate.testing.launch import LocalWorld
+
+    for name in ("run", "close", "__enter__", "__exit__"):
+        signatures = {tuple(inspect.signature(getattr(world, name)).parameters.values())
+                      for world in (LocalWorld, ThreadedWorld, SimulatedWorld)}
+        assert len(signatures) == 1, f"{name}: {signatures}"
+    for world in (ThreadedWorld, SimulatedWorld):
+        assert inspect.signature(world).parameters["timeout"] == (
+            inspect.signature(LocalWorld).parameters["timeout"])
+
+    def rank() -> int:
+        return dist.get_rank()
+
+    with simulated_world(4, timeout=timedelta(seconds=30)) as world:
+        assert world.run(rank, timeout=timedelta(seconds=5)) == [0, 1, 2, 3]
+    with pytest.raises(MeshStateError, match="^this SimulatedWorld is closed; start a new one$"):
+        world.run(rank)

@@ -364,3 +364,22 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
 
+
+
+def sleeps_in_stage_one() -> int:
+    if meshstate.init_mesh(tp=2, pp=2).rank("pp") == 1:
+        import time
+
+        time.sleep(120)
+    return dist.get_rank()
+
+
+def test_stages_that_do_not_finish_within_the_timeout_are_ended_and_named() -> None:
+    from datetime import timedelta
+
+    from meshstate.testing.report import RankTimeout
+
+    with pytest.raises(RankTimeout, match=r"^sleeps_in_stage_one: ranks 4-7 of 8 did not finish "
+                                          r"within 3 s \(simulated in the process of stage 1, now "
+                                          r"ended\)$"):
+        simulated_world(8, stages=2).run(sleeps_in_stage_one, timeout=timedelta(seconds=3))
