@@ -291,3 +291,19 @@ def test_a_failure_every_rank_raises_is_every_rank_s_as_in_processes():
         assert str(failed.value).splitlines()[:2] == [
             "every_rank_fails_after_a_collective: ranks 0-7 raised",
             "--- ranks 0-7: AssertionError ---"]
+
+
+def test_a_local_world_inside_a_threaded_rank_is_refused_by_meshstate():
+    from meshstate.testing.launch import LocalWorld
+
+    refusal = ("--- ranks 0-1: MeshStateError: a local world cannot start or run inside a "
+               "threaded world's rank: c10d's world is one per thread there, and its workers "
+               "would fork from a rank; start it before or after the threaded world ---")
+    with pytest.raises(RankFailure) as nested:
+        threaded_world(2).run(lambda: LocalWorld(2))
+    assert str(nested.value).splitlines()[1] == refusal
+    with LocalWorld(2) as started_before:
+        with pytest.raises(RankFailure) as nested:
+            threaded_world(2).run(started_before.run, dist.get_rank)
+        assert str(nested.value).splitlines()[1] == refusal
+        assert started_before.run(dist.get_rank) == [0, 1]

@@ -111,6 +111,7 @@ class LocalWorld:
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise MeshStateError(f"world size must be a positive integer, got {world_size!r}")
+        _refuse_inside_threads()
         exit_if_importing_main()
         self.world_size = world_size
         self.backend = backend or default_backend(world_size)
@@ -195,6 +196,7 @@ class LocalWorld:
         """
         if not self.alive:
             raise MeshStateError("this LocalWorld is closed; start a new one")
+        _refuse_inside_threads()
         timeout = timeout or self.timeout
         task = (_FunctionRef.of(fn), args, kwargs, timeout)
         try:
@@ -365,6 +367,16 @@ def _install_sigterm_handler() -> None:
         return
     _previous_sigterm_handler = current
     signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _refuse_inside_threads() -> None:
+    """Refuse a local world while a threaded world runs in this process (nested in a rank)."""
+    if torch_internals.thread_per_rank_world_installed():
+        raise MeshStateError(
+            "a local world cannot start or run inside a threaded world's rank: c10d's world is "
+            "one per thread there, and its workers would fork from a rank; start it before or "
+            "after the threaded world"
+        )
 
 
 def run_local(
