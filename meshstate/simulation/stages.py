@@ -46,8 +46,8 @@ from torch.distributed import distributed_c10d as c10d
 from meshstate.errors import OTHER_WORLDS, SimulationError
 from meshstate.layout.ranks import ranks_text
 from meshstate.simulation import local_compat
+from meshstate.simulation.the_body import from_a_library
 from meshstate.simulation.per_rank import (
-    from_a_library,
     holds_per_rank,
     members,
     per_rank_int,

@@ -334,8 +334,12 @@ def _simulate(
     try:
         with local_compat.local_tensor_mode(frozenset(ranks)), per_rank_torch(), between_stages():
             return fn(*args, **kwargs)
-    except (AssertionError, AttributeError, NotImplementedError, RuntimeError) as error:
-        if isinstance(error, MeshStateError):
+    except Exception as error:
+        if isinstance(error, SimulationError):
+            raise
+        simulation_errors = (AssertionError, AttributeError, NotImplementedError, RuntimeError)
+        if not isinstance(error, simulation_errors) or isinstance(error, MeshStateError):
+            _add_ranks(error, ranks, world_size)
             raise
         if local_compat.failed_compiling(error):
             cause = _root_cause(error)
@@ -345,6 +349,7 @@ def _simulate(
                 f"{OTHER_WORLDS}"
             ) from error
         if not local_compat.raised_inside(error):
+            _add_ranks(error, ranks, world_size)
             raise
         raise SimulationError(
             f"torch's simulation of every rank in one process cannot run this "
@@ -354,6 +359,14 @@ def _simulate(
         destroy_every_mesh()
         dist.destroy_process_group()
         local_compat.forget_random_state()
+
+
+def _add_ranks(error: Exception, ranks: range, world_size: int) -> None:
+    """Name the ranks that raised ``error``, as a local world's report does: every simulated
+    one (a condition that differed between them would have raised ``SimulationError``),
+    unless the error names them (an ``assert`` that fails on some)."""
+    if not any(note.startswith("raised on ") for note in getattr(error, "__notes__", ())):
+        error.add_note(f"raised on every simulated rank: {_describe_ranks(ranks)} of {world_size}")
 
 
 def _exit_with(sentinel: int) -> None:
