@@ -41,8 +41,8 @@ whole simulated world, and point-to-point between stages is real: a send from ev
 rank of a stage to its peer in another (torch's ``PipelineStage`` and schedules such
 as ``Schedule1F1B``, ``dist.send`` over ``mesh.group("pp")``) is one message carrying
 every rank's tensor, received into the other stage's per-rank tensor
-(:mod:`meshstate.simulation.stages`). ``all_reduce`` and ``all_gather_into_tensor``
-over a group that spans stages (pp, a joint group with pp) run through that channel
+(:mod:`meshstate.simulation.stages`). ``all_reduce``, ``all_gather_into_tensor`` and
+``broadcast`` over a group that spans stages (pp, a joint group with pp) run through that channel
 too; any other collective over one is refused with a
 :class:`~meshstate.errors.SimulationError` naming it, and so is a layout whose pp is
 not the outermost axis. ``run`` still gives every rank's result, in rank order.
