@@ -258,9 +258,14 @@ def _gathered_whatever_the_shape(name: str) -> Callable[..., Any]:
         group: dist.ProcessGroup | None = None, async_op: bool = False,
     ) -> Any:
         _refuse_plain(name, (output_tensor, input_tensor))
+        if output_tensor.shape[1:] == input_tensor.shape[1:]:  # concatenated: torch's own form
+            return collective(output_tensor, input_tensor, group=group, async_op=async_op)
         flat = output_tensor.new_empty(output_tensor.numel())
         work = collective(flat, input_tensor.reshape(-1), group=group, async_op=async_op)
-        output_tensor.copy_(flat.view(output_tensor.shape))
+        outputs, gathered = local_compat.tensor_by_rank(output_tensor), local_compat.tensor_by_rank(flat)
+        with local_compat.simulation_paused():  # each rank's own output, a view of a shared one too
+            for rank, output in cast(dict[int, torch.Tensor], outputs).items():
+                output.copy_(cast(dict[int, torch.Tensor], gathered)[rank].view(output.shape))
         return work
 
     return gather

@@ -364,8 +364,11 @@ def _simulate(
 def _add_ranks(error: Exception, ranks: range, world_size: int) -> None:
     """Name the ranks that raised ``error``, as a local world's report does: every simulated
     one (a condition that differed between them would have raised ``SimulationError``),
-    unless the error names them (an ``assert`` that fails on some)."""
-    if not any(note.startswith("raised on ") for note in getattr(error, "__notes__", ())):
+    unless the error names them (an ``assert`` that fails on some) or a stage's process does
+    (its caller notes the stage and its ranks)."""
+    if len(ranks) == world_size and not any(
+        note.startswith("raised on ") for note in getattr(error, "__notes__", ())
+    ):
         error.add_note(f"raised on every simulated rank: {_describe_ranks(ranks)} of {world_size}")
 
 
