@@ -33,8 +33,6 @@ Run it with::
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -89,12 +87,13 @@ class Model(nn.Module):
         return x
 
 
-def stage_of(model: Model, stage: int, stages: int) -> Model:
-    """A copy of ``model`` holding only the layers of ``stage`` (of ``stages``).
+def stage_of(part: Model, stage: int, stages: int) -> Model:
+    """``part``, a whole model, cut down in place to the layers of ``stage`` (of ``stages``).
 
-    Parameter names stay those of the whole model (``layers.2.w1.weight``).
+    Parameter names stay those of the whole model (``layers.2.w1.weight``). Built in place,
+    not copied: ``copy.deepcopy`` of a module costs time quadratic in the ranks a simulated
+    world holds.
     """
-    part = copy.deepcopy(model)
     per_stage = LAYERS // stages
     for name in list(part.layers):
         if int(name) // per_stage != stage:
@@ -138,8 +137,9 @@ def _train(mesh: meshstate.ParallelMesh, steps: int) -> Result:
     device = _device(mesh)
     torch.manual_seed(0)
     reference = Model().to(device, torch.float64)
+    torch.manual_seed(0)  # the same weights again, for the stage
     stage, stages = mesh.rank("pp"), mesh.size("pp")
-    model = parallelize(stage_of(reference, stage, stages), mesh)
+    model = parallelize(stage_of(Model().to(device, torch.float64), stage, stages), mesh)
     pipeline = Schedule1F1B(
         PipelineStage(model, stage, stages, device, group=mesh.group("pp")),
         n_microbatches=MICROBATCHES,

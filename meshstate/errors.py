@@ -63,6 +63,13 @@ class MeshTimeoutError(MeshStateError, TimeoutError, RuntimeError):
     """
 
 
+class AbandonedError(MeshStateError, RuntimeError):
+    """A rank waiting for the others in a mesh build or a group's creation learned that
+    they will not come: another rank failed and its world ended the run (a threaded
+    world does). The message says why.
+    """
+
+
 class WrongMeshError(MeshStateError, TypeError, AttributeError):
     """A torch ``DeviceMesh`` where a :class:`~meshstate.ParallelMesh` belongs, or
     the other way round; the message names what was given and what to pass.

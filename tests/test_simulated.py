@@ -3,6 +3,7 @@ LocalTensorMode) equals the one that rank gets in a world of processes."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -242,10 +243,6 @@ def adopt_groups() -> None:
     meshstate.adopt({})
 
 
-def assert_equal_on_some_ranks() -> None:
-    assert torch.equal(torch.full((1,), dist.get_rank()), torch.zeros(1, dtype=torch.long))
-
-
 def float_list_of_every_rank() -> None:
     torch.full((1,), dist.get_rank(), dtype=torch.float).tolist()
 
@@ -268,7 +265,6 @@ def compile_a_shard_map_of_a_plain_tensor() -> None:
     (subgroups_read_otherwise, "over the 'subgroups' groups on ranks such as [2, 3], which are no"),
     (embedding_group_of_some_stages, "simulated ranks 2, 3, 4, 5 are in no 'pp/embedding' group"),
     (adopt_groups, "adopt() cannot run in a simulated world"),
-    (assert_equal_on_some_ranks, "a Python branch on a value that differs between the simulated ranks (True on rank 0; False on ranks 1, 2, 3, 4, …)"),
     (float_list_of_every_rank, "cannot run this (RuntimeError: Cannot convert local tensor to list)"),
     (compile_a_shard_map_of_a_plain_tensor, "torch.compile cannot trace this with every rank's values in one process (InternalTorchDynamoError"),
 ])
@@ -296,3 +292,82 @@ def items_and_equality() -> dict[str, Any]:
 
 def test_values_torch_makes_from_ops_answer_per_rank() -> None:
     assert simulated_world(4).run(items_and_equality) == local_world(4).run(items_and_equality)
+
+
+def test_run_keeps_one_contract_in_every_world() -> None:
+    """``run``, ``close`` and the timeout as local_world's and threaded_world's: a
+    ``timeout=`` is the world's, not the body's."""
+    import inspect
+    from datetime import timedelta
+
+    from meshstate.errors import MeshStateError
+    from meshstate.testing import SimulatedWorld, ThreadedWorld
+    from meshstate.testing.launch import LocalWorld
+
+    for name in ("run", "close", "__enter__", "__exit__"):
+        signatures = {tuple(inspect.signature(getattr(world, name)).parameters.values())
+                      for world in (LocalWorld, ThreadedWorld, SimulatedWorld)}
+        assert len(signatures) == 1, f"{name}: {signatures}"
+    for world in (ThreadedWorld, SimulatedWorld):
+        assert inspect.signature(world).parameters["timeout"] == (
+            inspect.signature(LocalWorld).parameters["timeout"])
+
+    def rank() -> int:
+        return dist.get_rank()
+
+    with simulated_world(4, timeout=timedelta(seconds=30)) as world:
+        assert world.run(rank, timeout=timedelta(seconds=5)) == [0, 1, 2, 3]
+    with pytest.raises(MeshStateError, match="^this SimulatedWorld is closed; start a new one$"):
+        world.run(rank)
+
+
+GATHERED_SHAPES = {  # input shape, output shape for 4 ranks: c10d fills the output's elements in rank order
+    "stacked rows": ((3,), (4, 3)),
+    "stacked blocks": ((2, 3), (4, 2, 3)),
+    "concatenated blocks": ((2, 3), (8, 3)),
+    "flat": ((2, 3), (24,)),
+}
+
+
+def gather_into(input_shape: tuple[int, ...], output_shape: tuple[int, ...], name: str) -> torch.Tensor:
+    values = torch.arange(math.prod(input_shape), dtype=torch.float).reshape(input_shape)
+    output = torch.empty(output_shape)
+    getattr(dist, name)(output, values + 10 * dist.get_rank())
+    return output
+
+
+@pytest.mark.parametrize("name", ["all_gather_into_tensor", "all_gather_single"])
+@pytest.mark.parametrize("shapes", list(GATHERED_SHAPES))
+def test_every_all_gather_form_fills_the_output_in_rank_order(shapes: str, name: str) -> None:
+    """As NCCL and threads do (gloo takes only the concatenated form)."""
+    import warnings
+
+    input_shape, output_shape = GATHERED_SHAPES[shapes]
+    expected = torch.cat([torch.arange(math.prod(input_shape), dtype=torch.float) + 10 * rank
+                          for rank in range(4)]).reshape(output_shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.14: all_gather_into_tensor's name
+        for rank, got in enumerate(simulated_world(4).run(gather_into, input_shape, output_shape, name)):
+            assert torch.equal(got, expected), f"rank {rank}: {got}"
+
+
+def assert_equal_to_rank_zeros() -> None:
+    x = torch.full((3,), dist.get_rank(), dtype=torch.float)
+    assert torch.equal(x, torch.zeros(3))
+
+
+def assert_equal_to_minus_one() -> None:
+    x = torch.full((3,), dist.get_rank(), dtype=torch.float)
+    assert torch.equal(x, torch.full((3,), -1.0))
+
+
+def test_a_failed_assert_names_the_ranks_it_failed_on() -> None:
+    with pytest.raises(AssertionError) as some:
+        simulated_world(4).run(assert_equal_to_rank_zeros)
+    assert str(some.value) == ("True on rank 0; False on ranks 1, 2, 3 at tests/test_simulated.py:"
+                               f"{assert_equal_to_rank_zeros.__code__.co_firstlineno + 2} "
+                               "(assert torch.equal(x, torch.zeros(3)))")
+    assert some.value.__notes__ == ["raised on simulated ranks 1, 2, 3"]
+    with pytest.raises(AssertionError) as every:
+        simulated_world(4).run(assert_equal_to_minus_one)
+    assert every.value.__notes__ == ["raised on every simulated rank: ranks 0-3 of 4"]

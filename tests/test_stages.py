@@ -123,9 +123,9 @@ def test_each_stage_answers_for_its_own_ranks_as_their_processes_do() -> None:
     assert simulated_world(8, stages=2).run(mesh_answers) == local_world(8).run(mesh_answers)
 
 
-def broadcast_over_pp() -> None:
+def reduce_scatter_over_pp() -> None:
     mesh = meshstate.init_mesh(tp=2, pp=2)
-    dist.broadcast(torch.tensor([dist.get_rank()]), group=mesh.group("pp"), group_src=0)
+    dist.reduce_scatter_tensor(torch.zeros(1), torch.ones(2), group=mesh.group("pp"))
 
 
 def gather_over_pp() -> None:
@@ -187,7 +187,7 @@ def recv_from_any_source() -> None:
 
 
 @pytest.mark.parametrize(("body", "says"), [
-    (broadcast_over_pp, r"broadcast over the 'pp' group \(a group such as \[0, 4\]\) in stage [01] "
+    (reduce_scatter_over_pp, r"reduce_scatter_base over the 'pp' group \(a group such as \[0, 4\]\) in stage [01] "
                         r"\(ranks [04]-[37]\) of a world simulated in stages"),
     (gather_over_pp, r"allgather_base over the 'pp' group"),
     (send_inside_a_stage, r"send in stage [01] \(ranks [04]-[37]\) to ranks \+1 away: a world "
@@ -365,3 +365,38 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
 
+
+
+def sleeps_in_stage_one() -> int:
+    if meshstate.init_mesh(tp=2, pp=2).rank("pp") == 1:
+        import time
+
+        time.sleep(120)
+    return dist.get_rank()
+
+
+def test_stages_that_do_not_finish_within_the_timeout_are_ended_and_named() -> None:
+    from datetime import timedelta
+
+    from meshstate.testing.report import RankTimeout
+
+    with pytest.raises(RankTimeout, match=r"^sleeps_in_stage_one: ranks 4-7 of 8 did not finish "
+                                          r"within 3 s \(simulated in the process of stage 1, now "
+                                          r"ended\)$"):
+        simulated_world(8, stages=2).run(sleeps_in_stage_one, timeout=timedelta(seconds=3))
+
+
+def broadcasts_over_pp() -> list[torch.Tensor]:
+    mesh = meshstate.init_mesh(tp=2, pp=2)
+    mine = torch.full((2,), dist.get_rank(), dtype=torch.float)
+    from_last, from_four = mine.clone(), mine.clone()
+    dist.broadcast(from_last, group=mesh.group("pp"), group_src=1)
+    dist.broadcast(from_four, src=4, group=mesh.group("pp"))  # rank 0's group: ranks 0 and 4
+    return [from_last, from_four]
+
+
+def test_a_broadcast_over_pp_reaches_every_stage_as_in_processes() -> None:
+    """A loss broadcast from the last stage, as a pipelined training loop does."""
+    for rank, got in enumerate(simulated_world(8, stages=2).run(broadcasts_over_pp)):
+        peer = torch.full((2,), rank % 4 + 4, dtype=torch.float)  # the pp group {r, r + 4}
+        assert torch.equal(got[0], peer) and torch.equal(got[1], peer), f"rank {rank}: {got}"

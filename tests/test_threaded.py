@@ -230,3 +230,80 @@ def test_a_skip_in_a_body_skips_the_test_as_in_processes():
 
     with pytest.raises(pytest.skip.Exception, match="rank 1 has no GPU"):
         threaded_world(4).run(body)
+
+
+PYTEST_MODULE_FAILING_IN_GROUP_CREATION = textwrap.dedent('''
+    import threading
+    from datetime import timedelta
+
+    import pytest
+    import torch.distributed as dist
+
+    import meshstate
+    from meshstate.testing import threaded_world
+    from meshstate.testing.report import RankFailure
+
+
+    def fail_on_one_while_others_build_a_mesh():
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 fails")
+        meshstate.init_mesh(tp=2)  # the others wait for rank 1 in the mesh build's agreement
+
+
+    def fail_on_one_while_others_form_a_group():
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 fails")
+        dist.new_group([0, 1, 2, 3])  # the others wait for rank 1 in the group's creation
+
+
+    @pytest.mark.parametrize("body", [fail_on_one_while_others_build_a_mesh,
+                                      fail_on_one_while_others_form_a_group])
+    def test_the_waiting_ranks_are_woken(body):
+        with pytest.raises(RankFailure) as failed:
+            threaded_world(4).run(body, timeout=timedelta(seconds=60))
+        assert str(failed.value).splitlines()[0] == (
+            f"{body.__name__}: rank 1 raised; ranks 0, 2-3 of 4 did not finish")
+        assert not [t for t in threading.enumerate() if t.name.startswith("meshstate-rank")]
+''')
+
+
+def test_a_failure_during_group_creation_leaves_no_thread_and_the_process_exits_0(tmp_path):
+    (tmp_path / "test_creation.py").write_text(PYTEST_MODULE_FAILING_IN_GROUP_CREATION)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "test_creation.py"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout
+
+
+def every_rank_fails_after_a_collective():
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    assert x.item() == 0
+
+
+def test_a_failure_every_rank_raises_is_every_rank_s_as_in_processes():
+    # A rank that had passed the collective when the first failure released the run goes
+    # on to raise its own (it was reported as "did not finish", its stack in the collective).
+    for _ in range(5):  # the ranks race to their assertion: several runs, each the same
+        with pytest.raises(RankFailure) as failed:
+            threaded_world(8).run(every_rank_fails_after_a_collective)
+        assert str(failed.value).splitlines()[:2] == [
+            "every_rank_fails_after_a_collective: ranks 0-7 raised",
+            "--- ranks 0-7: AssertionError ---"]
+
+
+def test_a_local_world_inside_a_threaded_rank_is_refused_by_meshstate():
+    from meshstate.testing.launch import LocalWorld
+
+    refusal = ("--- ranks 0-1: MeshStateError: a local world cannot start or run inside a "
+               "threaded world's rank: c10d's world is one per thread there, and its workers "
+               "would fork from a rank; start it before or after the threaded world ---")
+    with pytest.raises(RankFailure) as nested:
+        threaded_world(2).run(lambda: LocalWorld(2))
+    assert str(nested.value).splitlines()[1] == refusal
+    with LocalWorld(2) as started_before:
+        with pytest.raises(RankFailure) as nested:
+            threaded_world(2).run(started_before.run, dist.get_rank)
+        assert str(nested.value).splitlines()[1] == refusal
+        assert started_before.run(dist.get_rank) == [0, 1]

@@ -14,6 +14,10 @@ that retries posts to its next build) end it on every rank that did with one
 each rank raises only once every rank that arrived has read the verdict, so a
 rank that hosts the store and exits at once leaves no one without it.
 
+A rank that knows the others will not come (a threaded world's run, when one
+rank fails) says so with :func:`abandon`: every rank waiting in a barrier raises
+:class:`~meshstate.errors.AbandonedError` instead of waiting out its timeout.
+
 The store traffic per rank is constant, and a build that passes leaves no key
 behind but each rank's build count; only the error paths read every rank's entry.
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -31,11 +36,12 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
-from meshstate.errors import ConfigMismatchError, MeshStateError, MeshTimeoutError
+from meshstate.errors import AbandonedError, ConfigMismatchError, MeshStateError, MeshTimeoutError
 
 _PREFIX = "meshstate/agree"
 _LISTED = 16  # ranks named in a message before "and N more"
 _ARRIVED = "arrived"  # the verdict of a build every rank reached; a timeout's is its message
+_ABANDONED = "meshstate/abandoned"  # why the world will not complete, in its root store
 
 
 def agree(
@@ -150,12 +156,38 @@ def store_barrier(
     if store.add(key, 1) >= size:
         store.compare_set(done, "", verdict)
     try:
-        store.wait([done], timeout)
+        _wait(store, done, size, timeout)
     except dist.DistStoreError:
         if timed_out is None:
             raise
         return str(store.compare_set(done, "", timed_out()).decode())
     return str(store.get(done).decode())
+
+
+def abandon(store: Any, why: str) -> None:
+    """Wake every rank waiting in a :func:`store_barrier` on ``store`` (or on a prefix of
+    it), now and from now on: each raises :class:`~meshstate.errors.AbandonedError` with
+    ``why`` within about a second (plus a second per thousand waiters)."""
+    _compat.root_store(store).set(_ABANDONED, why)
+
+
+def _wait(store: Any, key: str, size: int, timeout: timedelta) -> None:
+    """``store.wait([key], timeout)``, in slices between which the world's root store is
+    asked whether it was abandoned (the slice grows with ``size``, as torch's store-based
+    barrier's does, so a large world's waiters do not crowd the store)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    window = timedelta(seconds=1 + size / 1000)
+    root = _compat.root_store(store)
+    while True:
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            store.wait([key], min(window, left))
+            return
+        except dist.DistStoreError:
+            if root.check([_ABANDONED]):
+                raise AbandonedError(root.get(_ABANDONED).decode()) from None
+            if time.monotonic() >= deadline:
+                raise
 
 
 def leave_barrier(store: Any, key: str, size: int, keys: Sequence[str] = ()) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 # Public as torch.distributed.Store, which torch does not declare exported: strict typing sees this.
-from torch._C._distributed_c10d import Store
+from torch._C._distributed_c10d import PrefixStore, Store
 # Imported for what it does on import: register the backward of torch.ops._c10d_functional.
 import torch.distributed._functional_collectives  # noqa: F401
 from torch.distributed import distributed_c10d as c10d
@@ -438,6 +438,14 @@ def rendezvous_keys(group_name: str, backend: str, size: int) -> list[str]:
 
 
 _per_thread = threading.local()
+
+
+def root_store(store: Store) -> Store:
+    """The store under each ``PrefixStore`` of ``store``'s chain (public as
+    ``torch.distributed.PrefixStore``, which torch does not declare exported)."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def thread_store() -> Store:

@@ -25,12 +25,8 @@ Example, simulating 4 ranks with ``tp=2``::
 
 from __future__ import annotations
 
-import linecache
 import operator
-import os
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from types import FrameType
 from typing import Any, TypeVar, cast, overload
 
 import torch
@@ -39,35 +35,10 @@ from torch.distributed import ProcessGroup
 from meshstate.layout.ranks import ranks_text
 from meshstate.simulation import local_compat
 from meshstate.simulation.local_compat import describe
+from meshstate.simulation.the_body import failing_an_assert, the_bodys_line
 from meshstate.errors import OTHER_WORLDS, SimulationError
 
 V = TypeVar("V")
-
-
-_LIBRARIES = ("torch", "meshstate")
-"""Packages whose modules work as the process (rank 0), whose groups they hold."""
-
-
-def from_a_library(caller: FrameType) -> bool:
-    """Whether ``caller`` runs code of torch or meshstate, not the body's."""
-    return str(caller.f_globals.get("__name__", "")).partition(".")[0] in _LIBRARIES
-
-
-def the_bodys_line() -> str:
-    """Where the running body (or the code it called: megatron-core, a test helper) reached
-    torch or meshstate: ``" at file.py:12 (x = W[t])"``, ``""`` if nothing but libraries runs."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and (from_a_library(frame) or frame.f_code.co_filename.startswith(_STDLIB)):
-        frame = frame.f_back
-    if frame is None:
-        return ""
-    path = frame.f_code.co_filename
-    source = linecache.getline(path, frame.f_lineno).strip()
-    shown = path.partition("site-packages" + os.sep)[2] or os.path.relpath(path)
-    return f" at {shown}:{frame.f_lineno}" + (f" ({source})" if source else "")
-
-
-_STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
 def _on(value: object, rank: int) -> Any:
@@ -200,6 +171,11 @@ class PerRankBoolNode:
         return _bool_node({rank: not mine for rank, mine in self.values.items()})
 
     def bool_(self) -> bool:
+        if failing := failing_an_assert(self.values):  # fails on those ranks, as in processes
+            failed = AssertionError(f"{describe(self.values)}{the_bodys_line()}")
+            failed.add_note(f"raised on simulated rank{'s' * (len(failing) > 1)} "
+                            f"{', '.join(map(str, failing))}")
+            raise failed
         raise SimulationError(
             f"a Python branch on a value that differs between the simulated ranks "
             f"({describe(self.values)}){the_bodys_line()}: every simulated rank takes the same branch; "

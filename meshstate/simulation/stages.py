@@ -17,9 +17,9 @@ group, or the rank it names); every rank of the block must reach the rank the sa
 distance away, in another stage, so that one message carries the whole block's
 tensors, received into the peer block's per-rank tensor. torch's own modules name
 peers as the process sees them; a peer the ranks would not reach alike is refused.
-``all_reduce`` and ``all_gather_into_tensor`` (``all_gather_single``) over a group that
-spans stages run through the channel too: each stage reduces or gathers its members,
-then the stages exchange their parts. Any other collective over such a group raises
+``all_reduce``, ``all_gather_into_tensor`` (``all_gather_single``) and ``broadcast``
+over a group that spans stages run through the channel too: each stage reduces or
+gathers its members (or holds the source's tensor), then the stages exchange their parts. Any other collective over such a group raises
 :class:`~meshstate.errors.SimulationError` naming the call and the group, where
 torch's simulation would skip it without a word.
 
@@ -46,8 +46,8 @@ from torch.distributed import distributed_c10d as c10d
 from meshstate.errors import OTHER_WORLDS, SimulationError
 from meshstate.layout.ranks import ranks_text
 from meshstate.simulation import local_compat
+from meshstate.simulation.the_body import from_a_library
 from meshstate.simulation.per_rank import (
-    from_a_library,
     holds_per_rank,
     members,
     per_rank_int,
@@ -185,7 +185,7 @@ class StageChannel:
                     f"{collective} over {group_name(group)} (a group such as {ranks_text(ranks)}) "
                     f"in {self.describe()} of a world simulated in stages: its ranks are in "
                     "different stages' processes, which exchange point-to-point messages (send, "
-                    "recv, batch_isend_irecv), all_reduce and all_gather_into_tensor only; "
+                    "recv, batch_isend_irecv), all_reduce, all_gather_into_tensor and broadcast only; "
                     f"{OTHER_WORLDS}"
                 )
 
@@ -401,6 +401,31 @@ class _PointToPoint:
 
         return all_gather_into_tensor
 
+    def broadcast(self, previous: Callable[..., Any]) -> Callable[..., Any]:
+        """``torch.distributed.broadcast``, through the channel for a group across stages:
+        the stage that holds each group's source sends its tensor, the others zeros, summed."""
+
+        def broadcast(
+            tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None,
+            async_op: bool = False, group_src: int | None = None,
+        ) -> Any:
+            values = local_compat.tensor_by_rank(tensor)
+            spanned = None if values is None else self.channel.spanned(group)
+            if spanned is None or values is None or (src is None and group_src is None):
+                return previous(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+            whole = group or cast(dist.ProcessGroup, c10d.GroupMember.WORLD)
+            source = group_src if group_src is not None else c10d.get_group_rank(whole, cast(int, src))
+            zeros = torch.zeros_like(next(iter(values.values())))
+            with local_compat.simulation_paused():
+                parts = torch.stack([values.get(ranks[source], zeros) for ranks in simulated_groups(whole)])
+                self.channel.group.allreduce([parts]).wait()
+                for part, ranks in zip(parts.unbind(0), spanned):
+                    for rank in ranks:
+                        values[rank].copy_(part)
+            return _Done() if async_op else None
+
+        return broadcast
+
 
 @contextlib.contextmanager
 def between_stages(channel: StageChannel) -> Iterator[None]:
@@ -414,6 +439,7 @@ def between_stages(channel: StageChannel) -> Iterator[None]:
             for module in (dist, c10d):
                 patches.enter_context(mock.patch.object(module, name, entry))
         patches.enter_context(mock.patch.object(dist, "all_reduce", calls.all_reduce(dist.all_reduce)))
+        patches.enter_context(mock.patch.object(dist, "broadcast", calls.broadcast(dist.broadcast)))
         for name in ("all_gather_into_tensor", "all_gather_single"):
             gather = calls.all_gather_into_tensor(getattr(dist, name))
             patches.enter_context(mock.patch.object(dist, name, gather))

@@ -32,19 +32,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshstate.errors import OTHER_WORLDS, SimulationError
 from meshstate.layout.ranks import ranks_text
 from meshstate.simulation import local_compat
-from meshstate.simulation.per_rank import from_a_library, the_bodys_line
+from meshstate.simulation.the_body import from_a_library, the_bodys_line
 
 if TYPE_CHECKING:
     from meshstate.simulation.per_rank import GroupMembers
 
 _NOT_SIMULATED = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 """Point-to-point calls: torch simulates them only with a thread per rank (LocalRunnerMode)."""
+_GATHERS = ("all_gather_into_tensor", "all_gather_single")
 _IN_PLACE_COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather_single",
-    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single",
+    "all_reduce", "broadcast", "reduce", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all_single",
 )
 """c10d collectives that write a tensor they are given: torch's simulation computes them for
-tensors that hold every rank's value, and leaves a plain tensor as it was."""
+tensors that hold every rank's value, and leaves a plain tensor as it was (so do ``_GATHERS``)."""
 
 
 @contextlib.contextmanager
@@ -117,6 +118,7 @@ def _replaced() -> list[tuple[object, str, Any]]:
     replaced += [(module, "all_gather", _all_gather) for module in (dist, c10d)]  # c10d's own all_gather_object calls it
     replaced += [(torch, name, _for_every_rank(getattr(torch, name))) for name in ("tensor", "as_tensor")]
     replaced += [(dist, name, _simulated_only(name)) for name in _IN_PLACE_COLLECTIVES if hasattr(dist, name)]
+    replaced += [(dist, name, _gathered_whatever_the_shape(name)) for name in _GATHERS if hasattr(dist, name)]
     for owner in (torch, torch.Tensor):
         replaced += [(owner, "equal", _per_rank_predicate(torch.equal)),
                      (owner, "allclose", _per_rank_predicate(torch.allclose)),
@@ -226,18 +228,47 @@ def _simulated_only(name: str) -> Callable[..., Any]:
     collective = getattr(dist, name)
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
-        plain = [value for value in tensors if not local_compat.is_simulated(value)]
-        if plain:
-            raise SimulationError(
-                f"torch.distributed.{name} of a tensor made outside the simulated world "
-                f"(shape {tuple(plain[0].shape)}): torch's simulation computes collectives only "
-                "for tensors that hold a value per rank; make it inside the body (an op, "
-                f"torch.tensor, torch.full) or {OTHER_WORLDS}"
-            )
+        _refuse_plain(name, (*args, *kwargs.values()))
         return collective(*args, **kwargs)
 
     return checked
+
+
+def _refuse_plain(name: str, arguments: tuple[Any, ...]) -> None:
+    plain = [value for value in arguments
+             if isinstance(value, torch.Tensor) and not local_compat.is_simulated(value)]
+    if plain:
+        raise SimulationError(
+            f"torch.distributed.{name} of a tensor made outside the simulated world "
+            f"(shape {tuple(plain[0].shape)}): torch's simulation computes collectives only "
+            "for tensors that hold a value per rank; make it inside the body (an op, "
+            f"torch.tensor, torch.full) or {OTHER_WORLDS}"
+        )
+
+
+def _gathered_whatever_the_shape(name: str) -> Callable[..., Any]:
+    """``torch.distributed.<name>`` (an all-gather into one tensor) as c10d runs it: the
+    members' inputs fill the output's elements in group rank order, whatever its shape
+    (``(world * n,)`` or stacked ``(world, n)``; torch's simulation concatenates along the
+    first dimension and takes only the first)."""
+    collective = getattr(dist, name)
+
+    def gather(
+        output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+        group: dist.ProcessGroup | None = None, async_op: bool = False,
+    ) -> Any:
+        _refuse_plain(name, (output_tensor, input_tensor))
+        if output_tensor.shape[1:] == input_tensor.shape[1:]:  # concatenated: torch's own form
+            return collective(output_tensor, input_tensor, group=group, async_op=async_op)
+        flat = output_tensor.new_empty(output_tensor.numel())
+        work = collective(flat, input_tensor.reshape(-1), group=group, async_op=async_op)
+        outputs, gathered = local_compat.tensor_by_rank(output_tensor), local_compat.tensor_by_rank(flat)
+        with local_compat.simulation_paused():  # each rank's own output, a view of a shared one too
+            for rank, output in cast(dict[int, torch.Tensor], outputs).items():
+                output.copy_(cast(dict[int, torch.Tensor], gathered)[rank].view(output.shape))
+        return work
+
+    return gather
 
 
 def _refuse_point_to_point(name: str) -> Callable[..., Any]:

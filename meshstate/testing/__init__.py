@@ -105,7 +105,8 @@ def distributed(
     still running. With ``backend="nccl"`` the test is skipped unless there is
     a GPU per rank. ``simulate=True`` runs the body once for every rank in
     the test's own process (:func:`simulated_world`): no processes, no
-    ``backend``, no ``timeout``; its assertions hold for every rank or fail;
+    ``backend``, the same ``timeout`` (in one process no rank waits for another);
+    its assertions hold for every rank or fail;
     with ``stages=P`` too, in P blocks of ranks (pipeline stages), a process each, with
     real send/recv between them (``simulated_world(world_size, stages=P)``).
     ``threads=True`` runs each rank as a thread of the test's process
@@ -130,7 +131,7 @@ def distributed(
             import pytest
 
             if simulate:
-                simulated_world(world_size, stages).run(body, *args, **kwargs)
+                simulated_world(world_size, stages).run(body, *args, timeout=timeout, **kwargs)
                 return
             if backend == "nccl" and torch.cuda.device_count() < world_size:
                 pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")

@@ -36,7 +36,6 @@ import contextlib
 import itertools
 import multiprocessing
 import os
-import queue
 import signal
 import socket
 import sys
@@ -44,11 +43,11 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -111,6 +110,7 @@ class LocalWorld:
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise MeshStateError(f"world size must be a positive integer, got {world_size!r}")
+        _refuse_inside_threads()
         exit_if_importing_main()
         self.world_size = world_size
         self.backend = backend or default_backend(world_size)
@@ -122,8 +122,9 @@ class LocalWorld:
         self._store = torch_internals.TCPStore(
             "127.0.0.1", self._port, is_master=True, wait_for_workers=False
         )
-        self._results: multiprocessing.Queue[Any] = self._context.Queue()
-        self._tasks: list[multiprocessing.Queue[Any]] = []
+        # A pipe each way per worker: no semaphore (a Queue's) for a signalled caller to leak.
+        self._tasks: list[Connection] = []
+        self._results: list[Connection] = []
         self._workers: list[BaseProcess] = []
         self._task_counter = 0
         self._stack_readers: list[Connection] = []
@@ -154,11 +155,12 @@ class LocalWorld:
     def _start_worker(
         self, rank: int, stdout: Connection, stderr: Connection, stacks: Connection
     ) -> None:
-        tasks: multiprocessing.Queue[Any] = self._context.Queue()
+        task_reader, tasks = self._context.Pipe(duplex=False)
+        results, result_writer = self._context.Pipe(duplex=False)
         worker = self._context.Process(
             target=_worker_main,
             args=(rank, self.world_size, self.backend, self._port, dict(os.environ),
-                  self._alive_reader, stdout, stderr, stacks, tasks, self._results),
+                  self._alive_reader, stdout, stderr, stacks, task_reader, result_writer),
             daemon=True,
             name=f"meshstate-rank{rank}",
         )
@@ -168,9 +170,12 @@ class LocalWorld:
         try:
             worker.start()
             self._tasks.append(tasks)
+            self._results.append(results)
             self._workers.append(worker)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            task_reader.close()  # the worker's ends
+            result_writer.close()
 
     @property
     def alive(self) -> bool:
@@ -195,6 +200,7 @@ class LocalWorld:
         """
         if not self.alive:
             raise MeshStateError("this LocalWorld is closed; start a new one")
+        _refuse_inside_threads()
         timeout = timeout or self.timeout
         task = (_FunctionRef.of(fn), args, kwargs, timeout)
         try:
@@ -216,7 +222,8 @@ class LocalWorld:
         """
         try:
             for tasks, payload in zip(self._tasks, payloads):
-                tasks.put((task_id, payload))
+                with contextlib.suppress(OSError):  # a worker that died: collecting finds it
+                    tasks.send((task_id, payload))
             outcomes = self._collect(name, task_id, timeout)
             self._relay.drain()
             missing = [rank for rank in range(self.world_size) if rank not in outcomes]
@@ -242,6 +249,7 @@ class LocalWorld:
 
         Halfway to the timeout, one line on stderr names the ranks still running."""
         outcomes: dict[int, tuple[str, Any]] = {}
+        open_results = list(self._results)
         deadline = time.monotonic() + timeout.total_seconds()
         halfway: float | None = time.monotonic() + timeout.total_seconds() / 2
         while len(outcomes) < self.world_size:
@@ -255,16 +263,19 @@ class LocalWorld:
                 )
             if any(kind == "error" for kind, _ in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_SECONDS)
-            try:
-                done_id, rank, outcome = self._results.get(
-                    timeout=max(0.0, min(1.0, deadline - time.monotonic()))
-                )
-            except queue.Empty:
-                if time.monotonic() >= deadline or not self.alive:
-                    break
-                continue
-            if done_id == task_id:
-                outcomes[rank] = outcome
+            ready = wait(open_results, timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            if not ready and (time.monotonic() >= deadline or not self.alive):
+                break
+            for results in cast(list[Connection], ready):
+                try:
+                    done_id, rank, outcome = results.recv()
+                except EOFError:  # the worker died
+                    open_results.remove(results)
+                    continue
+                if done_id == task_id:
+                    outcomes[rank] = outcome
+            if not open_results:
+                break
         return outcomes
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -287,13 +298,10 @@ class LocalWorld:
 
     def close(self) -> None:
         """Stop the workers, giving them a few seconds to exit; safe to call twice."""
-        try:
-            for tasks, worker in zip(self._tasks, self._workers):
-                if worker.is_alive():
-                    tasks.put(None)
-        except RuntimeError:  # at interpreter exit Python 3.12 starts no queue feeder thread
-            self._kill()
-            return
+        for tasks, worker in zip(self._tasks, self._workers):
+            if worker.is_alive():
+                with contextlib.suppress(OSError):
+                    tasks.send(None)
         deadline = time.monotonic() + 5.0
         for worker in self._workers:
             worker.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -313,7 +321,10 @@ class LocalWorld:
         for worker in self._workers:
             worker.join()
         self._workers.clear()
+        for connection in (*self._tasks, *self._results):
+            connection.close()
         self._tasks.clear()
+        self._results.clear()
         self._relay.close()
         for reader in self._stack_readers:
             reader.close()
@@ -365,6 +376,16 @@ def _install_sigterm_handler() -> None:
         return
     _previous_sigterm_handler = current
     signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _refuse_inside_threads() -> None:
+    """Refuse a local world while a threaded world runs in this process (nested in a rank)."""
+    if torch_internals.thread_per_rank_world_installed():
+        raise MeshStateError(
+            "a local world cannot start or run inside a threaded world's rank: c10d's world is "
+            "one per thread there, and its workers would fork from a rank; start it before or "
+            "after the threaded world"
+        )
 
 
 def run_local(

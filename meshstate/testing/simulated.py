@@ -41,8 +41,8 @@ whole simulated world, and point-to-point between stages is real: a send from ev
 rank of a stage to its peer in another (torch's ``PipelineStage`` and schedules such
 as ``Schedule1F1B``, ``dist.send`` over ``mesh.group("pp")``) is one message carrying
 every rank's tensor, received into the other stage's per-rank tensor
-(:mod:`meshstate.simulation.stages`). ``all_reduce`` and ``all_gather_into_tensor``
-over a group that spans stages (pp, a joint group with pp) run through that channel
+(:mod:`meshstate.simulation.stages`). ``all_reduce``, ``all_gather_into_tensor`` and
+``broadcast`` over a group that spans stages (pp, a joint group with pp) run through that channel
 too; any other collective over one is refused with a
 :class:`~meshstate.errors.SimulationError` naming it, and so is a layout whose pp is
 not the outermost axis. ``run`` still gives every rank's result, in rank order.
@@ -69,9 +69,11 @@ import pickle
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -82,6 +84,7 @@ from meshstate.core.mesh import destroy_every_mesh
 from meshstate.testing import torch_internals
 from meshstate.testing.fork_server import autograd_survives_a_fork, clean_context, uncollected
 from meshstate.testing.launch import DEFAULT_TIMEOUT
+from meshstate.testing.report import RankTimeout, _describe_ranks
 
 _FORK = multiprocessing.get_context("fork")
 
@@ -129,12 +132,16 @@ class SimulatedWorld:
     """A world of ``world_size`` ranks simulated in this process (or, in ``stages`` blocks,
     in a process per stage); see the module docstring.
 
-    Like a :class:`~meshstate.testing.launch.LocalWorld` it is also a context
-    manager (with nothing to close): every ``run`` initialises the fake
-    default group, and destroys it and every mesh left alive on the way out.
+    ``run`` keeps :class:`~meshstate.testing.launch.LocalWorld`'s contract: ``timeout``
+    (the world's, or ``run``'s own) bounds the run, and is not passed on to ``fn``;
+    ranks that do not finish within it raise :class:`~meshstate.testing.report.RankTimeout`.
+    In one process no rank waits for another, so only a world of stages can run out of
+    it (its stage processes are then ended). It is also a context manager: every ``run``
+    initialises the fake default group, and destroys it and every mesh left alive on the
+    way out; ``close`` refuses further runs.
     """
 
-    def __init__(self, world_size: int, stages: int = 1) -> None:
+    def __init__(self, world_size: int, stages: int = 1, *, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise MeshStateError(f"world size must be a positive integer, got {world_size!r}")
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or world_size % stages:
@@ -144,13 +151,27 @@ class SimulatedWorld:
             )
         self.world_size = world_size
         self.stages = stages
+        self.timeout = timeout
+        self._closed = False
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``fn(*args, **kwargs)`` once for every simulated rank; the results by rank."""
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` once for every simulated rank; the results by rank.
+
+        Raises :class:`~meshstate.testing.report.RankTimeout` if the stages do not finish
+        within ``timeout`` (default the world's).
+        """
         from meshstate.simulation.per_rank import value_on
 
+        if self._closed:
+            raise MeshStateError("this SimulatedWorld is closed; start a new one")
         if self.stages > 1:
-            by_stage = self._run_stages(fn, args, kwargs, each_rank=True)
+            by_stage = self._run_stages(fn, args, kwargs, each_rank=True, timeout=timeout or self.timeout)
             return [result for stage_results in by_stage for result in stage_results]
         result = self.call(fn, *args, **kwargs)
         return [value_on(result, rank) for rank in range(self.world_size)]
@@ -160,15 +181,16 @@ class SimulatedWorld:
         per-rank values and all (for a caller that reads every rank's itself). In a world
         of stages, each stage's result as its process returned it (pickled), by stage."""
         if self.stages > 1:
-            return self._run_stages(fn, args, kwargs, each_rank=False)
+            return self._run_stages(fn, args, kwargs, each_rank=False, timeout=self.timeout)
         return _simulate(self.world_size, range(self.world_size), contextlib.nullcontext, fn, args, kwargs)
 
     def _run_stages(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], each_rank: bool
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], each_rank: bool,
+        timeout: timedelta,
     ) -> list[Any]:
         """Run ``fn`` in a forked process per stage; each stage's result (by rank if
         ``each_rank``), by stage. The first stage to fail ends the others; every stage's
-        process ends once all have answered."""
+        process ends once all have answered, or once ``timeout`` has passed."""
         if dist.is_initialized():
             raise SimulationError(
                 "this process already has a default process group; a simulated world needs "
@@ -186,14 +208,19 @@ class SimulatedWorld:
                         process = starter.Process(
                             target=self._stage_process, name=f"meshstate stage {stage}",
                             args=(stage, os.path.join(folder, "store"), writer, fn, args, kwargs,
-                                  each_rank),
+                                  each_rank, timeout),
                         )
                         process.start()
                         writer.close()
                         processes[reader] = (stage, process)
                 waiting = dict(processes)
+                deadline = time.monotonic() + timeout.total_seconds()
                 while waiting:
-                    for ready in multiprocessing.connection.wait(list(waiting)):
+                    left = deadline - time.monotonic()
+                    ready_now = multiprocessing.connection.wait(list(waiting), max(left, 0.0))
+                    if not ready_now and left <= 0:
+                        raise self._timed_out(fn, sorted(stage for stage, _ in waiting.values()), timeout)
+                    for ready in ready_now:
                         reader = cast(multiprocessing.connection.Connection, ready)
                         stage, process = waiting.pop(reader)
                         results[stage] = self._outcome(stage, reader, process)
@@ -205,9 +232,21 @@ class SimulatedWorld:
                     reader.close()
         return [results[stage] for stage in range(self.stages)]
 
+    def _timed_out(self, fn: Callable[..., Any], stages: list[int], timeout: timedelta) -> RankTimeout:
+        """The error of a run whose ``stages`` did not answer within ``timeout``."""
+        stage_size = self.world_size // self.stages
+        ranks = [rank for stage in stages for rank in range(stage * stage_size, (stage + 1) * stage_size)]
+        named = ", ".join(map(str, stages))
+        return RankTimeout(
+            f"{getattr(fn, '__qualname__', repr(fn))}: {_describe_ranks(ranks)} of {self.world_size} "
+            f"did not finish within {timeout.total_seconds():g} s (simulated in the process of "
+            f"stage{'s' if len(stages) > 1 else ''} {named}, now ended)"
+        )
+
     def _stage_process(
         self, stage: int, store_path: str, writer: multiprocessing.connection.Connection,
         fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], each_rank: bool,
+        timeout: timedelta,
     ) -> None:
         """A stage's process: simulate the stage's ranks running ``fn``, send back the result
         (or the error) through ``writer``."""
@@ -225,7 +264,7 @@ class SimulatedWorld:
         ranks = range(stage * stage_size, (stage + 1) * stage_size)
 
         try:
-            channel = staged.StageChannel(store_path, stage, self.stages, self.world_size, DEFAULT_TIMEOUT)
+            channel = staged.StageChannel(store_path, stage, self.stages, self.world_size, timeout)
             result = _simulate(
                 self.world_size, ranks, lambda: staged.between_stages(channel), fn, args, kwargs)
             outcome = ("result", [value_on(result, rank) for rank in ranks] if each_rank else result)
@@ -256,11 +295,15 @@ class SimulatedWorld:
         error.add_note(f"raised in the process of {where}:\n{text}")
         raise error
 
+    def close(self) -> None:
+        """Refuse further runs (a simulated world holds nothing between them)."""
+        self._closed = True
+
     def __enter__(self) -> SimulatedWorld:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        pass
+        self.close()
 
 
 def _import_for_the_stages() -> None:
@@ -291,8 +334,12 @@ def _simulate(
     try:
         with local_compat.local_tensor_mode(frozenset(ranks)), per_rank_torch(), between_stages():
             return fn(*args, **kwargs)
-    except (AssertionError, AttributeError, NotImplementedError, RuntimeError) as error:
-        if isinstance(error, MeshStateError):
+    except Exception as error:
+        if isinstance(error, SimulationError):
+            raise
+        simulation_errors = (AssertionError, AttributeError, NotImplementedError, RuntimeError)
+        if not isinstance(error, simulation_errors) or isinstance(error, MeshStateError):
+            _add_ranks(error, ranks, world_size)
             raise
         if local_compat.failed_compiling(error):
             cause = _root_cause(error)
@@ -302,6 +349,7 @@ def _simulate(
                 f"{OTHER_WORLDS}"
             ) from error
         if not local_compat.raised_inside(error):
+            _add_ranks(error, ranks, world_size)
             raise
         raise SimulationError(
             f"torch's simulation of every rank in one process cannot run this "
@@ -311,6 +359,17 @@ def _simulate(
         destroy_every_mesh()
         dist.destroy_process_group()
         local_compat.forget_random_state()
+
+
+def _add_ranks(error: Exception, ranks: range, world_size: int) -> None:
+    """Name the ranks that raised ``error``, as a local world's report does: every simulated
+    one (a condition that differed between them would have raised ``SimulationError``),
+    unless the error names them (an ``assert`` that fails on some) or a stage's process does
+    (its caller notes the stage and its ranks)."""
+    if len(ranks) == world_size and not any(
+        note.startswith("raised on ") for note in getattr(error, "__notes__", ())
+    ):
+        error.add_note(f"raised on every simulated rank: {_describe_ranks(ranks)} of {world_size}")
 
 
 def _exit_with(sentinel: int) -> None:
@@ -342,7 +401,9 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 
-def simulated_world(world_size: int, stages: int = 1) -> SimulatedWorld:
+def simulated_world(
+    world_size: int, stages: int = 1, *, timeout: timedelta = DEFAULT_TIMEOUT
+) -> SimulatedWorld:
     """A :class:`SimulatedWorld` of ``world_size`` ranks in this process, or in ``stages``
     blocks of contiguous ranks, each simulated in a process of its own.
 
@@ -351,4 +412,4 @@ def simulated_world(world_size: int, stages: int = 1) -> SimulatedWorld:
     ``simulated_world(8, stages=2).run(pipeline_step) == local_world(8).run(pipeline_step)``
     for a pipeline with pp=2 outermost (Megatron's default order).
     """
-    return SimulatedWorld(world_size, stages)
+    return SimulatedWorld(world_size, stages, timeout=timeout)

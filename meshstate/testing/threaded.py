@@ -10,7 +10,7 @@ line with ``[rank N]`` in front). It also runs functions that worker processes
 could not import: a notebook's, ``python -``'s. What meshstate keeps per
 process is per rank here: the current mesh, the meshes, the Megatron façade's
 state. A failure or a timeout is reported as a local world reports it; ranks
-waiting in a receive or a collective are woken, and a thread that cannot be
+waiting in a receive, a collective or a group's creation are woken, and a thread that cannot be
 woken is left running as a daemon and named.
 
 Each rank draws random numbers from a default generator of its own, as a process
@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from meshstate.core.agreement import abandon, leave_barrier, store_barrier
 from meshstate.core.mesh import destroy_every_mesh
-from meshstate.errors import MeshStateError
+from meshstate.errors import AbandonedError, MeshStateError
 from meshstate.core.world import state_per_thread
 from meshstate.testing import torch_internals
 from meshstate.testing.launch import _FAILURE_GRACE_SECONDS, _STACK_WAIT_SECONDS, DEFAULT_TIMEOUT
@@ -244,8 +245,12 @@ class _ThreadedGroup(torch_internals.ProcessLocalGroup):
 def _create_threaded_group(
     store: torch_internals.Store, rank: int, world_size: int, timeout: timedelta
 ) -> dist.ProcessGroup:
+    """A rank's group, returned once every member has created it (threads create different
+    groups at once, the tp and dp groups of a 2x2 mesh, and a collective must not start
+    before its group exists on every member); a failed run wakes the members waiting."""
     group = _ThreadedGroup(rank, world_size)  # type: ignore[no-untyped-call]
-    torch_internals.wait_for_group_members(store, rank, world_size, timeout)
+    store_barrier(store, "meshstate/members", world_size, timeout)
+    leave_barrier(store, "meshstate/members", world_size)
     return group
 
 
@@ -309,8 +314,8 @@ class _Run:
 
     def _outcome_of(self, rank: int, error: BaseException) -> tuple[str, Any]:
         """A rank's error, or where it was when woken (torch's collectives and our
-        receives raise ``SystemExit`` then)."""
-        if self.woken is not None and isinstance(error, SystemExit):
+        receives raise ``SystemExit`` then, a mesh build or group creation ``AbandonedError``)."""
+        if self.woken is not None and isinstance(error, (SystemExit, AbandonedError)):
             return "released", _stack(traceback.extract_tb(error.__traceback__))
         if _is_skip(error):  # pytest.skip() in a body: the test is skipped, as in a process
             self.wake(f"rank {rank} skipped the test")
@@ -320,11 +325,13 @@ class _Run:
         return "error", failure
 
     def wake(self, why: str) -> None:
-        """Release every rank waiting in a collective or a receive, now and from now on."""
+        """Release every rank waiting in a collective, a receive, a mesh build or a group's
+        creation, now and from now on."""
         if self.woken is None:
             self.woken = why
             torch_internals.release_threaded_collectives()
             self.mail.close(why)
+            abandon(self.store, why)
 
     def finish(self, name: str, timeout: timedelta) -> list[Any]:
         """Wait for every rank's outcome, until ``timeout`` or a failure's grace is over;

@@ -122,23 +122,46 @@ def unflatten(mesh: DeviceMesh, shape: tuple[int, ...], names: tuple[str, ...]) 
     return mesh._unflatten(0, shape, names)
 
 
+_TorchCollective = _multi_threaded_pg.Collective
+
+
+class _FinishedCollective(_TorchCollective):
+    """torch's threaded collective, but a rank whose collective has completed returns from it
+    though the run was released meanwhile (torch's ``join`` exits every rank that finds the
+    release set on waking, also one whose data rank 0 had already moved): the rank goes on to
+    what it does next, as a process would, and its failure is reported as its own."""
+
+    def join(self, rank: int, data: Any) -> Any:
+        try:
+            return super().join(rank, data)  # type: ignore[no-untyped-call]
+        except SystemExit:
+            if not self._done:
+                raise
+            return _multi_threaded_pg.ret_work(data)  # type: ignore[no-untyped-call]
+
+
 def install_thread_per_rank_world() -> None:
     """Make c10d's world one per thread, so each thread can be a rank with a default group.
 
     Uses ``multi_threaded_pg._install_threaded_pg`` (swaps ``c10d._world`` for a
     thread-local one and turns autograd's multithreading off) and
     ``_set_thread_isolation_mode`` (a registry of group names per thread); torch
-    has neither in public. :func:`uninstall_thread_per_rank_world` undoes both.
+    has neither in public. Its collectives are :class:`_FinishedCollective`
+    (``multi_threaded_pg.Collective``, which ``ProcessLocalGroup._start_coll`` makes).
+    :func:`uninstall_thread_per_rank_world` undoes all three.
     """
     _c10d_extension._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
     _multi_threaded_pg._install_threaded_pg()  # type: ignore[no-untyped-call]
+    setattr(_multi_threaded_pg, "Collective", _FinishedCollective)
 
 
 def uninstall_thread_per_rank_world() -> None:
     """Give c10d back the world it had before :func:`install_thread_per_rank_world`.
 
-    Uses ``multi_threaded_pg._uninstall_threaded_pg`` and ``_set_thread_isolation_mode``.
+    Uses ``multi_threaded_pg._uninstall_threaded_pg``, ``_set_thread_isolation_mode`` and
+    ``multi_threaded_pg.Collective``.
     """
+    setattr(_multi_threaded_pg, "Collective", _TorchCollective)
     _multi_threaded_pg._uninstall_threaded_pg()  # type: ignore[no-untyped-call]
     _c10d_extension._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
 
@@ -149,16 +172,6 @@ def thread_per_rank_world_installed() -> bool:
     Reads ``c10d._world``.
     """
     return isinstance(c10d._world, _multi_threaded_pg.ThreadLocalWorld)
-
-
-def wait_for_group_members(store: Store, rank: int, size: int, timeout: timedelta) -> None:
-    """Return once all ``size`` members have created the group whose ``store`` this is.
-
-    Threads create different groups at once (the tp and dp groups of a 2x2
-    mesh); a collective must not start before its group exists on every
-    member. Uses ``c10d._store_based_barrier``, as torch's threaded group does.
-    """
-    c10d._store_based_barrier(rank, store, c10d.GroupName(""), size, timeout)
 
 
 def release_threaded_collectives() -> None:

@@ -173,8 +173,8 @@ def _worker_main(
     stdout: Connection,
     stderr: Connection,
     stacks: Connection,
-    tasks: multiprocessing.Queue[Any],
-    results: multiprocessing.Queue[Any],
+    tasks: Connection,
+    results: Connection,
 ) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked while its parent started it
     os.setsid()  # one killable group, out of reach of the terminal's Ctrl-C
@@ -193,8 +193,8 @@ def _worker_main(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     store = torch_internals.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    results.put((0, rank, ("ok", _dumps(None))))  # task 0: started
-    while (task := tasks.get()) is not None:
+    results.send((0, rank, ("ok", _dumps(None))))  # task 0: started
+    while (task := tasks.recv()) is not None:
         task_id, payload = task
         try:
             function, args, kwargs, timeout = ForkingPickler.loads(payload)
@@ -219,7 +219,7 @@ def _worker_main(
                 dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
-        results.put((task_id, rank, outcome))
+        results.send((task_id, rank, outcome))
         release_side_by_side(groups)
 
 
