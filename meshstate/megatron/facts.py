@@ -68,6 +68,8 @@ KEY_OF_NAME: dict[str, Key] = {
     "dp_cp_all_gather": families.DP_CP_ALL_GATHER,
     "embedding": families.EMBEDDING,
     "position_embedding": families.POSITION_EMBEDDING,
+    "gtp": families.GTP_REMAT,
+    "egtp": families.EXPERT_GTP_REMAT,
     "dp_gloo": GLOO["dp"],
     "dp_cp_gloo": GLOO[DP_CP],
     "edp_gloo": GLOO["edp"],
@@ -100,6 +102,8 @@ WHAT: dict[Key, str] = {
     families.DIST_OPT_INSTANCE: "intra distributed optimizer instance group",
     families.EMBEDDING: "embedding group",
     families.POSITION_EMBEDDING: "position embedding group",
+    families.GTP_REMAT: "generalized tensor parallel group",
+    families.EXPERT_GTP_REMAT: "expert generalized tensor parallel group",
 }
 WHAT.update({twin: f"gloo {WHAT[key]}" for key, twin in GLOO.items()})
 
@@ -172,6 +176,14 @@ class MaybeFacts(Protocol):
     dp_cp_all_gather_group: ProcessGroup | None
     embedding_group: ProcessGroup | None
     position_embedding_group: ProcessGroup | None
+    gtp_group: ProcessGroup | None
+    egtp_group: ProcessGroup | None
+    gtp_rank: int | None
+    gtp_size: int | None
+    egtp_rank: int | None
+    egtp_size: int | None
+    gtp_ranks: Sequence[int] | None
+    egtp_ranks: Sequence[int] | None
     etp_rank: int | None
     etp_size: int | None
     cp_ranks: Sequence[int] | None

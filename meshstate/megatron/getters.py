@@ -43,7 +43,7 @@ from meshstate.megatron.facts import (
 __all__ = [
     "get_all_ranks", "get_amax_reduction_group", "get_context_parallel_global_ranks",
     "get_context_parallel_group", "get_context_parallel_rank",
-    "get_context_parallel_world_size", "get_data_modulo_expert_parallel_group",
+    "get_context_parallel_world_size",
     "get_data_parallel_group", "get_data_parallel_group_gloo", "get_data_parallel_rank",
     "get_data_parallel_src_rank", "get_data_parallel_world_size", "get_embedding_group",
     "get_expert_data_parallel_group", "get_expert_data_parallel_group_gloo",
@@ -66,9 +66,9 @@ __all__ = [
     "get_tensor_and_data_parallel_group", "get_tensor_model_parallel_group",
     "get_tensor_model_parallel_rank", "get_tensor_model_parallel_src_rank",
     "get_tensor_model_parallel_world_size", "get_virtual_pipeline_model_parallel_rank",
-    "get_virtual_pipeline_model_parallel_world_size", "has_separate_all_gather_group",
+    "get_virtual_pipeline_model_parallel_world_size",
     "is_initialized", "is_pipeline_first_stage", "is_pipeline_last_stage",
-    "is_rank_in_embedding_group", "is_rank_in_position_embedding_group", "is_unitialized",
+    "is_rank_in_embedding_group", "is_rank_in_position_embedding_group",
     "model_parallel_is_initialized", "set_virtual_pipeline_model_parallel_rank",
     "set_virtual_pipeline_model_parallel_world_size",
 ]
@@ -130,12 +130,6 @@ def is_initialized() -> bool:
     return mesh is not None and mesh.destroyed_at is None
 
 
-def is_unitialized() -> bool:
-    """Deprecated: ``not is_initialized()``."""
-    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2)
-    return not is_initialized()
-
-
 def model_parallel_is_initialized() -> bool:
     """Whether the model- and data-parallel groups exist."""
     return is_initialized()
@@ -191,26 +185,20 @@ def get_pipeline_model_parallel_group(check_initialized: bool = True) -> Process
 
 def get_data_parallel_group(
     with_context_parallel: bool = False,
+    with_gtp_remat: bool = True,
     partial_data_parallel: bool = False,
-    independent_all_gather: bool = False,
 ) -> ProcessGroup:
     """The data-parallel group of the caller, with context parallel if asked.
 
     ``partial_data_parallel`` gives the group inside one distributed-optimizer
-    instance; ``independent_all_gather`` the separate all-gather communicator.
+    instance. ``with_gtp_remat`` asks for the group across GTP weight-remat peers
+    too: the same group, as meshstate builds GTP groups of one rank only.
     """
     if not with_context_parallel:
         if partial_data_parallel:
             _refuse_partial_without_cp("dp")
         return _facts.dp_group
-    if independent_all_gather and not partial_data_parallel:
-        return _facts.dp_cp_all_gather_group
     return _facts.intra_dp_cp_group if partial_data_parallel else _facts.dp_cp_group
-
-
-def has_separate_all_gather_group() -> bool:
-    """Whether a separate data+context all-gather group was created."""
-    return _facts.maybe.dp_cp_all_gather_group is not None
 
 
 def get_data_parallel_group_gloo(
@@ -336,34 +324,22 @@ def get_expert_tensor_and_model_parallel_group(
 
 @checked_getter
 def get_expert_tensor_model_pipeline_parallel_group(
-    check_initialized: bool = True,
+    check_initialized: bool = True, with_egtp_remat: bool = False
 ) -> ProcessGroup | None:
-    """The expert tensor+model+pipeline parallel group of the caller."""
+    """The expert tensor+model+pipeline parallel group of the caller (the same group
+    ``with_egtp_remat``: meshstate's expert GTP groups hold one rank)."""
     return _facts.etp_ep_pp_group if check_initialized else _facts.maybe.etp_ep_pp_group
 
 
 @checked_getter
 def get_expert_data_parallel_group(
-    check_initialized: bool = True, partial_expert_data_parallel: bool = False
+    check_initialized: bool = True, with_gtp_remat: bool = True,
+    partial_expert_data_parallel: bool = False,
 ) -> ProcessGroup | None:
-    """The expert data-parallel group of the caller (one optimizer instance's if partial)."""
+    """The expert data-parallel group of the caller (one optimizer instance's if partial;
+    the same group ``with_gtp_remat``, as meshstate's GTP groups hold one rank)."""
     facts = _facts if check_initialized else _facts.maybe
     return facts.intra_edp_group if partial_expert_data_parallel else facts.edp_group
-
-
-def get_data_modulo_expert_parallel_group(
-    partial_expert_data_parallel: bool = False,
-) -> ProcessGroup:
-    """Deprecated: ``get_expert_data_parallel_group``."""
-    warnings.warn(
-        "get_data_modulo_expert_parallel_group is deprecated, please use "
-        "get_expert_data_parallel_group instead.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return get_expert_data_parallel_group(
-        partial_expert_data_parallel=partial_expert_data_parallel
-    )
 
 
 def get_expert_data_parallel_group_gloo(
@@ -428,18 +404,22 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = N
 
 
 def get_data_parallel_world_size(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
+    with_context_parallel: bool = False, with_gtp_remat: bool = True,
+    partial_data_parallel: bool = False,
 ) -> int:
-    """Size of the caller's data-parallel group (0 without torch.distributed)."""
+    """Size of the caller's data-parallel group (0 without torch.distributed; GTP peers
+    add none, ``with_gtp_remat`` or not)."""
     if with_context_parallel:
         return _facts.intra_dp_cp_size if partial_data_parallel else _facts.dp_cp_size
     return _partial_without_cp(_facts.size_of) if partial_data_parallel else _facts.dp_size
 
 
 def get_data_parallel_rank(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
+    with_context_parallel: bool = False, with_gtp_remat: bool = True,
+    partial_data_parallel: bool = False,
 ) -> int:
-    """The caller's rank in its data-parallel group (0 without torch.distributed)."""
+    """The caller's rank in its data-parallel group (0 without torch.distributed; the
+    same ``with_gtp_remat`` or not)."""
     if with_context_parallel:
         return _facts.intra_dp_cp_rank if partial_data_parallel else _facts.dp_cp_rank
     return _partial_without_cp(_facts.rank_in) if partial_data_parallel else _facts.dp_rank
@@ -495,12 +475,16 @@ def get_expert_tensor_and_model_parallel_rank() -> int:
     return _facts.etp_ep_rank
 
 
-def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+def get_expert_data_parallel_world_size(
+    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
+) -> int:
     """Size of the caller's expert data-parallel group (0 without torch.distributed)."""
     return _facts.intra_edp_size if partial_expert_data_parallel else _facts.edp_size
 
 
-def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+def get_expert_data_parallel_rank(
+    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
+) -> int:
     """The caller's rank in its expert data-parallel group (0 without torch.distributed)."""
     return _facts.intra_edp_rank if partial_expert_data_parallel else _facts.edp_rank
 
@@ -592,7 +576,8 @@ def get_pipeline_model_parallel_prev_rank() -> int:
 
 
 def get_all_ranks() -> str:
-    """The caller's tp, dp, cp, pp and ep ranks as ``"tp_dp_cp_pp_ep"``."""
-    ranks = (get_tensor_model_parallel_rank(), get_data_parallel_rank(), get_context_parallel_rank(),
-             get_pipeline_model_parallel_rank(), get_expert_model_parallel_rank())
+    """The caller's tp, GTP, dp, cp, pp and ep ranks as ``"tp_gtp_dp_cp_pp_ep"``."""
+    ranks = (get_tensor_model_parallel_rank(), _facts.maybe.gtp_rank, get_data_parallel_rank(),
+             get_context_parallel_rank(), get_pipeline_model_parallel_rank(),
+             get_expert_model_parallel_rank())
     return "_".join(str(rank or 0) for rank in ranks)
