@@ -112,7 +112,8 @@ def build_model_parallel(arguments: ModelParallelArguments) -> None:
     args = arguments
     _start_afresh()
     _refuse_gtp(args.gtp_remat_size, args.expert_gtp_remat_size)
-    sharp_group = nccl.check_sharp(args.use_sharp, args.sharp_enabled_group, args.num_distributed_optimizer_instances)
+    sharp_group = nccl.check_sharp(
+        args.use_sharp, args.sharp_enabled_group, args.num_distributed_optimizer_instances)
     span = _span(args.rank_offset, args.local_world_size)
     config = _config(
         len(span), args.tensor_model_parallel_size, args.context_parallel_size,

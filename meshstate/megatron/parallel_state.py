@@ -15,6 +15,7 @@ megatron-core's module-level state names (``_TENSOR_MODEL_PARALLEL_GROUP``, ...)
 by a module ``__getattr__`` that asks the mesh:
 
 - :mod:`~meshstate.megatron.getters`: the getters, ``get_mesh`` and ``is_initialized``;
+- :mod:`~meshstate.megatron.global_ranks`: source ranks, pipeline stages and neighbours;
 - :mod:`~meshstate.megatron.gtp`: 0.19's GTP weight-remat getters and ``create_all_gather_groups``;
 - :mod:`~meshstate.megatron.lifecycle`: ``initialize_model_parallel`` and
   ``destroy_model_parallel``;
@@ -57,12 +58,13 @@ from functools import partial
 from typing import Any
 
 from meshstate.layout.layout import Key
-from meshstate.megatron import buffers, facts, getters, gtp, lifecycle, rank_groups, surface
+from meshstate.megatron import buffers, facts, getters, global_ranks, gtp, lifecycle, rank_groups, surface
 from meshstate.megatron import derived as families
 from meshstate.megatron.buffers import *  # noqa: F403
 from meshstate.megatron.buffers import _set_global_memory_buffer, _set_global_symmetric_memory_buffer
 from meshstate.megatron.derived import default_embedding_ranks, default_position_embedding_ranks
 from meshstate.megatron.getters import *  # noqa: F403
+from meshstate.megatron.global_ranks import *  # noqa: F403
 from meshstate.megatron.gtp import *  # noqa: F403
 from meshstate.megatron.lifecycle import destroy_model_parallel, initialize_model_parallel, logger
 from meshstate.megatron.nccl import get_nccl_options, overwrite_nccl_comm_cfgs
@@ -73,8 +75,8 @@ from meshstate.megatron.facts import (
 )
 
 _NEWEST = [
-    *buffers.__all__, *getters.__all__, *gtp.__all__, *lifecycle.__all__, *rank_groups.__all__,
-    *facts.__all__, "default_embedding_ranks", "default_position_embedding_ranks",
+    *buffers.__all__, *getters.__all__, *global_ranks.__all__, *gtp.__all__, *lifecycle.__all__,
+    *rank_groups.__all__, *facts.__all__, "default_embedding_ranks", "default_position_embedding_ranks",
     "get_nccl_options", "logger", "overwrite_nccl_comm_cfgs", "_set_global_memory_buffer",
     "_set_global_symmetric_memory_buffer",
 ]

@@ -39,7 +39,8 @@ from meshstate.megatron import derived as families
 from meshstate.errors import ConfigError, NotInitializedError
 from meshstate.core.groups import create_group_family
 from meshstate.layout.layout import Key
-from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.core.mesh import ParallelMesh, current_mesh, mesh_for, require_parallel_mesh
+from meshstate.megatron.facts import served_mesh
 
 ProcessGroup = dist.ProcessGroup
 GroupsByRole = dict[str, ProcessGroup | None]
@@ -149,8 +150,8 @@ class ProcessGroupCollection:
     def use_mpu_process_groups(
         cls, required_pgs: list[str] | None = None
     ) -> ProcessGroupCollection:
-        """The groups of the current mesh, e.g. the one ``initialize_model_parallel`` built."""
-        return cls.from_mesh(current_mesh(), required_pgs)
+        """The groups of the mesh megatron-core's getters answer from (see :func:`_mpu_mesh`)."""
+        return cls.from_mesh(_mpu_mesh("ProcessGroupCollection.use_mpu_process_groups()"), required_pgs)
 
     @staticmethod
     def setup_process_groups_for_ddp(
@@ -173,7 +174,7 @@ class ProcessGroupCollection:
         """
         instances = ddp_config.num_distributed_optimizer_instances
         if pg_collection is None:
-            mesh = current_mesh()
+            mesh = _mpu_mesh("ProcessGroupCollection.setup_process_groups_for_ddp()")
             groups: GroupsByRole = {f"{name}_group": _required_group(mesh, name) for name in _DDP_FIELDS}
             groups.update(_gtp_groups(mesh))
             groups["inter_dist_opt_group"] = (
@@ -229,7 +230,7 @@ class ProcessGroupCollection:
         ddp_config = getattr(model_chunks[0], "ddp_config", None)
         instances = 1 if ddp_config is None else ddp_config.num_distributed_optimizer_instances
         if pg_collection is None:
-            mesh = current_mesh()
+            mesh = _mpu_mesh("ProcessGroupCollection.setup_process_groups_for_optimizer()")
             groups: GroupsByRole = {
                 f"{name}_group": _required_group(mesh, name) for name in _OPTIMIZER_FIELDS}
             groups["expt_tp_pp_group"] = groups.pop("tp_ep_pp_group")
@@ -334,6 +335,15 @@ def _required_group(mesh: ParallelMesh, name: str, gloo: bool = False) -> Proces
             f"process group {what} is not on rank {mesh.global_rank}'s mesh; initialize_model_parallel "
             "builds every group megatron-core's DDP and optimizer ask for")
     return group
+
+
+def _mpu_mesh(asking: str) -> ParallelMesh:
+    """The mesh megatron-core's getters answer ``asking`` from: the one
+    ``initialize_model_parallel`` built, or the one picked with ``with mesh:`` while
+    another live mesh could answer (:func:`~meshstate.core.mesh.mesh_for`); without
+    either, the current mesh."""
+    mesh = mesh_for(asking, served_mesh(), "the mesh initialize_model_parallel built")
+    return current_mesh() if mesh is None else mesh
 
 
 def _gtp_groups(mesh: ParallelMesh) -> GroupsByRole:

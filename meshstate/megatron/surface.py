@@ -32,7 +32,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshstate.megatron import getters, gtp, lifecycle
+from meshstate.layout.config import DEFAULT_ORDER
+from meshstate.megatron import getters, global_ranks, gtp, lifecycle
 from meshstate.megatron.rank_groups import RankGenerator
 from meshstate.megatron.facts import checked_getter
 from meshstate.megatron.hyper_comm_grid import HyperCommGrid
@@ -100,7 +101,7 @@ def initialize_model_parallel(
     expert_tensor_parallel_size: int | None = None,
     nccl_communicator_config_path: str | None = None,
     distributed_timeout_minutes: int = 30,
-    order: str = lifecycle.DEFAULT_ORDER,
+    order: str = DEFAULT_ORDER,
     get_embedding_ranks: Callable[..., list[int]] | None = None,
     get_position_embedding_ranks: Callable[..., list[int]] | None = None,
     create_gloo_process_groups: bool = True,
@@ -133,7 +134,8 @@ def get_data_parallel_world_size(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> int:
     """0.16's: size of the caller's data-parallel group (0 without torch.distributed)."""
-    return getters.get_data_parallel_world_size(with_context_parallel, partial_data_parallel=partial_data_parallel)
+    return getters.get_data_parallel_world_size(
+        with_context_parallel, partial_data_parallel=partial_data_parallel)
 
 
 def get_data_parallel_rank(
@@ -161,7 +163,8 @@ def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = F
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
     """0.16's: size of the caller's expert data-parallel group (0 without torch.distributed)."""
-    return getters.get_expert_data_parallel_world_size(partial_expert_data_parallel=partial_expert_data_parallel)
+    return getters.get_expert_data_parallel_world_size(
+        partial_expert_data_parallel=partial_expert_data_parallel)
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
@@ -177,22 +180,24 @@ def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = Tr
 
 def is_unitialized() -> bool:
     """0.16's, deprecated: ``not is_initialized()``."""
-    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2)
+    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning,
+                  stacklevel=2)
     return not getters.is_initialized()
 
 
 def get_all_ranks() -> str:
     """0.16's: the caller's tp, dp, cp, pp and ep ranks as ``"tp_dp_cp_pp_ep"``."""
-    return "_".join(part for index, part in enumerate(getters.get_all_ranks().split("_")) if index != 1)
+    return "_".join(part for index, part in enumerate(global_ranks.get_all_ranks().split("_")) if index != 1)
 
 
-_FUNCTIONS_OF_0_16 = (
-    initialize_model_parallel, get_data_parallel_group, has_separate_all_gather_group,
-    get_data_parallel_world_size, get_data_parallel_rank, get_expert_data_parallel_group,
-    get_data_modulo_expert_parallel_group, get_expert_data_parallel_world_size,
-    get_expert_data_parallel_rank, get_expert_tensor_model_pipeline_parallel_group,
-    is_unitialized, get_all_ranks,
+_NAMES_OF_0_16 = (
+    "initialize_model_parallel", "get_data_parallel_group", "has_separate_all_gather_group",
+    "get_data_parallel_world_size", "get_data_parallel_rank", "get_expert_data_parallel_group",
+    "get_data_modulo_expert_parallel_group", "get_expert_data_parallel_world_size",
+    "get_expert_data_parallel_rank", "get_expert_tensor_model_pipeline_parallel_group",
+    "is_unitialized", "get_all_ranks",
 )
+"""The functions above: 0.16's, where its names or parameters differ from 0.19's."""
 
 
 def parallel_state_names(newest: dict[str, Any]) -> dict[str, Any]:
@@ -201,7 +206,7 @@ def parallel_state_names(newest: dict[str, Any]) -> dict[str, Any]:
     if FOLLOWS >= (0, 19):
         return {name: value for name, value in newest.items() if name not in DROPPED_IN_0_19}
     names = {name: value for name, value in newest.items() if name not in ADDED_IN_0_19}
-    return names | {function.__name__: function for function in _FUNCTIONS_OF_0_16}
+    return names | {name: globals()[name] for name in _NAMES_OF_0_16}
 
 
 def state_names(newest: Sequence[str]) -> frozenset[str]:
@@ -244,7 +249,7 @@ def _follow_0_16_rank_generator() -> None:
                  rank_offset: int = 0) -> None:
         newest_init(self, tp, ep, dp, pp, cp, order, rank_offset)
 
-    RankGenerator.__init__ = __init__  # type: ignore[method-assign]
+    RankGenerator.__init__ = __init__  # type: ignore[method-assign, assignment]
     RankGenerator.gtp_axis = ()  # no GTP axis in 0.16's orders
     del RankGenerator.get_gtp_ranks
 
