@@ -202,8 +202,7 @@ class ProcessGroupCollection:
                           inter_dist_opt_group=pg_collection.inter_dist_opt)
         _require_fields(pg_collection, ("tp", "pp", "ep"), "")
         groups.update(tp_group=pg_collection.tp, pp_group=pg_collection.pp,
-                      ep_group=pg_collection.ep, gtp_remat_group=pg_collection.gtp_remat,
-                      expt_gtp_remat_group=pg_collection.expt_gtp_remat)
+                      ep_group=pg_collection.ep, **_gtp_fields(pg_collection))
         return groups
 
     @staticmethod
@@ -262,8 +261,7 @@ class ProcessGroupCollection:
         groups["expt_tp_pp_group"] = _provided(pg_collection, "tp_ep_pp", _SET_NONE)
         groups["expt_tp_pp_with_egtp_remat_group"] = vars(pg_collection).get(
             "tp_ep_pp_with_egtp_remat", groups["expt_tp_pp_group"])
-        groups.update(gtp_remat_group=pg_collection.gtp_remat,
-                      expt_gtp_remat_group=pg_collection.expt_gtp_remat)
+        groups.update(_gtp_fields(pg_collection))
         if use_gloo_process_groups:
             raise ConfigError(
                 "Gloo process groups are not supported when pg_collection is provided. "
@@ -348,11 +346,17 @@ def _mpu_mesh(asking: str) -> ParallelMesh:
 
 def _gtp_groups(mesh: ParallelMesh) -> GroupsByRole:
     """The setup helpers' GTP weight-remat groups of ``mesh``: ``None`` where it has none."""
-    return {"gtp_remat_group": _group_single(mesh, "gtp_remat"),
-            "expt_gtp_remat_group": _group_single(mesh, "expt_gtp_remat")}
+    return {"gtp_remat_group": _group_or_none(mesh, "gtp_remat"),
+            "expt_gtp_remat_group": _group_or_none(mesh, "expt_gtp_remat")}
 
 
-def _group_single(mesh: ParallelMesh, name: str) -> ProcessGroup | None:
+def _gtp_fields(pg_collection: ProcessGroupCollection) -> GroupsByRole:
+    """The setup helpers' GTP weight-remat groups of ``pg_collection``: ``None`` where unset."""
+    return {"gtp_remat_group": vars(pg_collection).get("gtp_remat"),
+            "expt_gtp_remat_group": vars(pg_collection).get("expt_gtp_remat")}
+
+
+def _group_or_none(mesh: ParallelMesh, name: str) -> ProcessGroup | None:
     group = _group_of(mesh, name)
     return group if isinstance(group, ProcessGroup) else None
 
