@@ -94,3 +94,11 @@ class SimulationError(MeshStateError, NotImplementedError):
 OTHER_WORLDS = ("run it with a thread per rank (meshstate.testing.threaded_world) "
                 "or in processes (meshstate.testing.local_world)")
 """The end of every :class:`SimulationError`: where a body one simulated program cannot follow runs."""
+
+
+class AmbiguousMeshError(MeshStateError, RuntimeError):
+    """More than one live mesh of the rank could answer a call, and none was picked.
+
+    Raised by the Megatron façade where a getter would otherwise answer for one
+    of several grids; ``with mesh:`` around the call picks the one meant.
+    """

@@ -24,6 +24,7 @@ with warnings.catch_warnings():
     megatron_core = pytest.importorskip("megatron.core")
     import megatron.core.parallel_state as megatron_parallel_state
     from megatron.core.hyper_comm_grid import HyperCommGrid as MegatronGrid
+    import megatron.core.process_groups_config as megatron_process_groups
     from megatron.core.process_groups_config import ProcessGroupCollection as MegatronCollection
 
 # Where megatron-core's own code reads the three (its tests and examples excluded).
@@ -162,6 +163,9 @@ def test_megatron_cores_code_finds_every_parallel_state_name_it_reads(megatron_c
 def test_megatron_cores_code_finds_every_process_group_collection_name_it_reads(megatron_core_reads):
     reads = megatron_core_reads["ProcessGroupCollection"]
     assert {"setup_process_groups_for_ddp", "setup_process_groups_for_optimizer", "tp"} <= reads
+    # megatron-core 0.19 also names its MultiModuleProcessGroupCollection `pg_collection`
+    multi_module = getattr(megatron_process_groups, "MultiModuleProcessGroupCollection", None)
+    reads = reads - (set(dir(multi_module)) if multi_module is not None else set())
     fields = {f.name for f in dataclasses.fields(ProcessGroupCollection)}
     assert {name for name in reads if name not in fields and not hasattr(ProcessGroupCollection, name)} == set()
 

@@ -37,6 +37,8 @@ def without_cuda():
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
     torch.cuda.current_device = lambda: torch.device("cpu")
+    # megatron-core 0.19's grad sync takes the current stream, used only after CUDA-graph replays
+    torch.cuda.current_stream = lambda *args, **kwargs: None
 
 
 def ranks_of(groups):

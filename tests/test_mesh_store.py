@@ -84,7 +84,7 @@ def test_every_getter_reads_one_object_whose_answered_names_read_fastest():
 
 
 def test_a_hybrid_mesh_is_tracked_like_every_mesh():
-    from meshstate.core.mesh import destroy_every_mesh
+    from meshstate.core.current import destroy_every_mesh
     from meshstate.layout.hybrid_grid import HybridGrid
     from meshstate.core.hybrid_mesh import init_hybrid_mesh
 

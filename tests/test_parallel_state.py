@@ -20,6 +20,10 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core import parallel_state as megatron
 
+# megatron-core 0.19's surface: GTP weight remat, no separate all-gather group in init.
+NEWER = hasattr(megatron, "get_gtp_weight_remat_group")
+GTP_OPTIONS = [dict(with_gtp_remat=False), dict(with_gtp_remat=True)] if NEWER else [{}]
+
 # Public names megatron-core's module has that ours leaves out, and why.
 NOT_API = {
     "Callable": "typing import",
@@ -35,6 +39,7 @@ NOT_API = {
     "timedelta": "datetime import",
     "is_torch_min_version": "megatron.core.utils helper imported into the module",
     "HAVE_EINOPS": "import flag; einops is a meshstate dependency",
+    "SymmetricMemoryManager": "megatron.core.inference class imported into the module (0.19)",
 }
 # Public names only ours has.
 OURS_ONLY = {"get_mesh": "the ParallelMesh behind every getter"}
@@ -82,15 +87,27 @@ def calls(vpp, hybrid_sizes):
     yield "get_pipeline_model_parallel_group", {}
     for wcp in (False, True):
         for partial in (False, True):
-            yield "get_data_parallel_group", dict(with_context_parallel=wcp, partial_data_parallel=partial)
-            yield "get_data_parallel_world_size", dict(with_context_parallel=wcp, partial_data_parallel=partial)
-            yield "get_data_parallel_rank", dict(with_context_parallel=wcp, partial_data_parallel=partial)
+            for gtp in GTP_OPTIONS:
+                options = dict(with_context_parallel=wcp, partial_data_parallel=partial, **gtp)
+                yield "get_data_parallel_group", options
+                yield "get_data_parallel_world_size", options
+                yield "get_data_parallel_rank", options
         yield "get_data_parallel_src_rank", dict(with_context_parallel=wcp)
         yield "get_tensor_and_data_parallel_group", dict(with_context_parallel=wcp)
         for tp_only in (False, True):
             yield "get_amax_reduction_group", dict(with_context_parallel=wcp, tp_only_amax_red=tp_only)
-    yield "get_data_parallel_group", dict(with_context_parallel=True, independent_all_gather=True)
-    yield "has_separate_all_gather_group", {}
+    if NEWER:
+        yield "get_expert_tensor_model_pipeline_parallel_group", dict(with_egtp_remat=True)
+        for name in ("get_gtp_weight_remat_group", "get_gtp_weight_remat_global_ranks",
+                     "get_expert_gtp_weight_remat_group", "get_expert_gtp_weight_remat_global_ranks"):
+            yield name, {}
+            yield name, dict(check_initialized=False)
+        for name in ("get_gtp_weight_remat_world_size", "get_gtp_weight_remat_rank",
+                     "get_expert_gtp_weight_remat_world_size", "get_expert_gtp_weight_remat_rank"):
+            yield name, {}
+    else:
+        yield "get_data_parallel_group", dict(with_context_parallel=True, independent_all_gather=True)
+        yield "has_separate_all_gather_group", {}
     for name in (
         "get_context_parallel_group", "get_context_parallel_global_ranks",
         "get_tensor_and_context_parallel_group", "get_expert_model_parallel_group",
@@ -104,10 +121,11 @@ def calls(vpp, hybrid_sizes):
         "get_position_embedding_group", "get_inter_distributed_optimizer_instance_group",
     ):
         yield name, dict(check_initialized=False)
-    yield "get_expert_data_parallel_group", dict(partial_expert_data_parallel=True)
     for partial in (False, True):
-        yield "get_expert_data_parallel_rank", dict(partial_expert_data_parallel=partial)
-        yield "get_expert_data_parallel_world_size", dict(partial_expert_data_parallel=partial)
+        for gtp in GTP_OPTIONS:
+            yield "get_expert_data_parallel_group", dict(partial_expert_data_parallel=partial, **gtp)
+            yield "get_expert_data_parallel_rank", dict(partial_expert_data_parallel=partial, **gtp)
+            yield "get_expert_data_parallel_world_size", dict(partial_expert_data_parallel=partial, **gtp)
     for name in (
         "get_tensor_model_parallel_world_size", "get_tensor_model_parallel_rank",
         "get_pipeline_model_parallel_world_size", "get_pipeline_model_parallel_rank",
@@ -185,7 +203,8 @@ CONFIGS = [
     (16, dict(tensor_model_parallel_size=2, context_parallel_size=4,
               hierarchical_context_parallel_sizes=[2, 2])),
     (16, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, order="tp-pp-dp")),
-    (16, dict(context_parallel_size=2, hybrid_context_parallel=True, create_all_gather_group=True)),
+    (16, dict(context_parallel_size=2, hybrid_context_parallel=True,
+              **({} if NEWER else dict(create_all_gather_group=True)))),
     (16, dict(pipeline_model_parallel_size=4, get_embedding_ranks=all_stages,
               get_position_embedding_ranks=last_stage)),
     (32, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
@@ -372,9 +391,10 @@ def test_memory_buffer_works_on_cpu():
         ours.destroy_global_memory_buffer()
         with pytest.raises(NotInitializedError):
             ours.get_global_memory_buffer()
-        ours._set_global_symmetric_memory_buffer()
-        assert ours.get_global_symmetric_memory_buffer().maybe_get_tensor((4,), torch.float32) == {
-            "tensor": None, "handle": None}
+        if not NEWER:  # megatron-core 0.19 moved the symmetric buffer out of parallel_state
+            ours._set_global_symmetric_memory_buffer()
+            assert ours.get_global_symmetric_memory_buffer().maybe_get_tensor((4,), torch.float32) == {
+                "tensor": None, "handle": None}
         ours.destroy_model_parallel()
 
 
@@ -396,7 +416,8 @@ def test_process_group_collection_equals_megatron():
             ours.initialize_model_parallel(create_gloo_process_groups=False, **kwargs)
             mine = ProcessGroupCollection.use_mpu_process_groups()
             assert {f: ranks_of(getattr(mine, f)) for f in expected} == expected
-            assert not hasattr(ProcessGroupCollection.from_mesh(ours.get_mesh(), ["tp"]), "pp")
+            only_tp = ProcessGroupCollection.from_mesh(ours.get_mesh(), ["tp"])
+            assert "pp" not in vars(only_tp) and getattr(only_tp, "pp", None) is None
             assert repr(mine).startswith("ProcessGroupCollection(tp(2), pp(2), mp(4)")
             ours.destroy_model_parallel()
 

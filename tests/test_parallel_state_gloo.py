@@ -47,7 +47,7 @@ def test_init_collectives_destroy_reinit_cycles():
             assert mpu.get_data_parallel_group_gloo() is mpu.get_data_parallel_group()
             assert reduce_ranks(mpu.get_data_parallel_group_gloo(with_context_parallel=True,
                                                                   partial_data_parallel=True)) == sum(
-                dist.get_process_group_ranks(mpu.get_data_parallel_group(True, True)))
+                dist.get_process_group_ranks(mpu.get_data_parallel_group(True, partial_data_parallel=True)))
             # Pipeline point-to-point with the neighbours the getters name.
             if mpu.get_pipeline_model_parallel_world_size() > 1:
                 outgoing = torch.tensor([float(rank)])

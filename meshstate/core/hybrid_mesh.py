@@ -18,14 +18,14 @@ from meshstate.core.arguments import resolve_device_type
 from meshstate.errors import ConfigError
 from meshstate.core.groups import GroupSpec, ProcessGroupSet, create_process_groups, require_default_group
 from meshstate.layout.hybrid_grid import HybridGrid
-from meshstate.core.mesh import track_mesh
+from meshstate.core.current import track_mesh
 from meshstate.core.world import refuse_simulation
 
 
 @dataclass(eq=False)
 class HybridMesh:
     """The calling rank's ``DeviceMesh`` of a :class:`HybridGrid` and the groups behind it;
-    :func:`~meshstate.core.mesh.destroy_every_mesh` destroys it like every mesh."""
+    :func:`~meshstate.core.current.destroy_every_mesh` destroys it like every mesh."""
 
     grid: HybridGrid
     device_mesh: DeviceMesh

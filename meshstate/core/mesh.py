@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from functools import cached_property
 from typing import Any, Protocol
 
@@ -28,12 +28,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
 from meshstate.layout.config import MeshConfig
-from meshstate.errors import AxisError, MeshStateError, NotInitializedError, WrongMeshError
+from meshstate.errors import (
+    AmbiguousMeshError, AxisError, MeshStateError, NotInitializedError, WrongMeshError,
+)
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
 from meshstate.layout.layout import GROUP_KINDS, DerivedGroup, Grid, Key, MeshLayout, spellings, splits_dp
 from meshstate.core.world import outside_simulation, process_rank, simulated_ranks, simulation
 from meshstate.core.ordered import OrderedGroup, axis_tuple
 from meshstate.core.facts import MeshTables, TableView
+from meshstate.core.current import (
+    current, first_caller_outside_meshstate, forget_mesh, this_ranks_meshes, track_mesh,
+)
 from meshstate.core.views import DeviceMeshOnly, build_root_mesh, flattened_mesh, sliced_mesh
 
 
@@ -96,6 +101,8 @@ class ParallelMesh:
         derived: tuple[DerivedGroup, ...] = (),
     ) -> None:
         self.destroyed_at: str | None = None
+        self.built_at = first_caller_outside_meshstate()
+        """``file:line`` of the call that built this mesh, outside meshstate."""
         self.layout = layout
         self.device_type = device_type
         self._rank = process_rank()  # whose groups this process holds (rank 0 when simulating)
@@ -406,9 +413,9 @@ class ParallelMesh:
         """
         if self.destroyed_at is not None:
             return
-        self.destroyed_at = _first_caller_outside_meshstate()
-        if _current.set_mesh is self:  # no longer this thread's mesh; a `with` block still names it
-            _current.set_mesh = None
+        self.destroyed_at = first_caller_outside_meshstate()
+        if current.set_mesh is self:  # no longer this thread's mesh; a `with` block still names it
+            current.set_mesh = None
         roots = [name for name in _ROOTS if name in self.__dict__]
         if self._device_meshes or roots:
             _compat.forget_sharding_decisions()
@@ -425,18 +432,18 @@ class ParallelMesh:
         for table in (*self._tables(), self._own_group_of, self._own_ranks_of):
             table.clear()
         self._process_groups.destroy()  # last: it holds the groups' last references then
-        _live_meshes.pop(self, None)
+        forget_mesh(self)
 
     def __enter__(self) -> ParallelMesh:
         """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
         self.check_alive()
-        _current.entered = (*_current.entered, self)
+        current.entered = (*current.entered, self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        entered = _current.entered
+        entered = current.entered
         if entered and entered[-1] is self:
-            _current.entered = entered[:-1]
+            current.entered = entered[:-1]
 
     def __repr__(self) -> str:
         if self.simulated is not None:
@@ -466,73 +473,35 @@ class ParallelMesh:
         return AxisError(f"mesh has no group {str(key)!r}; valid keys are {valid}")
 
 
-class _CurrentMeshes(threading.local):
-    """The calling thread's current meshes: what set_mesh() set, under the meshes of the
-    `with mesh:` blocks entered. Per thread, as JAX's mesh context is; a thread-local
-    rather than a ContextVar because torch.compile traces (and guards on) a thread-local
-    attribute, and cannot read a ContextVar.
-    """
-
-    def __init__(self) -> None:
-        self.set_mesh: ParallelMesh | None = None
-        self.entered: tuple[ParallelMesh, ...] = ()
-
-
-_current = _CurrentMeshes()
-
-
-class _Destroyable(Protocol):
-    def destroy(self) -> None: ...
-
-
-# The meshes not destroyed yet, each with the default group of the rank that built it, for
-# destroy_every_mesh(): a process, or a thread of a threaded world (a default group each).
-_live_meshes: weakref.WeakKeyDictionary[_Destroyable, dist.ProcessGroup] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def track_mesh(mesh: _Destroyable) -> None:
-    """Let :func:`destroy_every_mesh` destroy ``mesh`` (a hybrid mesh, say) if it is alive
-    then, on the rank that built it."""
-    _live_meshes[mesh] = _compat.default_group()
-
-
 def live_meshes() -> list[ParallelMesh]:
     """This rank's meshes not destroyed yet (those built under its default group)."""
-    return [mesh for mesh in _this_ranks_meshes() if isinstance(mesh, ParallelMesh)]
+    return [mesh for mesh in this_ranks_meshes() if isinstance(mesh, ParallelMesh)]
 
 
-def _this_ranks_meshes() -> list[_Destroyable]:
-    """The meshes of this rank not destroyed yet (hybrid meshes too): those built under its
-    default group, all of them where none is initialised."""
-    world = _compat.default_group() if dist.is_initialized() else None
-    return [mesh for mesh, built_under in list(_live_meshes.items())
-            if world is None or built_under is world]
+def mesh_for(asking: str, default: ParallelMesh | None, default_name: str) -> ParallelMesh | None:
+    """The mesh that answers a façade's call ``asking`` on this rank: the innermost ``with
+    mesh:`` block's in this thread, else ``default`` (``None`` for none) where no other
+    live mesh of the rank could answer instead.
 
+    Raises :class:`~meshstate.errors.AmbiguousMeshError` naming the meshes and the
+    call that picks one: no answer for the wrong grid. Example, with the mesh
+    ``initialize_model_parallel`` built and another one alive::
 
-def destroy_every_mesh() -> None:
-    """Destroy every mesh of this rank not destroyed yet (hybrid meshes too), and forget
-    the calling thread's current meshes.
-
-    For harnesses that run many tests in one process (``meshstate.testing``
-    does between tests): whatever a test left alive, Megatron's façade
-    included, is gone before the next. A rank is a process, or a thread of a
-    threaded world (each has a default group of its own): a rank's meshes are
-    those built under its default group, all of them where none is initialised.
+        mesh_for("get_tensor_model_parallel_rank()", served, "the mesh initialize_model_parallel built")
+        # AmbiguousMeshError: 2 live meshes on rank 5 could answer ...
     """
-    for mesh in _this_ranks_meshes():
-        mesh.destroy()
-    _current.set_mesh, _current.entered = None, ()
-
-
-def _first_caller_outside_meshstate() -> str:
-    """``file:line`` of the innermost frame of the calling stack outside meshstate."""
-    package = os.path.dirname(os.path.dirname(__file__)) + os.sep  # meshstate/, not core/
-    frame = inspect.currentframe()
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame = frame.f_back
-    return "an unknown place" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    if current.entered:
+        return current.entered[-1]
+    others = [mesh for mesh in live_meshes() if mesh is not default]
+    if not others or default is None or default.destroyed_at is not None:
+        return default
+    named = [f"{default_name}, {default!r} (built at {default.built_at})",
+             *(f"{mesh!r} built at {mesh.built_at}" for mesh in others)]
+    raise AmbiguousMeshError(
+        f"{len(named)} live meshes on rank {default.global_rank} could answer {asking}: "
+        f"{'; '.join(named)}. Pick one with `with mesh:` around the call, or destroy the "
+        "meshes not meant"
+    )
 
 
 def require_parallel_mesh(mesh: object, where: str) -> ParallelMesh:
@@ -569,8 +538,8 @@ def set_mesh(mesh: ParallelMesh | None) -> MeshSetting:
         meshstate.current_mesh().size("tp")   # 2 again
     """
     checked = None if mesh is None else require_parallel_mesh(mesh, "set_mesh()")
-    setting = MeshSetting(checked, _current.set_mesh)
-    _current.set_mesh = checked
+    setting = MeshSetting(checked, current.set_mesh)
+    current.set_mesh = checked
     return setting
 
 
@@ -590,7 +559,7 @@ class MeshSetting:
     def __exit__(self, *exc_info: object) -> None:
         if self.mesh is not None:
             self.mesh.__exit__(*exc_info)
-        _current.set_mesh = self.previous
+        current.set_mesh = self.previous
 
 
 def current_mesh() -> ParallelMesh:
@@ -599,8 +568,8 @@ def current_mesh() -> ParallelMesh:
     Both are per thread. Where that mesh was destroyed, the error names the
     line that did it. ``initialize_model_parallel`` sets its mesh too.
     """
-    entered = _current.entered
-    mesh = entered[-1] if entered else _current.set_mesh
+    entered = current.entered
+    mesh = entered[-1] if entered else current.set_mesh
     if mesh is not None:
         if mesh.destroyed_at is not None:
             raise mesh._destroyed_error()

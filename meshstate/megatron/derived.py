@@ -38,6 +38,9 @@ INTRA_EDP = DerivedGroup("edp", Instances())
 INTER_EDP = DerivedGroup("edp", Instances(inter=True))
 DIST_OPT_INSTANCE = DerivedGroup(("edp", "pp", "ep", "etp"), Instances())
 DP_CP_ALL_GATHER = DerivedGroup("dp-cp", separate=True)
+# megatron-core 0.19's GTP weight-remat groups at size 1 (meshstate builds no larger): one rank each.
+GTP_REMAT = DerivedGroup("tp", Chunks(1))
+EXPERT_GTP_REMAT = DerivedGroup("etp", Chunks(1))
 GLOO_KEYS: tuple[Key, ...] = ("dp", "dp-cp", "edp", INTRA_DP_CP, INTRA_EDP)
 """Keys megatron-core gives a gloo twin when ``create_gloo_process_groups``."""
 
@@ -107,6 +110,8 @@ def derived_groups(
     derived = [
         DerivedGroup("pp", Pick("embedding", get_embedding_ranks or default_embedding_ranks)),
         DerivedGroup("pp", Pick("position-embedding", position_embedding)),
+        GTP_REMAT,
+        EXPERT_GTP_REMAT,
     ]
     if hierarchical_context_parallel_sizes:
         sizes = tuple(hierarchical_context_parallel_sizes)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from meshstate.errors import NotInitializedError
 from meshstate.core.facts import FIELDS, Facts, answered
 from meshstate.layout.layout import Key
-from meshstate.core.mesh import ParallelMesh
+from meshstate.core.mesh import ParallelMesh, mesh_for
 from meshstate.megatron import derived as families
 
 ProcessGroup = dist.ProcessGroup
@@ -68,6 +68,8 @@ KEY_OF_NAME: dict[str, Key] = {
     "dp_cp_all_gather": families.DP_CP_ALL_GATHER,
     "embedding": families.EMBEDDING,
     "position_embedding": families.POSITION_EMBEDDING,
+    "gtp": families.GTP_REMAT,
+    "egtp": families.EXPERT_GTP_REMAT,
     "dp_gloo": GLOO["dp"],
     "dp_cp_gloo": GLOO[DP_CP],
     "edp_gloo": GLOO["edp"],
@@ -100,6 +102,8 @@ WHAT: dict[Key, str] = {
     families.DIST_OPT_INSTANCE: "intra distributed optimizer instance group",
     families.EMBEDDING: "embedding group",
     families.POSITION_EMBEDDING: "position embedding group",
+    families.GTP_REMAT: "generalized tensor parallel group",
+    families.EXPERT_GTP_REMAT: "expert generalized tensor parallel group",
 }
 WHAT.update({twin: f"gloo {WHAT[key]}" for key, twin in GLOO.items()})
 
@@ -172,6 +176,14 @@ class MaybeFacts(Protocol):
     dp_cp_all_gather_group: ProcessGroup | None
     embedding_group: ProcessGroup | None
     position_embedding_group: ProcessGroup | None
+    gtp_group: ProcessGroup | None
+    egtp_group: ProcessGroup | None
+    gtp_rank: int | None
+    gtp_size: int | None
+    egtp_rank: int | None
+    egtp_size: int | None
+    gtp_ranks: Sequence[int] | None
+    egtp_ranks: Sequence[int] | None
     etp_rank: int | None
     etp_size: int | None
     cp_ranks: Sequence[int] | None
@@ -318,6 +330,10 @@ class ServedFacts(Facts):
     intra_edp_gloo_group: ProcessGroup
     dp_ranks: Sequence[int]
     dp_cp_ranks: Sequence[int]
+    gtp_group: ProcessGroup
+    egtp_group: ProcessGroup
+    gtp_ranks: Sequence[int]
+    egtp_ranks: Sequence[int]
 
     def __init__(
         self, mesh: ParallelMesh | None, tables: _Tables, answers: dict[str, Any],
@@ -402,8 +418,10 @@ def _layered(overrides: dict[Key, int], table: Mapping[Key, int]) -> Mapping[Key
 
 class ServedState:
     """What the Megatron façade keeps for one rank beside the mesh's own facts: the mesh
-    served (weakly: no destroyed mesh is kept alive), the facts every getter reads,
-    megatron-core's overrides, virtual pipeline stage and count, and memory buffers.
+    served (weakly: no destroyed mesh is kept alive), its facts (``own_facts``), the
+    facts every getter reads (``facts``: its own, or while another live mesh could
+    answer, :class:`FactsOfThePickedMesh`), megatron-core's overrides, virtual
+    pipeline stage and count, and memory buffers.
 
     Example, before any init: ``state.facts.tp_size`` raises megatron-core's "not
     initialized", ``state.vpp_size`` is ``None``.
@@ -412,7 +430,8 @@ class ServedState:
     def __init__(self) -> None:
         self.mesh: Callable[[], ParallelMesh | None] = lambda: None
         self.overrides: dict[str, int | None] = dict.fromkeys(OVERRIDDEN)
-        self.facts = served_facts(None, self.overrides)
+        self.own_facts = served_facts(None, self.overrides)
+        self.facts: ServedFacts = self.own_facts
         self.vpp_rank: int | None = None
         self.vpp_size: int | None = None
         # buffers.py's GlobalMemoryBuffer and GlobalSymmetricMemoryBuffer, which it types
@@ -481,6 +500,24 @@ class FactsOfTheCallingThread:
 
     def __getattribute__(self, name: str) -> Any:
         return getattr(state.facts, name)
+
+
+class FactsOfThePickedMesh:
+    """``_facts`` while another live mesh of the rank could answer instead of the one
+    served: every attribute is the facts of the mesh :func:`~meshstate.core.mesh.mesh_for`
+    picks for the calling getter (the innermost ``with mesh:`` block's, else the
+    served one where no other could answer), and a getter without a pick refuses.
+    """
+
+    def __getattribute__(self, name: str) -> Any:
+        getter = sys._getframe(1).f_code.co_name
+        mesh = mesh_for(f"{getter}()", state.mesh(), "the mesh initialize_model_parallel built")
+        if mesh is None or mesh is state.mesh():
+            return getattr(state.own_facts, name)
+        facts = mesh.store.get(FactsOfThePickedMesh)  # forgotten by the mesh's destroy()
+        if facts is None:
+            facts = mesh.store[FactsOfThePickedMesh] = served_facts(mesh, state.overrides)
+        return getattr(facts, name)
 
 
 def served_mesh() -> ParallelMesh | None:

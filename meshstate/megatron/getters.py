@@ -12,6 +12,10 @@ the answers megatron-core gives as 0 before it is initialized
 ``is_rank_in_embedding_group(ignore_virtual=False)`` (``get_rank()``).
 Inside :func:`state_per_thread` (a threaded world) each thread serves its own
 state, and ``_facts`` reads the calling thread's.
+While another live mesh of the rank could answer (a second grid), ``_facts``
+reads the facts of the mesh picked with ``with mesh:`` and a getter without a
+pick raises :class:`~meshstate.errors.AmbiguousMeshError`: no getter answers
+for the wrong grid (:class:`~meshstate.megatron.facts.FactsOfThePickedMesh`).
 
 Example, on rank 5 of 8 after ``initialize_model_parallel(tensor_model_parallel_size=2)``::
 
@@ -32,24 +36,24 @@ from meshstate.errors import AxisError, NotInitializedError
 from meshstate.megatron.errors import ParallelStateError
 from meshstate.layout.layout import Chunks, DerivedGroup, Key
 from meshstate.core import world
-from meshstate.core.mesh import ParallelMesh
+from meshstate.core.current import watch_live_meshes
+from meshstate.core.mesh import ParallelMesh, live_meshes
 from meshstate.megatron import derived as families
 from meshstate.megatron import facts as served
 from meshstate.megatron.facts import (
-    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, FactsOfTheCallingThread, ServedFacts,
+    DP_CP, GLOO, OVERRIDES, PARTIAL_DP, WHAT, FactsOfTheCallingThread, FactsOfThePickedMesh, ServedFacts,
     ServedStatePerThread, checked_getter, not_initialized, served_facts, served_mesh,
 )
 
 __all__ = [
-    "get_all_ranks", "get_amax_reduction_group", "get_context_parallel_global_ranks",
+    "get_amax_reduction_group", "get_context_parallel_global_ranks",
     "get_context_parallel_group", "get_context_parallel_rank",
-    "get_context_parallel_world_size", "get_data_modulo_expert_parallel_group",
-    "get_data_parallel_group", "get_data_parallel_group_gloo", "get_data_parallel_rank",
-    "get_data_parallel_src_rank", "get_data_parallel_world_size", "get_embedding_group",
-    "get_expert_data_parallel_group", "get_expert_data_parallel_group_gloo",
-    "get_expert_data_parallel_rank", "get_expert_data_parallel_world_size",
-    "get_expert_model_parallel_group", "get_expert_model_parallel_rank",
-    "get_expert_model_parallel_src_rank", "get_expert_model_parallel_world_size",
+    "get_context_parallel_world_size", "get_data_parallel_group",
+    "get_data_parallel_group_gloo", "get_data_parallel_rank", "get_data_parallel_world_size",
+    "get_embedding_group", "get_expert_data_parallel_group",
+    "get_expert_data_parallel_group_gloo", "get_expert_data_parallel_rank",
+    "get_expert_data_parallel_world_size", "get_expert_model_parallel_group",
+    "get_expert_model_parallel_rank", "get_expert_model_parallel_world_size",
     "get_expert_tensor_and_model_parallel_group", "get_expert_tensor_and_model_parallel_rank",
     "get_expert_tensor_and_model_parallel_world_size",
     "get_expert_tensor_model_pipeline_parallel_group", "get_expert_tensor_parallel_group",
@@ -57,20 +61,16 @@ __all__ = [
     "get_hierarchical_context_parallel_groups", "get_hybrid_data_context_parallel_groups",
     "get_inter_distributed_optimizer_instance_group",
     "get_intra_distributed_optimizer_instance_group", "get_mesh", "get_model_parallel_group",
-    "get_model_parallel_src_rank", "get_pipeline_model_parallel_first_rank",
-    "get_pipeline_model_parallel_group", "get_pipeline_model_parallel_last_rank",
-    "get_pipeline_model_parallel_next_rank", "get_pipeline_model_parallel_prev_rank",
-    "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size",
-    "get_position_embedding_group", "get_tensor_and_context_parallel_group",
-    "get_tensor_and_context_parallel_rank", "get_tensor_and_context_parallel_world_size",
-    "get_tensor_and_data_parallel_group", "get_tensor_model_parallel_group",
-    "get_tensor_model_parallel_rank", "get_tensor_model_parallel_src_rank",
+    "get_pipeline_model_parallel_group", "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size", "get_position_embedding_group",
+    "get_tensor_and_context_parallel_group", "get_tensor_and_context_parallel_rank",
+    "get_tensor_and_context_parallel_world_size", "get_tensor_and_data_parallel_group",
+    "get_tensor_model_parallel_group", "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size", "get_virtual_pipeline_model_parallel_rank",
-    "get_virtual_pipeline_model_parallel_world_size", "has_separate_all_gather_group",
-    "is_initialized", "is_pipeline_first_stage", "is_pipeline_last_stage",
-    "is_rank_in_embedding_group", "is_rank_in_position_embedding_group", "is_unitialized",
-    "model_parallel_is_initialized", "set_virtual_pipeline_model_parallel_rank",
-    "set_virtual_pipeline_model_parallel_world_size",
+    "get_virtual_pipeline_model_parallel_world_size", "is_initialized",
+    "is_pipeline_first_stage", "is_pipeline_last_stage", "is_rank_in_embedding_group",
+    "is_rank_in_position_embedding_group", "model_parallel_is_initialized",
+    "set_virtual_pipeline_model_parallel_rank", "set_virtual_pipeline_model_parallel_world_size",
 ]
 
 ProcessGroup = dist.ProcessGroup
@@ -83,17 +83,30 @@ _facts = served.state.facts
 
 def serve(mesh: ParallelMesh | None) -> None:
     """Answer every getter from ``mesh`` (stand-ins when ``None``), under the overrides."""
-    global _facts
     state = served.state
     state.mesh = (lambda: None) if mesh is None else weakref.ref(mesh)
-    state.facts = served_facts(mesh, state.overrides)
+    state.own_facts = served_facts(mesh, state.overrides)
     if mesh is not None:
-        mesh.store[ServedFacts] = state.facts  # forgotten by the mesh's destroy()
+        mesh.store[ServedFacts] = state.own_facts  # forgotten by the mesh's destroy()
+    for other in live_meshes():  # what other meshes answered under the old overrides
+        other.store.pop(FactsOfThePickedMesh, None)
+    choose_facts()
+
+
+def choose_facts() -> None:
+    """Read the served mesh's facts directly while no other live mesh of this rank could
+    answer (the fast read); else through the pick of :class:`FactsOfThePickedMesh`."""
+    global _facts
+    state = served.state
+    alone = all(mesh is state.mesh() for mesh in live_meshes())
+    state.facts = state.own_facts if alone else _PICKED
     if not isinstance(_facts, FactsOfTheCallingThread):
         _facts = state.facts
 
 
+_PICKED = cast(ServedFacts, FactsOfThePickedMesh())
 OVERRIDES.changed = lambda: serve(served_mesh())
+watch_live_meshes(choose_facts)
 
 
 @contextmanager
@@ -115,8 +128,9 @@ world.keep_state_per_thread(state_per_thread)
 
 
 def get_mesh() -> ParallelMesh:
-    """The :class:`~meshstate.ParallelMesh` behind every getter."""
-    mesh = served_mesh()
+    """The :class:`~meshstate.ParallelMesh` behind every getter (the one picked with
+    ``with mesh:`` while another live mesh could answer)."""
+    mesh = _facts.mesh()
     if mesh is None and _facts.destroyed is not None:  # destroyed, and collected since
         raise NotInitializedError(f"model parallel state is gone: {_facts.destroyed}")
     if mesh is None or mesh.destroyed_at is not None:
@@ -128,12 +142,6 @@ def is_initialized() -> bool:
     """Whether ``initialize_model_parallel`` has run and its mesh is not destroyed."""
     mesh = served_mesh()
     return mesh is not None and mesh.destroyed_at is None
-
-
-def is_unitialized() -> bool:
-    """Deprecated: ``not is_initialized()``."""
-    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2)
-    return not is_initialized()
 
 
 def model_parallel_is_initialized() -> bool:
@@ -191,26 +199,20 @@ def get_pipeline_model_parallel_group(check_initialized: bool = True) -> Process
 
 def get_data_parallel_group(
     with_context_parallel: bool = False,
+    with_gtp_remat: bool = True,
     partial_data_parallel: bool = False,
-    independent_all_gather: bool = False,
 ) -> ProcessGroup:
     """The data-parallel group of the caller, with context parallel if asked.
 
     ``partial_data_parallel`` gives the group inside one distributed-optimizer
-    instance; ``independent_all_gather`` the separate all-gather communicator.
+    instance. ``with_gtp_remat`` asks for the group across GTP weight-remat peers
+    too: the same group, as meshstate builds GTP groups of one rank only.
     """
     if not with_context_parallel:
         if partial_data_parallel:
             _refuse_partial_without_cp("dp")
         return _facts.dp_group
-    if independent_all_gather and not partial_data_parallel:
-        return _facts.dp_cp_all_gather_group
     return _facts.intra_dp_cp_group if partial_data_parallel else _facts.dp_cp_group
-
-
-def has_separate_all_gather_group() -> bool:
-    """Whether a separate data+context all-gather group was created."""
-    return _facts.maybe.dp_cp_all_gather_group is not None
 
 
 def get_data_parallel_group_gloo(
@@ -336,34 +338,22 @@ def get_expert_tensor_and_model_parallel_group(
 
 @checked_getter
 def get_expert_tensor_model_pipeline_parallel_group(
-    check_initialized: bool = True,
+    check_initialized: bool = True, with_egtp_remat: bool = False
 ) -> ProcessGroup | None:
-    """The expert tensor+model+pipeline parallel group of the caller."""
+    """The expert tensor+model+pipeline parallel group of the caller (the same group
+    ``with_egtp_remat``: meshstate's expert GTP groups hold one rank)."""
     return _facts.etp_ep_pp_group if check_initialized else _facts.maybe.etp_ep_pp_group
 
 
 @checked_getter
 def get_expert_data_parallel_group(
-    check_initialized: bool = True, partial_expert_data_parallel: bool = False
+    check_initialized: bool = True, with_gtp_remat: bool = True,
+    partial_expert_data_parallel: bool = False,
 ) -> ProcessGroup | None:
-    """The expert data-parallel group of the caller (one optimizer instance's if partial)."""
+    """The expert data-parallel group of the caller (one optimizer instance's if partial;
+    the same group ``with_gtp_remat``, as meshstate's GTP groups hold one rank)."""
     facts = _facts if check_initialized else _facts.maybe
     return facts.intra_edp_group if partial_expert_data_parallel else facts.edp_group
-
-
-def get_data_modulo_expert_parallel_group(
-    partial_expert_data_parallel: bool = False,
-) -> ProcessGroup:
-    """Deprecated: ``get_expert_data_parallel_group``."""
-    warnings.warn(
-        "get_data_modulo_expert_parallel_group is deprecated, please use "
-        "get_expert_data_parallel_group instead.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return get_expert_data_parallel_group(
-        partial_expert_data_parallel=partial_expert_data_parallel
-    )
 
 
 def get_expert_data_parallel_group_gloo(
@@ -428,18 +418,22 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = N
 
 
 def get_data_parallel_world_size(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
+    with_context_parallel: bool = False, with_gtp_remat: bool = True,
+    partial_data_parallel: bool = False,
 ) -> int:
-    """Size of the caller's data-parallel group (0 without torch.distributed)."""
+    """Size of the caller's data-parallel group (0 without torch.distributed; GTP peers
+    add none, ``with_gtp_remat`` or not)."""
     if with_context_parallel:
         return _facts.intra_dp_cp_size if partial_data_parallel else _facts.dp_cp_size
     return _partial_without_cp(_facts.size_of) if partial_data_parallel else _facts.dp_size
 
 
 def get_data_parallel_rank(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
+    with_context_parallel: bool = False, with_gtp_remat: bool = True,
+    partial_data_parallel: bool = False,
 ) -> int:
-    """The caller's rank in its data-parallel group (0 without torch.distributed)."""
+    """The caller's rank in its data-parallel group (0 without torch.distributed; the
+    same ``with_gtp_remat`` or not)."""
     if with_context_parallel:
         return _facts.intra_dp_cp_rank if partial_data_parallel else _facts.dp_cp_rank
     return _partial_without_cp(_facts.rank_in) if partial_data_parallel else _facts.dp_rank
@@ -495,12 +489,16 @@ def get_expert_tensor_and_model_parallel_rank() -> int:
     return _facts.etp_ep_rank
 
 
-def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+def get_expert_data_parallel_world_size(
+    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
+) -> int:
     """Size of the caller's expert data-parallel group (0 without torch.distributed)."""
     return _facts.intra_edp_size if partial_expert_data_parallel else _facts.edp_size
 
 
-def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+def get_expert_data_parallel_rank(
+    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
+) -> int:
     """The caller's rank in its expert data-parallel group (0 without torch.distributed)."""
     return _facts.intra_edp_rank if partial_expert_data_parallel else _facts.edp_rank
 
@@ -544,55 +542,3 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
 def is_rank_in_position_embedding_group() -> bool:
     """Whether the caller holds position embeddings."""
     return _facts.maybe.position_embedding_ranks is not None
-
-
-# -- global ranks ----------------------------------------------------------------------
-
-
-def get_tensor_model_parallel_src_rank() -> int:
-    """Global rank of the first member of the caller's tensor-parallel group."""
-    return _facts.tp_ranks[0]
-
-
-def get_model_parallel_src_rank() -> int:
-    """Global rank of the first member of the caller's model-parallel group."""
-    return _facts.tp_pp_ranks[0]
-
-
-def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
-    """Global rank of the first member of the caller's data-parallel group."""
-    return (_facts.dp_cp_ranks if with_context_parallel else _facts.dp_ranks)[0]
-
-
-def get_expert_model_parallel_src_rank() -> int:
-    """Global rank of the first member of the caller's expert-parallel group."""
-    return _facts.ep_ranks[0]
-
-
-def get_pipeline_model_parallel_first_rank() -> int:
-    """Global rank of the first stage of the caller's pipeline."""
-    return _facts.pp_ranks[0]
-
-
-def get_pipeline_model_parallel_last_rank() -> int:
-    """Global rank of the last stage of the caller's pipeline."""
-    return _facts.pp_ranks[get_pipeline_model_parallel_world_size() - 1]
-
-
-def get_pipeline_model_parallel_next_rank() -> int:
-    """Global rank of the next stage of the caller's pipeline (wrapping around)."""
-    stages = _facts.pp_ranks
-    return stages[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
-
-
-def get_pipeline_model_parallel_prev_rank() -> int:
-    """Global rank of the previous stage of the caller's pipeline (wrapping around)."""
-    stages = _facts.pp_ranks
-    return stages[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
-
-
-def get_all_ranks() -> str:
-    """The caller's tp, dp, cp, pp and ep ranks as ``"tp_dp_cp_pp_ep"``."""
-    ranks = (get_tensor_model_parallel_rank(), get_data_parallel_rank(), get_context_parallel_rank(),
-             get_pipeline_model_parallel_rank(), get_expert_model_parallel_rank())
-    return "_".join(str(rank or 0) for rank in ranks)

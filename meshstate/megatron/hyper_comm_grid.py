@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate.errors import AxisError, ConfigError, MeshStateError
-from meshstate.core.groups import create_group_family, require_default_group
+from meshstate.core.groups import ProcessGroupSet, create_group_family, require_default_group
 from meshstate.layout.layout import Grid
 
 __all__ = ["DimError", "GridSizeError", "GroupKeyError", "HyperCommGrid"]
@@ -66,12 +66,24 @@ class GroupKeyError(MeshStateError, KeyError):
 
 @dataclass(frozen=True)
 class _CreatedGroup:
-    """A group this grid created, and what it can be reused for."""
+    """A group this grid created, and what it can be reused for: its family (every group
+    of its rank lists) with the same options."""
 
-    axes: tuple[str, ...]
+    family: list[list[int]]
     timeout: timedelta | None
     pg_options: Any
     group: dist.ProcessGroup | None
+
+
+@dataclass(frozen=True)
+class _View:
+    """A named factorization of the grid's ranks, and the dims it shares with the base."""
+
+    grid: Grid
+    shared_dims: tuple[str, ...]
+
+
+_BASE_VIEW = "base"
 
 
 class HyperCommGrid:
@@ -83,6 +95,9 @@ class HyperCommGrid:
     pp=4 on 120 ranks. The world size comes from ``WORLD_SIZE`` or, without
     it, from the initialised default group; the grid must fit in it after
     ``rank_offset``. ``backend`` reaches every group the grid creates.
+
+    :meth:`register_view` adds another factorization of the same ranks, which
+    ``create_pg``, ``get_pg`` and ``get_rank_enum`` take as ``view=``.
 
     Args:
         shape: Size of each dim.
@@ -121,8 +136,11 @@ class HyperCommGrid:
                 f"{rank_offset + self.size - 1}, the world has ranks 0..{world_size - 1}"
             )
         self.backend = backend
-        self._pgs: dict[str, dist.ProcessGroup | None] = {}
+        self._views = {_BASE_VIEW: _View(self._grid, ())}
+        # Base groups by their key ("dp-tp"); a view's own by (view, dims in its order).
+        self._pgs: dict[str | tuple[str, tuple[str, ...]], dist.ProcessGroup | None] = {}
         self._created: list[_CreatedGroup] = []
+        self._owned = ProcessGroupSet(by_name={})
 
     @property
     def shape(self) -> list[int]:
@@ -144,30 +162,81 @@ class HyperCommGrid:
         """Number of ranks on the grid."""
         return self._grid.world_size
 
+    def register_view(
+        self,
+        name: str,
+        shape: list[int],
+        dim_names: list[str],
+        shared_dims: list[str] | None = None,
+    ) -> None:
+        """Register another factorization ``shape``/``dim_names`` of the grid's ranks.
+
+        A dim of ``shared_dims`` is in both views with the same groups; a view's group
+        over shared dims only is the base view's. Raises ``ConfigError`` (a
+        ``ValueError``, as megatron-core's) naming what does not fit.
+
+        Example: on ``HyperCommGrid([2, 4], ["tp", "dp"])``,
+        ``register_view("moe", [2, 2, 2], ["tp", "ep", "edp"], shared_dims=["tp"])``;
+        then ``get_rank_enum("ep", view="moe")`` is ``[[0, 2], [1, 3], [4, 6], [5, 7]]``.
+        """
+        if name in self._views:
+            raise ConfigError(f"View {name!r} is already registered")
+        if len(shape) != len(dim_names) or len(set(dim_names)) != len(dim_names):
+            raise ConfigError(f"View {name!r}: shape {list(shape)} and dim_names {list(dim_names)} "
+                              "must have one size per distinct name")
+        if any(isinstance(size, bool) or not isinstance(size, int) or size <= 0 for size in shape):
+            raise ConfigError(f"View {name!r} shape must be positive ints, got {list(shape)}")
+        grid = Grid(tuple(dim_names), tuple(shape), self.rank_offset)
+        if grid.world_size != self.size:
+            raise ConfigError(f"View {name!r} shape {list(shape)} has size {grid.world_size}, "
+                              f"but the grid size is {self.size}")
+        shared = tuple(shared_dims or ())
+        for dims in [*([dim] for dim in shared), *([list(shared)] if len(shared) > 1 else [])]:
+            self._check_shared(name, grid, dims)
+        self._views[name] = _View(grid, shared)
+
+    def _check_shared(self, name: str, grid: Grid, dims: list[str]) -> None:
+        """Refuse shared ``dims`` missing from a view or enumerated differently there."""
+        if len(set(dims)) != len(dims):
+            raise ConfigError(f"View {name!r} has duplicate shared_dims: {dims}")
+        for view_name, view_grid in ((_BASE_VIEW, self._grid), (name, grid)):
+            missing = [dim for dim in dims if dim not in view_grid.axes_fastest_first]
+            if missing:
+                raise ConfigError(f"Shared dim {missing[0]!r} of view {name!r} is not in view "
+                                  f"{view_name!r}, dims {list(view_grid.axes_fastest_first)}")
+        base = self._grid.groups(self._grid.mesh_order(dims)).tolist()
+        view = grid.groups(grid.mesh_order(dims)).tolist()
+        if base != view:
+            raise ConfigError(f"Shared dims {dims} have different membership across views: base "
+                              f"enumeration {base} != view {name!r} enumeration {view}")
+
     def create_pg(
         self,
         dims: str | Sequence[str],
         *,
+        view: str | None = None,
         timeout: timedelta | None = None,
         pg_options: Any = None,
         group_desc: str | None = None,
     ) -> dist.ProcessGroup | None:
-        """Create the groups over ``dims``; return the calling rank's.
+        """Create the groups over ``dims`` (of ``view``, the base view by default); return
+        the calling rank's.
 
         Every rank of the world calls it, in the same order as the other ranks;
         a rank outside the grid gets ``None``. The groups are kept under the key
         of :meth:`_order_dims` (``["tp", "dp"]`` and ``["dp", "tp"]`` are one
         key), and a key is created once: asking again raises
         :class:`GroupKeyError` (a ``KeyError``), since the options of the first
-        call cannot be compared. Dim sets that differ only by size-1 dims have
-        the same groups; asked for with the same ``timeout`` and the same
-        ``pg_options`` object, they share one process group, named by the
-        first call's ``group_desc``. Groups are made as
-        :func:`~meshstate.core.groups.create_group_family` makes them: a group of
-        the whole world without options is the default group itself.
+        call cannot be compared. Dim sets with the same groups (they differ only
+        by size-1 dims, or a view's) asked for with the same ``timeout`` and the
+        same ``pg_options`` object share one process group, named by the first
+        call's ``group_desc``. Groups are made as
+        :func:`~meshstate.core.groups.create_group_family` makes them, and
+        :meth:`destroy` ends them.
 
         Args:
             dims: A dim name or a list of them.
+            view: A view of :meth:`register_view`; ``None`` for the base view.
             timeout: Timeout of the groups' collectives.
             pg_options: Backend options, e.g. ``ProcessGroupNCCL.Options``.
             group_desc: Description of the groups (default: the key).
@@ -176,33 +245,30 @@ class HyperCommGrid:
 
             grid.create_pg(["cp", "tp"])   # on rank 6: the group of ranks 4, 5, 6, 7
         """
-        ordered, key = self._order_dims(dims)
+        key, grid, ordered = self._key(dims, view)
         if key in self._pgs:
             raise GroupKeyError(
-                f"Process group for dims {key!r} has already been created on this grid; "
+                f"Process group for dims {_named(key)!r} has already been created on this grid; "
                 f"create_pg runs once per dim set (the options of the first call cannot be "
                 f"compared), use get_pg({ordered}) to get it"
             )
         self._check_world()
-        axes = tuple(axis for axis in ordered if self._grid.size(axis) > 1)
+        family = grid.groups(ordered).tolist()
         same = (done for done in self._created
-                if done.axes == axes and done.timeout == timeout and done.pg_options is pg_options)
+                if done.family == family and done.timeout == timeout and done.pg_options is pg_options)
         created = next(same, None)
         if created is None:
             group = create_group_family(
-                self._grid.groups(ordered).tolist(),
-                description=group_desc or key,
-                backend=self.backend,
-                timeout=timeout,
-                pg_options=pg_options,
+                family, description=group_desc or _named(key), backend=self.backend,
+                timeout=timeout, pg_options=pg_options, owner=self._owned,
             )
-            created = _CreatedGroup(axes, timeout, pg_options, group)
+            created = _CreatedGroup(family, timeout, pg_options, group)
             self._created.append(created)
         self._pgs[key] = created.group
         return created.group
 
-    def get_pg(self, dims: str | Sequence[str]) -> dist.ProcessGroup | None:
-        """The calling rank's group over ``dims``, made by :meth:`create_pg`.
+    def get_pg(self, dims: str | Sequence[str], *, view: str | None = None) -> dist.ProcessGroup | None:
+        """The calling rank's group over ``dims`` (of ``view``), made by :meth:`create_pg`.
 
         ``None`` on a rank outside the grid. Raises :class:`GroupKeyError` (a
         ``KeyError``) if ``create_pg`` has not been called for these dims.
@@ -210,22 +276,43 @@ class HyperCommGrid:
         Example: after ``grid.create_pg(["cp", "dp"])``, ``grid.get_pg(["dp", "cp"])``
         returns the same group.
         """
-        ordered, key = self._order_dims(dims)
+        key, _, ordered = self._key(dims, view)
         if key not in self._pgs:
             raise GroupKeyError(
-                f"Process group for dims {key!r} hasn't been created; "
+                f"Process group for dims {_named(key)!r} hasn't been created; "
                 f"call create_pg({ordered}) first"
             )
         return self._pgs[key]
 
-    def get_rank_enum(self, dims: str | Sequence[str]) -> list[list[int]]:
-        """Every group over ``dims``, as :meth:`create_pg` creates them.
+    def destroy(self) -> None:
+        """Destroy every process group this grid created; :meth:`create_pg` may then
+        create them again.
+
+        Example: ``grid.create_pg("tp"); grid.destroy(); grid.get_pg("tp")`` raises
+        :class:`GroupKeyError`.
+        """
+        self._owned.destroy()
+        self._pgs.clear()
+        self._created.clear()
+
+    def is_current_rank_in_grid(self) -> bool:
+        """Whether the calling rank is one of the grid's.
+
+        Example: on rank 5, ``HyperCommGrid([2, 2], ["tp", "dp"], rank_offset=4)`` answers True.
+        """
+        return self.rank_offset <= dist.get_rank() < self.rank_offset + self.size
+
+    def get_rank_enum(
+        self, dims: str | Sequence[str], *, view: str | None = None
+    ) -> list[list[int]]:
+        """Every group over ``dims`` (of ``view``), as :meth:`create_pg` creates them.
 
         Example: ``HyperCommGrid([2, 2], ["tp", "dp"]).get_rank_enum("dp")`` is
         ``[[0, 2], [1, 3]]``.
         """
-        ordered, _ = self._order_dims(dims)
-        return self._gen_rank_enum(ordered)
+        grid = self._view(view).grid
+        groups: list[list[int]] = grid.groups(grid.mesh_order(self._checked(dims, grid))).tolist()
+        return groups
 
     def _gen_rank_enum(self, dims: str | Sequence[str]) -> list[list[int]]:
         """Every group over ``dims`` taken in the order given: the last varies fastest.
@@ -238,7 +325,7 @@ class HyperCommGrid:
         is ``[[0, 2, 1, 3], [4, 6, 5, 7]]``; with ``["b", "a"]`` it is
         ``[[0, 1, 2, 3], [4, 5, 6, 7]]``.
         """
-        groups: list[list[int]] = self._grid.groups(self._checked(dims)).tolist()
+        groups: list[list[int]] = self._grid.groups(self._checked(dims, self._grid)).tolist()
         return groups
 
     def _order_dims(self, dims: str | Sequence[str]) -> tuple[list[str], str]:
@@ -247,14 +334,32 @@ class HyperCommGrid:
         Example: with ``dim_names=["tp", "cp", "dp"]``, ``_order_dims(["tp", "dp"])``
         is ``(["dp", "tp"], "dp-tp")``.
         """
-        ordered = list(self._grid.mesh_order(self._checked(dims)))
+        ordered = list(self._grid.mesh_order(self._checked(dims, self._grid)))
         return ordered, "-".join(ordered)
 
-    def _checked(self, dims: str | Sequence[str]) -> tuple[str, ...]:
+    def _key(
+        self, dims: str | Sequence[str], view: str | None
+    ) -> tuple[str | tuple[str, tuple[str, ...]], Grid, list[str]]:
+        """The key ``dims`` of ``view`` are kept under, the grid enumerating them, and
+        ``dims`` in its mesh order: a view's dims that are all shared are the base's."""
+        spec = self._view(view)
+        ordered = list(spec.grid.mesh_order(self._checked(dims, spec.grid)))
+        if spec.grid is self._grid or all(dim in spec.shared_dims for dim in ordered):
+            base_ordered, key = self._order_dims(ordered)
+            return key, self._grid, base_ordered
+        return (str(view), tuple(ordered)), spec.grid, ordered
+
+    def _view(self, view: str | None) -> _View:
+        spec = self._views.get(_BASE_VIEW if view is None else view)
+        if spec is None:
+            raise GroupKeyError(f"View {view!r} is not registered. Registered views: {sorted(self._views)}")
+        return spec
+
+    def _checked(self, dims: str | Sequence[str], grid: Grid) -> tuple[str, ...]:
         names = (dims,) if isinstance(dims, str) else tuple(dims)
-        valid = ", ".join(self._grid.axes_fastest_first)
+        valid = ", ".join(grid.axes_fastest_first)
         for name in names:
-            if name not in self._grid.axes_fastest_first:
+            if name not in grid.axes_fastest_first:
                 raise DimError(f"unknown dim {name!r} in {dims!r}; the grid's dims are {valid}")
             if names.count(name) > 1:
                 raise DimError(f"dims {list(names)} name {name!r} twice")
@@ -270,6 +375,11 @@ class HyperCommGrid:
                 f"the grid's ranks {self.rank_offset}..{self.rank_offset + self.size - 1} do "
                 f"not fit the initialised world of {world_size} ranks"
             )
+
+
+def _named(key: str | tuple[str, tuple[str, ...]]) -> str:
+    """A group key as written in messages and descriptions: ``dp-tp``, or ``moe:ep-edp``."""
+    return key if isinstance(key, str) else f"{key[0]}:{'-'.join(key[1])}"
 
 
 def _world_size() -> int:

@@ -8,13 +8,16 @@ from a mesh::
     pgs = ProcessGroupCollection.use_mpu_process_groups() # the current mesh
     model = TransformerBlock(config, pg_collection=pgs)
 
-As in megatron-core, a field that was never set is absent (``hasattr(pgs,
-"cp")`` is False): ``ProcessGroupCollection()`` has none, and the constructors
-set exactly the fields asked for. A field that was set is ``None`` where the
+As in megatron-core 0.19, a field that was never set reads ``None`` (in 0.16 it
+is absent: :mod:`~meshstate.megatron.surface`), and ``vars(pgs)`` holds the fields
+set: ``ProcessGroupCollection()`` sets none, and the constructors set exactly the
+fields asked for. A field that was set is ``None`` where the
 calling rank has no such group: ``embd`` off the first and last stages, ``hcp``
 without hierarchical context parallelism, ``inter_dist_opt`` and
 ``intra_dist_opt`` with one distributed-optimizer instance unless the mesh was
-built by ``initialize_model_parallel``.
+built by ``initialize_model_parallel``; ``dp_cp_ag`` and ``expt_dp_ag`` (which
+``create_all_gather_groups`` makes) always, and the GTP weight-remat fields
+off ``initialize_model_parallel``'s meshes.
 
 ``setup_process_groups_for_ddp`` and ``setup_process_groups_for_optimizer`` are
 megatron-core's helpers that its ``DistributedDataParallel`` and
@@ -36,7 +39,8 @@ from meshstate.megatron import derived as families
 from meshstate.errors import ConfigError, NotInitializedError
 from meshstate.core.groups import create_group_family
 from meshstate.layout.layout import Key
-from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.core.mesh import ParallelMesh, current_mesh, mesh_for, require_parallel_mesh
+from meshstate.megatron.facts import served_mesh
 
 ProcessGroup = dist.ProcessGroup
 GroupsByRole = dict[str, ProcessGroup | None]
@@ -56,10 +60,17 @@ _FIELD_KEYS: dict[str, tuple[Key, ...]] = {
     "expt_tp": ("etp",),
     "tp_ep": ("etp-ep",),
     "tp_ep_pp": ("etp-ep-pp",),
+    "tp_ep_pp_with_egtp_remat": ("etp-ep-pp",),  # the same group: GTP groups hold one rank
     "tp_dp_cp": ("tp-dp-cp",),
     "dp": ("dp",),
     "dp_cp": ("dp-cp",),
+    "dp_cp_gtp_remat": ("dp-cp",),
+    "dp_cp_ag": (),  # create_all_gather_groups' return, which megatron-core leaves unset too
+    "gtp_remat": (families.GTP_REMAT,),
+    "expt_gtp_remat": (families.EXPERT_GTP_REMAT,),
     "expt_dp": ("edp",),
+    "expt_dp_gtp_remat": ("edp",),
+    "expt_dp_ag": (),
     "intra_dp_cp": (families.INTRA_DP_CP, "dp-cp"),
     "intra_expt_dp": (families.INTRA_EDP, "edp"),
     "inter_dist_opt": (families.INTER_EDP,),
@@ -91,10 +102,17 @@ class ProcessGroupCollection:
     expt_tp: ProcessGroup | None
     tp_ep: ProcessGroup | None
     tp_ep_pp: ProcessGroup | None
+    tp_ep_pp_with_egtp_remat: ProcessGroup | None
     tp_dp_cp: ProcessGroup | None
     dp: ProcessGroup | None
     dp_cp: ProcessGroup | None
+    dp_cp_gtp_remat: ProcessGroup | None
+    dp_cp_ag: ProcessGroup | None
+    gtp_remat: ProcessGroup | None
+    expt_gtp_remat: ProcessGroup | None
     expt_dp: ProcessGroup | None
+    expt_dp_gtp_remat: ProcessGroup | None
+    expt_dp_ag: ProcessGroup | None
     intra_dp_cp: ProcessGroup | None
     intra_expt_dp: ProcessGroup | None
     inter_dist_opt: ProcessGroup | None
@@ -110,24 +128,30 @@ class ProcessGroupCollection:
         for name, group in groups.items():
             setattr(self, name, group)
 
+    def __getattr__(self, name: str) -> None:
+        """A field never set: ``None``."""
+        if name in _field_names():
+            return None
+        raise AttributeError(f"'ProcessGroupCollection' object has no attribute '{name}'")
+
     @classmethod
     def from_mesh(
         cls, mesh: ParallelMesh, required_pgs: list[str] | None = None
     ) -> ProcessGroupCollection:
         """The calling rank's groups of ``mesh``: every field, or only ``required_pgs``."""
         mesh = require_parallel_mesh(mesh, "ProcessGroupCollection.from_mesh(mesh=...)")
-        wanted = _FIELD_NAMES if required_pgs is None else list(required_pgs)
-        invalid = [name for name in wanted if name not in _FIELD_NAMES]
+        wanted = _field_names() if required_pgs is None else list(required_pgs)
+        invalid = [name for name in wanted if name not in _field_names()]
         if invalid:
-            raise ConfigError(f"Invalid process groups requested: {invalid}; fields are {_FIELD_NAMES}")
+            raise ConfigError(f"Invalid process groups requested: {invalid}; fields are {_field_names()}")
         return cls(**{name: _group_of(mesh, name) for name in wanted})
 
     @classmethod
     def use_mpu_process_groups(
         cls, required_pgs: list[str] | None = None
     ) -> ProcessGroupCollection:
-        """The groups of the current mesh, e.g. the one ``initialize_model_parallel`` built."""
-        return cls.from_mesh(current_mesh(), required_pgs)
+        """The groups of the mesh megatron-core's getters answer from (see :func:`_mpu_mesh`)."""
+        return cls.from_mesh(_mpu_mesh("ProcessGroupCollection.use_mpu_process_groups()"), required_pgs)
 
     @staticmethod
     def setup_process_groups_for_ddp(
@@ -137,7 +161,8 @@ class ProcessGroupCollection:
 
         Without ``pg_collection``: the current mesh's (``dp_group``, ``dp_cp_group``,
         ``intra_dp_cp_group``, ``expt_dp_group``, ``intra_expt_dp_group``,
-        ``tp_group``, ``pp_group``, ``ep_group``, and ``inter_dist_opt_group`` /
+        ``tp_group``, ``pp_group``, ``ep_group``, ``gtp_remat_group``,
+        ``expt_gtp_remat_group``, and ``inter_dist_opt_group`` /
         ``intra_dist_opt_group`` where ``ddp_config`` asks for several optimizer
         instances / the distributed optimizer, else ``None``). With one: its
         fields, ``dp_cp`` defaulting to ``dp`` when ``config.context_parallel_size``
@@ -149,8 +174,9 @@ class ProcessGroupCollection:
         """
         instances = ddp_config.num_distributed_optimizer_instances
         if pg_collection is None:
-            mesh = current_mesh()
+            mesh = _mpu_mesh("ProcessGroupCollection.setup_process_groups_for_ddp()")
             groups: GroupsByRole = {f"{name}_group": _required_group(mesh, name) for name in _DDP_FIELDS}
+            groups.update(_gtp_groups(mesh))
             groups["inter_dist_opt_group"] = (
                 _required_group(mesh, "inter_dist_opt") if instances > 1 else None)
             groups["intra_dist_opt_group"] = (
@@ -176,7 +202,7 @@ class ProcessGroupCollection:
                           inter_dist_opt_group=pg_collection.inter_dist_opt)
         _require_fields(pg_collection, ("tp", "pp", "ep"), "")
         groups.update(tp_group=pg_collection.tp, pp_group=pg_collection.pp,
-                      ep_group=pg_collection.ep)
+                      ep_group=pg_collection.ep, **_gtp_fields(pg_collection))
         return groups
 
     @staticmethod
@@ -189,7 +215,8 @@ class ProcessGroupCollection:
 
         Without ``pg_collection``: the current mesh's (``dp_group``, ``dp_cp_group``,
         ``intra_dp_cp_group``, ``expt_dp_group``, ``intra_expt_dp_group``,
-        ``mp_group``, ``expt_tp_pp_group``, ``intra_dist_opt_group``, the gloo twins
+        ``mp_group``, ``expt_tp_pp_group`` (and ``expt_tp_pp_with_egtp_remat_group``,
+        the same), ``gtp_remat_group``, ``expt_gtp_remat_group``, ``intra_dist_opt_group``, the gloo twins
         ``intra_dp_cp_group_gloo`` and ``intra_expt_dp_group_gloo`` if
         ``use_gloo_process_groups``, and ``inter_dist_opt_group`` where the first
         chunk's ``ddp_config`` has several optimizer instances). With one: its
@@ -202,10 +229,12 @@ class ProcessGroupCollection:
         ddp_config = getattr(model_chunks[0], "ddp_config", None)
         instances = 1 if ddp_config is None else ddp_config.num_distributed_optimizer_instances
         if pg_collection is None:
-            mesh = current_mesh()
+            mesh = _mpu_mesh("ProcessGroupCollection.setup_process_groups_for_optimizer()")
             groups: GroupsByRole = {
                 f"{name}_group": _required_group(mesh, name) for name in _OPTIMIZER_FIELDS}
             groups["expt_tp_pp_group"] = groups.pop("tp_ep_pp_group")
+            groups["expt_tp_pp_with_egtp_remat_group"] = groups["expt_tp_pp_group"]
+            groups.update(_gtp_groups(mesh))
             groups["inter_dist_opt_group"] = (
                 _required_group(mesh, "inter_dist_opt") if instances > 1 else None)
             for name in ("intra_dp_cp", "intra_expt_dp"):
@@ -230,6 +259,9 @@ class ProcessGroupCollection:
             if ddp_config is not None and ddp_config.use_distributed_optimizer else None)
         groups["mp_group"] = _provided(pg_collection, "mp", _SET_NONE)
         groups["expt_tp_pp_group"] = _provided(pg_collection, "tp_ep_pp", _SET_NONE)
+        groups["expt_tp_pp_with_egtp_remat_group"] = vars(pg_collection).get(
+            "tp_ep_pp_with_egtp_remat", groups["expt_tp_pp_group"])
+        groups.update(_gtp_fields(pg_collection))
         if use_gloo_process_groups:
             raise ConfigError(
                 "Gloo process groups are not supported when pg_collection is provided. "
@@ -244,30 +276,37 @@ class ProcessGroupCollection:
         return vars(self) == vars(other)
 
     def __repr__(self) -> str:
-        """The fields set, with group sizes, as megatron-core writes them.
+        """The fields set to a group, with group sizes, as megatron-core writes them.
 
-        Example: ``ProcessGroupCollection(tp(2), cp(None))``; ``hcp`` shows one
-        size per level, ``hcp([2, 2])``.
+        Example: ``ProcessGroupCollection(tp(2))`` where ``cp`` is ``None``; ``hcp``
+        shows one size per level, ``hcp([2, 2])``.
         """
-        present = []
-        for name in _FIELD_NAMES:
-            if not hasattr(self, name):
-                continue
-            value = getattr(self, name)
-            if isinstance(value, list):
-                present.append(f"{name}({[group.size() for group in value]})")
-            else:
-                present.append(f"{name}({None if value is None else value.size()})")
-        return f"ProcessGroupCollection({', '.join(present) or 'empty'})"
+        present = [describe_field(name, vars(self)[name]) for name in _field_names() if name in vars(self)]
+        return f"ProcessGroupCollection({', '.join(filter(None, present)) or 'empty'})"
+
+    @staticmethod
+    def is_gtp_remat_active(process_group_dict: dict[str, Any]) -> bool:
+        """Whether the setup helpers' ``gtp_remat_group`` or ``expt_gtp_remat_group``
+        holds more than one rank (never, on meshstate's groups)."""
+        groups = (process_group_dict.get("gtp_remat_group"), process_group_dict.get("expt_gtp_remat_group"))
+        return any(group is not None and group.size() > 1 for group in groups)
 
 
-_FIELD_NAMES = [f.name for f in fields(ProcessGroupCollection)]
+def describe_field(name: str, value: ProcessGroup | list[ProcessGroup] | None) -> str | None:
+    """``name(size)`` of a field set to a group, ``name([sizes])`` of a list; ``None`` if unset."""
+    if isinstance(value, list):
+        return f"{name}({[group.size() for group in value]})"
+    return None if value is None else f"{name}({value.size()})"
+
+
+def _field_names() -> list[str]:
+    return [f.name for f in fields(ProcessGroupCollection)]
 
 
 def _check_names(names: Iterable[str]) -> None:
-    unknown = [name for name in names if name not in _FIELD_NAMES]
+    unknown = [name for name in names if name not in _field_names()]
     if unknown:
-        raise ConfigError(f"unknown process groups {unknown}; fields are {_FIELD_NAMES}")
+        raise ConfigError(f"unknown process groups {unknown}; fields are {_field_names()}")
 
 
 # megatron-core's advice where a collection lacks a field that may be None.
@@ -296,9 +335,35 @@ def _required_group(mesh: ParallelMesh, name: str, gloo: bool = False) -> Proces
     return group
 
 
+def _mpu_mesh(asking: str) -> ParallelMesh:
+    """The mesh megatron-core's getters answer ``asking`` from: the one
+    ``initialize_model_parallel`` built, or the one picked with ``with mesh:`` while
+    another live mesh could answer (:func:`~meshstate.core.mesh.mesh_for`); without
+    either, the current mesh."""
+    mesh = mesh_for(asking, served_mesh(), "the mesh initialize_model_parallel built")
+    return current_mesh() if mesh is None else mesh
+
+
+def _gtp_groups(mesh: ParallelMesh) -> GroupsByRole:
+    """The setup helpers' GTP weight-remat groups of ``mesh``: ``None`` where it has none."""
+    return {"gtp_remat_group": _group_or_none(mesh, "gtp_remat"),
+            "expt_gtp_remat_group": _group_or_none(mesh, "expt_gtp_remat")}
+
+
+def _gtp_fields(pg_collection: ProcessGroupCollection) -> GroupsByRole:
+    """The setup helpers' GTP weight-remat groups of ``pg_collection``: ``None`` where unset."""
+    return {"gtp_remat_group": vars(pg_collection).get("gtp_remat"),
+            "expt_gtp_remat_group": vars(pg_collection).get("expt_gtp_remat")}
+
+
+def _group_or_none(mesh: ParallelMesh, name: str) -> ProcessGroup | None:
+    group = _group_of(mesh, name)
+    return group if isinstance(group, ProcessGroup) else None
+
+
 def _provided(pg_collection: ProcessGroupCollection, name: str, advice: str) -> ProcessGroup | None:
     """Field ``name`` of ``pg_collection``, which must be set (``None`` counts as set)."""
-    if not hasattr(pg_collection, name):
+    if name not in vars(pg_collection):
         raise ConfigError(
             f"{name} process group is required but not provided in pg_collection{advice}")
     group: ProcessGroup | None = getattr(pg_collection, name)
@@ -306,7 +371,7 @@ def _provided(pg_collection: ProcessGroupCollection, name: str, advice: str) -> 
 
 
 def _require_fields(pg_collection: ProcessGroupCollection, names: tuple[str, ...], when: str) -> None:
-    missing = [name for name in names if not hasattr(pg_collection, name)]
+    missing = [name for name in names if name not in vars(pg_collection)]
     if missing:
         raise ConfigError(
             f"{', '.join(names[:-1])}, and {names[-1]} process groups are required{when} but not provided in "
@@ -315,7 +380,7 @@ def _require_fields(pg_collection: ProcessGroupCollection, names: tuple[str, ...
 
 def _dp_cp_or_dp(pg_collection: ProcessGroupCollection, config: Any) -> ProcessGroup | None:
     """``pg_collection.dp_cp``, or its ``dp`` where ``config`` has no context parallelism."""
-    if hasattr(pg_collection, "dp_cp"):
+    if "dp_cp" in vars(pg_collection):
         return pg_collection.dp_cp
     cp_size = getattr(config, "context_parallel_size", 1)
     if cp_size != 1:

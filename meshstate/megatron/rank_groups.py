@@ -162,8 +162,12 @@ class RankGenerator:
     is ``[[0, 2], [1, 3], [4, 6], [5, 7]]``.
     """
 
+    # The GTP weight-remat axis (megatron-core 0.19), appended to the order when left out.
+    gtp_axis: tuple[str, ...] = ("gtp_remat",)
+
     def __init__(
-        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0
+        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0,
+        gtp_remat: int = 1,
     ) -> None:
         if ep != 1 and cp != 1:
             raise ParallelStateError(
@@ -172,21 +176,24 @@ class RankGenerator:
             )
         self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
         self.rank_offset = rank_offset
-        self.world_size = tp * dp * pp * cp * ep
         self.name_to_size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        self.name_to_size.update(dict.fromkeys(self.gtp_axis, gtp_remat))
+        self.world_size = math.prod(self.name_to_size.values())
+        named = order.lower().split("-")
         try:
-            axes = parse_order(order)
+            axes = list(parse_order("-".join(name for name in named if name not in self.gtp_axis)))
         except ConfigError as error:
             raise AxisError(str(error)) from None
-        named = order.lower().split("-")
         for name, size in self.name_to_size.items():
             if name not in named and size != 1:
                 raise ParallelStateError(
                     f"The size of ({name}) is ({size}), but you haven't specified the order ({order})."
                 )
+        for gtp in self.gtp_axis:  # where the order names it, else last
+            axes.insert(named.index(gtp) if gtp in named else len(axes), gtp)
         self.order = "-".join(axes)
         self.ordered_size = [self.name_to_size[name] for name in axes]
-        self._grid = Grid(axes, tuple(self.ordered_size), rank_offset)
+        self._grid = Grid(tuple(axes), tuple(self.ordered_size), rank_offset)
 
     def get_mask(self, order: str, token: str) -> list[bool]:
         """Which axes of ``order`` the hyphenated ``token`` names."""
@@ -203,3 +210,10 @@ class RankGenerator:
         names = [name for name, keep in zip(self._grid.axes_fastest_first, mask) if keep]
         groups: list[list[int]] = self._grid.groups(self._grid.mesh_order(names)).tolist()
         return groups
+
+    def get_gtp_ranks(self, gtp_remat_size: int) -> list[list[int]]:
+        """The GTP weight-remat groups (one rank each when ``gtp_remat_size`` is 1)."""
+        if self.name_to_size["gtp_remat"] != gtp_remat_size:
+            raise ParallelStateError(f"gtp_remat axis size ({self.name_to_size['gtp_remat']}) != "
+                                     f"requested gtp_remat_size ({gtp_remat_size})")
+        return self.get_ranks("gtp_remat")

@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 
 from meshstate.errors import OTHER_WORLDS, MeshStateError, SimulationError
-from meshstate.core.mesh import destroy_every_mesh
+from meshstate.core.current import destroy_every_mesh
 from meshstate.testing import torch_internals
 from meshstate.testing.fork_server import autograd_survives_a_fork, clean_context, uncollected
 from meshstate.testing.launch import DEFAULT_TIMEOUT

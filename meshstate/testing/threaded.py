@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from meshstate.core.agreement import abandon, leave_barrier, store_barrier
-from meshstate.core.mesh import destroy_every_mesh
+from meshstate.core.current import destroy_every_mesh
 from meshstate.errors import AbandonedError, MeshStateError
 from meshstate.core.world import state_per_thread
 from meshstate.testing import torch_internals

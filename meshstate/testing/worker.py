@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from meshstate.errors import MeshStateError
 from meshstate.core.groups import release_side_by_side
-from meshstate.core.mesh import destroy_every_mesh
+from meshstate.core.current import destroy_every_mesh
 from meshstate.testing import torch_internals
 from meshstate.testing.fork_server import _WORKER_MARK, STOP_SIGNALS
 

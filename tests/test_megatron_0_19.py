@@ -1,0 +1,178 @@
+"""What megatron-core 0.19 added, against megatron-core 0.19.2 itself.
+
+``create_all_gather_groups``, ``rank_offset`` and ``local_world_size``, GTP sizes
+above 1 (refused), ``HyperCommGrid``'s views, ``destroy()`` and
+``is_current_rank_in_grid()``, ``ProcessGroupCollection.is_gtp_remat_active``. The
+GTP getters' values are in test_parallel_state.py's snapshot. Skipped where an
+older megatron-core is installed (the façade then has 0.16's surface). Fake
+backend, in this process.
+"""
+
+import warnings
+
+import pytest
+import torch.distributed as dist
+
+from meshstate.megatron import parallel_state as ours
+from meshstate.megatron import surface
+from meshstate.megatron.errors import ParallelStateError
+from meshstate.megatron.hyper_comm_grid import HyperCommGrid
+from meshstate.megatron.process_groups import ProcessGroupCollection
+from meshstate.testing import fake_world
+
+pytestmark = pytest.mark.skipif(surface.FOLLOWS < (0, 19), reason="megatron-core older than 0.19")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core import parallel_state as megatron
+    from megatron.core.hyper_comm_grid import HyperCommGrid as MegatronGrid
+
+
+def ranks_of(group):
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def reset_megatron():
+    megatron.destroy_model_parallel()
+    for name in dir(megatron):
+        if name.startswith("_") and name.upper() == name and name.strip("_") and "MEMORY" not in name:
+            setattr(megatron, name, {} if name == "_HYBRID_DP_CP_GROUPS" else None)
+
+
+SIZES = dict(tensor_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=2,
+             expert_tensor_parallel_size=1, create_gloo_process_groups=False)
+
+
+@pytest.mark.parametrize("rank", [0, 5, 14])
+@pytest.mark.parametrize("for_experts", [False, True])
+def test_create_all_gather_groups_are_new_groups_of_megatrons_ranks(rank, for_experts):
+    with fake_world(rank, 16):
+        reset_megatron()
+        megatron.initialize_model_parallel(**SIZES)
+        expected = [ranks_of(group) for group in megatron.create_all_gather_groups(for_experts)]
+        reset_megatron()
+        ours.initialize_model_parallel(**SIZES)
+        dp_cp_ag, expt_dp_ag = ours.create_all_gather_groups(for_experts)
+        assert [ranks_of(dp_cp_ag), ranks_of(expt_dp_ag)] == expected
+        assert dp_cp_ag is not ours.get_data_parallel_group(with_context_parallel=True)
+        ours.destroy_model_parallel()
+
+
+def test_create_all_gather_groups_before_init_is_megatrons_error():
+    with fake_world(0, 4), pytest.raises(RuntimeError, match="requires parallel state to be initialized"):
+        ours.create_all_gather_groups()
+
+
+def snapshot(module):
+    return {
+        "initialized": module.is_initialized(),
+        **({} if not module.is_initialized() else {
+            "tp": ranks_of(module.get_tensor_model_parallel_group()),
+            "pp": ranks_of(module.get_pipeline_model_parallel_group()),
+            "dp": ranks_of(module.get_data_parallel_group(with_context_parallel=True)),
+            "embedding": ranks_of(module.get_embedding_group(check_initialized=False)),
+            "ep": ranks_of(module.get_expert_model_parallel_group()),
+            "gtp": module.get_gtp_weight_remat_global_ranks(),
+            "ranks": module.get_all_ranks(),
+        }),
+    }
+
+
+@pytest.mark.parametrize("rank", [2, 8, 13])
+def test_rank_offset_and_local_world_size_place_the_groups_as_megatron(rank):
+    kwargs = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, rank_offset=8,
+                  local_world_size=8, create_gloo_process_groups=False)
+    with fake_world(rank, 16):
+        reset_megatron()
+        megatron.initialize_model_parallel(**kwargs)
+        expected = snapshot(megatron)
+        reset_megatron()
+        ours.initialize_model_parallel(**kwargs)
+        assert snapshot(ours) == expected
+        ours.destroy_model_parallel()
+
+
+def test_gtp_sizes_above_one_are_refused_with_the_numbers():
+    with fake_world(0, 8):
+        with pytest.raises(ParallelStateError, match="gtp_remat_size=2, expert_gtp_remat_size=1"):
+            ours.initialize_model_parallel(gtp_remat_size=2)
+        assert not ours.is_initialized()
+
+
+def grids():
+    return HyperCommGrid([2, 4], ["tp", "dp"]), MegatronGrid([2, 4], ["tp", "dp"])
+
+
+def register(grid):
+    grid.register_view("moe", [2, 2, 2], ["tp", "ep", "edp"], shared_dims=["tp"])
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_a_view_enumerates_and_keys_its_groups_as_megatron(rank):
+    with fake_world(rank, 8):
+        ours_grid, theirs = grids()
+        register(ours_grid)
+        register(theirs)
+        for dims in (["ep"], ["edp"], ["ep", "edp"], ["tp"], ["tp", "ep"]):
+            assert ours_grid.get_rank_enum(dims, view="moe") == theirs.get_rank_enum(dims, view="moe"), dims
+            group = ours_grid.create_pg(dims, view="moe")
+            assert ranks_of(group) == ranks_of(theirs.create_pg(dims, view="moe")), dims
+            assert ours_grid.get_pg(dims, view="moe") is group
+        assert set(ours_grid._pgs) == set(theirs._pgs)  # a shared dim's group is the base's
+        assert ours_grid.get_pg("tp") is ours_grid.get_pg("tp", view="moe")
+
+
+@pytest.mark.parametrize("shape, dim_names, shared", [
+    ([2, 2], ["tp", "ep"], None),                 # size 4, the grid's is 8
+    ([2, 2, 2], ["tp", "tp", "edp"], None),       # a name twice
+    ([2, 2, 2], ["ep", "tp", "edp"], ["tp"]),     # tp enumerated differently
+    ([2, 2, 2], ["tp", "ep", "edp"], ["cp"]),     # not in the base
+    ([2, 2, 2], ["tp", "ep", "edp"], ["tp", "tp"]),
+])
+def test_register_view_refuses_what_megatron_refuses(shape, dim_names, shared):
+    with fake_world(0, 8):
+        ours_grid, theirs = grids()
+        with pytest.raises(ValueError):
+            theirs.register_view("v", shape, dim_names, shared_dims=shared)
+        with pytest.raises(ValueError):
+            ours_grid.register_view("v", shape, dim_names, shared_dims=shared)
+
+
+def test_unknown_view_and_dim_are_megatrons_errors():
+    with fake_world(0, 8):
+        for grid in grids():
+            register(grid)
+            with pytest.raises(KeyError):
+                grid.create_pg("ep", view="nope")
+            with pytest.raises(ValueError):
+                grid.get_rank_enum("dp", view="moe")
+
+
+def test_destroy_ends_the_grids_groups_and_they_can_be_made_again():
+    with fake_world(3, 8):
+        grid, _ = grids()
+        first = grid.create_pg("dp")
+        grid.destroy()
+        with pytest.raises(KeyError):
+            grid.get_pg("dp")
+        again = grid.create_pg("dp")
+        assert again is not first and ranks_of(again) == [1, 3, 5, 7]
+        grid.destroy()
+
+
+@pytest.mark.parametrize("rank", [3, 4, 7])
+def test_is_current_rank_in_grid_as_megatron(rank):
+    with fake_world(rank, 8):
+        ours_grid = HyperCommGrid([2, 2], ["tp", "dp"], rank_offset=4)
+        theirs = MegatronGrid([2, 2], ["tp", "dp"], rank_offset=4)
+        assert ours_grid.is_current_rank_in_grid() == theirs.is_current_rank_in_grid() == (rank >= 4)
+
+
+def test_is_gtp_remat_active_reads_the_setup_helpers_groups():
+    with fake_world(0, 8):
+        ours.initialize_model_parallel(tensor_model_parallel_size=2)
+        groups = ProcessGroupCollection.setup_process_groups_for_optimizer(None, [object()], False)
+        assert ranks_of(groups["gtp_remat_group"]) == [0] == ranks_of(groups["expt_gtp_remat_group"])
+        assert not ProcessGroupCollection.is_gtp_remat_active(groups)
+        assert ProcessGroupCollection.is_gtp_remat_active({"gtp_remat_group": dist.group.WORLD})
+        ours.destroy_model_parallel()
