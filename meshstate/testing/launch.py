@@ -283,7 +283,8 @@ class LocalWorld:
         for rank in ranks:
             pid = self._workers[rank].pid
             if pid is not None:
-                os.kill(pid, signal.SIGUSR1)
+                with contextlib.suppress(ProcessLookupError):  # it may have exited since
+                    os.kill(pid, signal.SIGUSR1)
         dumps = dict.fromkeys(ranks, b"")
         deadline = time.monotonic() + _STACK_WAIT_SECONDS
         while ranks and time.monotonic() < deadline:
