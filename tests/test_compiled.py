@@ -331,7 +331,9 @@ def test_a_compiled_ppermute_warns_nothing(fake_mesh):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert explained(lambda v: lax.ppermute(v, "tp", ring(2)) * 2, x) == (1, 0)
-    assert [str(w.message) for w in caught] == []
+    # torch's own note on Python 3.13.0, whatever is traced, is not a warning about ppermute
+    python_note = "Guards may run slower on Python 3.13.0"
+    assert [str(w.message) for w in caught if not str(w.message).startswith(python_note)] == []
 
 
 TYPED_OPS = {

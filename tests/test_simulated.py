@@ -4,6 +4,7 @@ LocalTensorMode) equals the one that rank gets in a world of processes."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import pytest
@@ -185,13 +186,17 @@ def test_simulated_decorator_gives_every_rank_its_values() -> None:
     assert total.item() == 2  # every rank holds 2: the answer is the same on all
 
 
+KEPT: list[object] = []
+
+
 def left_alive() -> None:
-    meshstate.init_mesh(tp=2)
+    KEPT.append(meshstate.init_mesh(tp=2))  # alive whatever the garbage collector does
     mpu.initialize_model_parallel(tensor_model_parallel_size=2)
 
 
 def test_meshes_left_alive_are_destroyed_after_a_run() -> None:
     simulated_world(4).run(left_alive)
+    KEPT.clear()
     assert not mpu.is_initialized()
     assert not dist.is_initialized()
 
@@ -361,6 +366,11 @@ def assert_equal_to_minus_one() -> None:
     assert torch.equal(x, torch.full((3,), -1.0))
 
 
+@pytest.mark.xfail(
+    sys.version_info >= (3, 13), strict=True,
+    reason="Python 3.13's bytecode around an assert is not read yet: the failed assert is "
+    "refused as a branch on per-rank values (a SimulationError naming them), as before",
+)
 def test_a_failed_assert_names_the_ranks_it_failed_on() -> None:
     with pytest.raises(AssertionError) as some:
         simulated_world(4).run(assert_equal_to_rank_zeros)
