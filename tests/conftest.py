@@ -52,9 +52,13 @@ def oracle():
     return megatron_groups
 
 
-def in_both_worlds(world_size):
-    """Run a test body on ``world_size`` local processes and simulated in this process
-    (torch's LocalTensorMode): one test, parametrized ``world`` = processes | simulated."""
+WORLDS = {"processes": {}, "simulated": {"simulate": True}, "threads": {"threads": True}}
+
+
+def in_both_worlds(world_size, worlds=("processes", "simulated")):
+    """Run a test body on ``world_size`` local processes and in one of the one-process
+    worlds (simulated by default, torch's LocalTensorMode; ``"threads"``: a thread per
+    rank): one test, parametrized ``world`` over ``worlds``."""
     import inspect
     import sys
 
@@ -65,8 +69,7 @@ def in_both_worlds(world_size):
         name = body.__name__
         body.__name__ = body.__qualname__ = f"_{name}_body"
         setattr(sys.modules[body.__module__], body.__name__, body)
-        runs = {"processes": distributed(world_size)(body),
-                "simulated": distributed(world_size, simulate=True)(body)}
+        runs = {world: distributed(world_size, **WORLDS[world])(body) for world in worlds}
 
         def test(world, **kwargs):
             runs[world](**kwargs)
@@ -81,11 +84,17 @@ def in_both_worlds(world_size):
     return decorate
 
 
+def in_processes_and_threads(world_size):
+    """:func:`in_both_worlds` over processes and a thread per rank (compiled code's worlds:
+    the simulated one refuses most of it by name)."""
+    return in_both_worlds(world_size, ("processes", "threads"))
+
+
 def compiled_whole(fn, graphs):
     """``fn`` compiled with ``fullgraph=True`` (a graph break raises, naming its reason) on
     ``aot_eager``, each graph dynamo hands over appended to ``graphs``: one graph there is one
     graph and no break, as ``torch._dynamo.explain`` counts them, from the one trace that also
-    runs. Resets dynamo first."""
+    runs. Resets dynamo first (:func:`reset_dynamo`)."""
     import torch
 
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
@@ -93,8 +102,25 @@ def compiled_whole(fn, graphs):
     def backend(graph, example_inputs):
         graphs.append(graph)
         return aot_eager(graph, example_inputs)
-    torch._dynamo.reset()
+    reset_dynamo()
     return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def reset_dynamo():
+    """``torch._dynamo.reset()``; in a thread per rank, once, by rank 0, while no rank
+    compiles (the threads share dynamo's caches)."""
+    import torch
+    import torch.distributed as dist
+
+    from meshstate.core.world import ranks_share_the_process, simulated_ranks
+
+    threads = dist.is_initialized() and ranks_share_the_process() and simulated_ranks() is None
+    if threads:
+        dist.barrier()
+    if not threads or dist.get_rank() == 0:
+        torch._dynamo.reset()
+    if threads:
+        dist.barrier()
 
 
 def close(got, want, tolerance=1e-9):

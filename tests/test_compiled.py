@@ -5,8 +5,8 @@ Tracing is checked with ``torch._dynamo.explain`` on one rank of a fake world of
 every collective over one axis, a joint key, a tuple in and against mesh order
 and an undeclared tuple, in plain code and inside a typed shard_map body, and
 for ``shard_map`` (in both modes, built outside the compiled function or
-inside it) and ``reshard``. Values and gradients are checked on 4 gloo ranks
-(``init_mesh(tp=2, cp=2)``): the same function compiled with
+inside it) and ``reshard``. Values and gradients are checked on 4 gloo ranks and on 4 threads of one process
+(``init_mesh(tp=2, cp=2)``, each rank's own values): the same function compiled with
 ``torch.compile(fullgraph=True, backend="aot_eager")`` (inductor's C++ compile
 would cost minutes on two cores) and run eagerly.
 """
@@ -20,6 +20,8 @@ import meshstate
 from meshstate import P, reshard, shard_map
 from meshstate.jax import collectives as lax
 from meshstate.testing import distributed, fake_world
+
+from conftest import in_processes_and_threads
 
 AXES = ["tp", "dp-cp", ("cp", "tp"), ("tp", "cp"), ("dp", "tp")]
 """One axis, a joint key, a declared tuple in and against mesh order, an undeclared tuple."""
@@ -194,7 +196,8 @@ def assert_same(eager, compiled):
         torch.testing.assert_close(compiled_grad, eager_grad)
 
 
-def compiled_collectives_equal_eager():
+@in_processes_and_threads(4)
+def test_compiled_collectives_equal_eager_values_and_gradients():
     mesh = meshstate.init_mesh(tp=2, cp=2)
     rank = dist.get_rank()
     with mesh:  # one compiled function over every axis set (one trace, not one per set)
@@ -209,18 +212,8 @@ def compiled_collectives_equal_eager():
     mesh.destroy()
 
 
-@distributed(world_size=4)
-def test_compiled_collectives_equal_eager_values_and_gradients():
-    compiled_collectives_equal_eager()
-
-
-@distributed(world_size=4, threads=True)
-def test_compiled_collectives_equal_eager_in_threads_too():
-    compiled_collectives_equal_eager()
-
-
 @pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
-@distributed(world_size=4)
+@in_processes_and_threads(4)
 def test_compiled_shard_map_and_reshard_equal_eager(check_vma):
     mesh = meshstate.init_mesh(tp=2, cp=2)
     torch.manual_seed(0)
@@ -256,7 +249,7 @@ def test_compiled_shard_map_and_reshard_equal_eager(check_vma):
     mesh.destroy()
 
 
-@distributed(world_size=4)
+@in_processes_and_threads(4)
 def test_a_compiled_function_follows_the_current_mesh():
     """Guards, not a stale trace: under another mesh the compiled function traces again."""
     compiled = torch.compile(lambda v: lax.psum(v, "tp") * lax.axis_size("tp"), fullgraph=True,
@@ -397,17 +390,8 @@ def bidirectional_matmul(lhs_block, rhs_block):
     return out
 
 
-@distributed(world_size=4)
+@in_processes_and_threads(4)
 def test_the_bidirectional_all_gather_matmul_compiled_has_jaxs_gradients():
-    bidirectional_matmul_has_jaxs_gradients()
-
-
-@distributed(world_size=4, threads=True)
-def test_the_bidirectional_all_gather_matmul_compiled_in_threads_has_jaxs_gradients():
-    bidirectional_matmul_has_jaxs_gradients()
-
-
-def bidirectional_matmul_has_jaxs_gradients():
     mesh = meshstate.init_mesh(tp=4)
     generator = torch.Generator().manual_seed(0)
     lhs, rhs, cotangent = (torch.randn(*shape, dtype=torch.float64, generator=generator)
@@ -447,7 +431,7 @@ def each_collective_twice(x):
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "legacy"])
-@distributed(world_size=4)
+@in_processes_and_threads(4)
 def test_each_collective_twice_with_other_arguments_compiled_equals_eager(check_vma):
     mesh = meshstate.init_mesh(tp=2, cp=2)
     rank = dist.get_rank()

@@ -17,7 +17,7 @@ import torch
 import meshstate
 from meshstate import P
 from meshstate.testing import distributed, fake_world
-from conftest import compiled_whole, in_both_worlds
+from conftest import compiled_whole, in_both_worlds, in_processes_and_threads
 
 _HERE = Path(__file__).parent / "jax_records"
 _spec = importlib.util.spec_from_file_location("explicit_programs", _HERE / "explicit_programs.py")
@@ -207,7 +207,7 @@ def test_an_explicit_mlp_trains_like_one_process():
     trains_like_one_process(compiled=False)
 
 
-@distributed(8)
+@in_processes_and_threads(8)
 def test_an_explicit_mlp_trains_like_one_process_compiled():
     trains_like_one_process(compiled=True)
 

@@ -23,8 +23,8 @@ import meshstate
 from meshstate import P, shard_map
 from meshstate.jax import collectives as lax
 from meshstate.jax.vma import type_text
-from meshstate.testing import distributed
-from conftest import close, compiled_whole, in_both_worlds
+
+from conftest import close, compiled_whole, in_both_worlds, in_processes_and_threads
 
 RECORDS = json.loads((Path(__file__).parent / "jax_records" / "porting.json").read_text())
 
@@ -168,6 +168,6 @@ def test_jax_documentation_programs_equal_jax():
 
 
 @pytest.mark.parametrize("name", ["pipeline", "halves", "remat"])
-@distributed(4)
+@in_processes_and_threads(4)
 def test_compiled_with_no_graph_break_equal_jax(name):
     check(name, *run(name, compiled=True))

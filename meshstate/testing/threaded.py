@@ -296,7 +296,7 @@ class _Run:
             dist.init_process_group(
                 BACKEND, store=self.store, rank=rank, world_size=self.world_size, timeout=timeout
             )
-            with RankRandomness(random_state):
+            with RankRandomness(random_state), torch_internals.recompiles_per_rank(self.world_size):
                 outcome = ("ok", fn(*args, **kwargs))
         except BaseException as error:
             outcome = self._outcome_of(rank, error)

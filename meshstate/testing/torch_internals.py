@@ -37,6 +37,24 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 from meshstate.core import compat as _core_compat
 
 
+
+@contextmanager
+def recompiles_per_rank(world_size: int) -> Iterator[None]:
+    """Let the calling rank, one of ``world_size`` in this process, compile a function as
+    often as one process may: ``torch._dynamo.config.recompile_limit`` and its accumulated
+    twin times ``world_size`` in this thread (torch keeps a setting per thread) until the
+    block ends. The ranks share dynamo's caches, and a graph that guards on a rank's own
+    values is one cache entry per rank."""
+    import torch._dynamo.config as dynamo_config
+
+    limits = dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit
+    dynamo_config.recompile_limit = limits[0] * world_size
+    dynamo_config.accumulated_recompile_limit = limits[1] * world_size
+    try:
+        yield
+    finally:
+        dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit = limits
+
 @contextmanager
 def counting_group_creation() -> Iterator[list[float]]:
     """Count the calls that create process groups while the block runs, and time them.
