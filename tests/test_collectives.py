@@ -4,6 +4,8 @@ Layout: init_mesh(tp=2, cp=2) on 8 ranks, default order, so dp=2 and
 rank = tp + 2*cp + 4*dp. Expected values are computed here from that formula.
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +15,8 @@ import meshstate
 from meshstate.jax import collectives as lax
 from meshstate.errors import AxisError, ConfigError, NotInitializedError
 from meshstate.testing import distributed, fake_world
+
+from conftest import in_both_worlds
 
 
 def coords(rank):
@@ -183,3 +187,44 @@ def test_a_torch_function_mode_sees_each_eager_collective_as_torchs_call():
             lax.all_to_all(x, "tp", 0, 0, tiled=True)
         mesh.destroy()
     assert {"all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single"} <= set(seen)
+
+
+STRIDED_CALLS = {
+    "psum": lambda v: lax.psum(v, "tp"),
+    "pmax": lambda v: lax.pmax(v, "tp"),
+    "all_gather": lambda v: lax.all_gather(v, "tp", axis=1),
+    "all_gather tiled": lambda v: lax.all_gather(v, "tp", axis=0, tiled=True),
+    "psum_scatter": lambda v: lax.psum_scatter(v, "tp", scatter_dimension=1, tiled=True),
+    "all_to_all": lambda v: lax.all_to_all(v, "tp", 1, 0, tiled=True),
+    "ppermute": lambda v: lax.ppermute(v, "tp", [(0, 1), (1, 0)]),
+}
+STRIDES = {  # each kind of block JAX has no word for: it has no memory layout
+    "transposed": lambda x: x.T[:, :4],
+    "a column block": lambda x: x[:, 1:5],
+    "every other row": lambda x: x[::2, :4],
+    "expanded": lambda x: x[:1, :4].expand(3, 4),
+}
+
+
+@in_both_worlds(4, ("processes", "threads", "simulated"))
+def test_every_collective_takes_a_block_of_any_strides():
+    """Each collective on each kind of non-contiguous block equals it on the block made
+    contiguous, values and gradients (a cotangent of any strides too), asked with and
+    without gradients (the eager calls met "Tensors must be contiguous")."""
+    mesh = meshstate.init_mesh(tp=2, cp=2)
+    whole = torch.arange(36.0).view(6, 6) * (dist.get_rank() + 1)
+    with mesh:
+        for (stride, cut), (name, call) in itertools.product(STRIDES.items(), STRIDED_CALLS.items()):
+            block = cut(whole)
+            assert not block.is_contiguous()
+            with torch.no_grad():
+                assert torch.equal(call(block), call(block.contiguous())), (stride, name)
+            if name == "pmax":  # not differentiable
+                continue
+            strided, dense = (whole.clone().requires_grad_() for _ in range(2))
+            result = call(cut(strided))
+            cotangent = torch.arange(float(result.numel())).view(result.shape[::-1]).T
+            (result * cotangent).sum().backward()
+            (call(cut(dense).contiguous()) * cotangent.contiguous()).sum().backward()
+            assert torch.equal(strided.grad, dense.grad), (stride, name)
+    mesh.destroy()

@@ -180,6 +180,7 @@ def permute(
     receives, sends, receiving, sending = _eager_splits(
         group.index, pairs, group.group_rank_at, x.shape[0]
     )
+    x = x.contiguous()  # a block of any strides: torch's call takes rows of dense memory
     arrived = torch.zeros_like(x)
     _compat.all_to_all(
         arrived if receiving else arrived[:0], x if sending else x[:0], group.group, receives,

@@ -1,6 +1,6 @@
-"""Records what JAX 0.10.2 gives for the programs of ``tests/test_porting.py``.
+"""Records what JAX gives for the programs of ``tests/test_porting.py``.
 
-Not a test: run it in a virtual environment of its own with ``jax==0.10.2``
+Not a test: run it in a virtual environment of its own with ``jax==0.12.0.1`` (Python 3.12)
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``) to write
 ``porting.json`` beside it. Each program uses the axis names JAX's documentation
 uses; inputs are ``arange``-based so that both sides build them alike. Per program
@@ -105,8 +105,28 @@ def remat(types):
     return (2, 2), ("x", "y"), body, (P(None, "y"), P("y", None)), P(), inputs((4, 4), (4, 4))
 
 
+def collective_matmul(types):
+    """The scaling book's collective matmul: the contracting dimension's blocks go round
+    the ring with ppermute while each meets its rows of the right operand."""
+    def body(lhs, rhs):
+        n, index, chunk = jax.lax.axis_size("tp"), jax.lax.axis_index("tp"), lhs.shape[1]
+
+        def rows_of(i):
+            return jax.lax.dynamic_slice_in_dim(rhs, (index + i) % n * chunk, chunk, axis=0)
+
+        accum = lhs @ rows_of(0)
+        for i in range(1, n):
+            lhs = jax.lax.ppermute(lhs, "tp", [(j, (j - 1) % n) for j in range(n)])
+            accum = accum + lhs @ rows_of(i)
+        mean = jax.lax.pmean(accum[:1], ("dp", "tp"))
+        types.extend([str(jax.typeof(v)) for v in (accum, mean)])
+        return accum + mean
+    return ((2, 2), ("dp", "tp"), body, (P("dp", "tp"), P(None, "tp")), P("dp", "tp"),
+            inputs((4, 8), (8, 6)))
+
+
 PROGRAMS = {"ring": ring, "matmul": matmul, "mlp": mlp, "pipeline": pipeline,
-            "halves": halves, "remat": remat}
+            "halves": halves, "remat": remat, "collective_matmul": collective_matmul}
 
 
 def record(name, program):
