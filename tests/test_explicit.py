@@ -1,4 +1,4 @@
-"""JAX's Explicit axes for DTensor code, against JAX 0.10.2's own answers.
+"""JAX's Explicit axes for DTensor code, against JAX 0.12.0.1's own answers.
 
 Each program of ``jax_records/explicit_programs.py`` runs here in
 ``meshstate.explicit()`` on 8 ranks (``init_mesh(tp=4)``: ``(pp, dp, cp, tp) =
@@ -16,7 +16,7 @@ import torch
 
 import meshstate
 from meshstate import P
-from meshstate.testing import distributed, fake_world
+from meshstate.testing import distributed, fake_world, simulated_world
 from conftest import compiled_whole, in_both_worlds, in_processes_and_threads
 
 _HERE = Path(__file__).parent / "jax_records"
@@ -322,3 +322,23 @@ def test_max_and_min_over_every_dim_are_typed_and_by_a_dim_refused():
         with pytest.raises(meshstate.ShardingTypeError, match=r"max\(x, dim\) .* gives indices"):
             x.max(0)
     mesh.destroy()
+
+
+def _explicit_slice():
+    mesh = meshstate.make_mesh((2, 4), ("dp", "tp"))
+    with meshstate.explicit(mesh):
+        sliced = meshstate.device_put(torch.ones(8, 16), P("dp", "tp"), mesh)[:, 0:8]
+    mesh.destroy()
+    return str(meshstate.typeof(sliced))
+
+
+def test_an_explicit_program_after_a_simulated_world_is_typed():
+    """The second time: the table of typed ops, and torch's table of function names, first
+    built inside a simulated world, held the world's replacements, and a slice after the
+    world was refused as untyped."""
+    torch.overrides._get_overridable_functions.cache_clear()  # as in a fresh process
+    with simulated_world(8) as world:
+        assert world.run(_explicit_slice) == ["float32[8@dp,8@tp]"] * 8
+    assert torch.overrides.resolve_name(torch.Tensor.__getitem__) == "torch.Tensor.__getitem__"
+    with fake_world(0, 8):
+        assert _explicit_slice() == "float32[8@dp,8@tp]"

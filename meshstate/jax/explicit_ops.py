@@ -438,6 +438,9 @@ def _shaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 # --- the table --------------------------------------------------------------------------
 
 _T = torch.Tensor
+_INDEX = getattr(_T.__getitem__, "__wrapped__", _T.__getitem__)
+"""torch's own indexing, also where this module is first imported inside a simulated
+world (whose indexing says what it wraps)."""
 _UNARY: list[Callable[..., Any]] = [torch.sin, torch.cos, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.relu,
           torch.sqrt, torch.rsqrt, torch.abs, torch.neg, torch.square, torch.nn.functional.gelu,
           torch.nn.functional.relu, torch.nn.functional.silu, torch.nn.functional.sigmoid,
@@ -468,7 +471,7 @@ _KINDS: dict[Callable[..., Any], str] = {
     **dict.fromkeys(_PERMUTES, "permute"),
     **dict.fromkeys([torch.unsqueeze, _T.unsqueeze], "unsqueeze"),
     **dict.fromkeys([torch.cat, torch.concat, torch.concatenate], "cat"),
-    torch.Tensor.__getitem__: "getitem",
+    _INDEX: "getitem",
     _T.requires_grad_: "requires_grad",
     **dict.fromkeys([
         _T.size, _T.dim, _T.numel, _T.stride, _T.__len__, _T.backward,
@@ -479,8 +482,7 @@ _KINDS: dict[Callable[..., Any], str] = {
         torch.autograd.grad,
         torch.autograd.backward], "passes"),
 }
-"""Each torch function JAX's Explicit axes type here, by its kind (torch's own functions:
-indexing is the class's slot, whatever a simulated world has put on ``torch.Tensor``);
+"""Each torch function JAX's Explicit axes type here, by its kind (torch's own functions);
 ``passes``: those that read a value without computing on it (and autograd)."""
 _BY_NAME = {resolve_name(func): kind for func, kind in _KINDS.items() if resolve_name(func)}
 

@@ -112,6 +112,7 @@ def _unreduced_elementwise(
     pending = [frozenset() if t is None else t.unreduced for t in operands]
     if not any(pending):
         return
+    typed = [t for t in operands if t is not None]
     if name in _LINEAR and len(operands) == 2:
         if pending[0] == pending[1]:
             return
@@ -133,9 +134,14 @@ def _unreduced_elementwise(
             "RHS should be reduced along the same axes LHS is unreduced on. "
             f"Got lhs={str_type(lhs, axes) if lhs else ''} and rhs={shown}"
         )
+    if len(operands) == 1:
+        raise ShardingTypeError(
+            f"{name} is a non-linear operation and cannot accept input that is unreduced. "
+            f"Got {str_type(typed[0], axes)}"
+        )
     raise ShardingTypeError(
-        f"unreduced rule for {name} is not implemented: reshard the pending sum first "
-        "(meshstate.reshard)"
+        f"{name} is a non-linear operation and cannot accept inputs that are unreduced. "
+        f"Got ({', '.join(str_type(t, axes) for t in typed)})"
     )
 
 
@@ -181,13 +187,14 @@ def contract(
     lhs_spec = tuple(left_entry[label] for label in contracting)
     rhs_spec = tuple(right_entry[label] for label in contracting)
     both = [label for label in contracting if left_entry[label] and right_entry[label]]
-    for label in both:
-        if left_entry[label] != right_entry[label]:
-            raise ShardingTypeError(
-                "dot_general requires contracting dimensions to have consistent sharding, "
-                f"got {spec_text(lhs_spec)} and {spec_text(rhs_spec)}."
-            )
-    pending = frozenset(axis for label in both for axis in left_entry[label])
+    batch = [label for label in left if label in right and label in output]
+    lhs_batch = tuple(left_entry[label] for label in batch)
+    rhs_batch = tuple(right_entry[label] for label in batch)
+    if out is None and not matmul and lhs_batch != rhs_batch:  # matmul's own words below
+        raise ShardingTypeError(
+            "dot_general requires lhs batch dimensions and rhs batch dimensions to have the "
+            f"same sharding, got {spec_text(lhs_batch)} and {spec_text(rhs_batch)}."
+        )
     if both and out is None:
         raise ShardingTypeError(
             "Contracting dimensions are sharded and it is ambiguous how the output should be "
@@ -195,6 +202,13 @@ def contract(
             f"Got lhs_contracting_spec={spec_text(lhs_spec)} and "
             f"rhs_contracting_spec={spec_text(rhs_spec)}"
         )
+    for label in both:
+        if left_entry[label] != right_entry[label]:
+            raise ShardingTypeError(
+                "dot_general requires contracting dimensions to have consistent sharding, "
+                f"got {spec_text(lhs_spec)} and {spec_text(rhs_spec)}."
+            )
+    pending = frozenset(axis for label in both for axis in left_entry[label])
     if out is not None and out[1] and out[1] != pending:
         raise ShardingTypeError(
             "out_sharding's unreduced axes should be equal to the contracting specs. "

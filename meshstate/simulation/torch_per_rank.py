@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import resolve_name
 
 from meshstate.errors import OTHER_WORLDS, SimulationError
 from meshstate.layout.ranks import ranks_text
@@ -70,6 +71,9 @@ def per_rank_torch() -> Iterator[None]:
     """
     from meshstate.simulation.per_rank import PerRankIntNode, per_rank_int
 
+    # torch names the functions a torch function mode sees from a table it builds once,
+    # on its first question: asked now, it holds torch's own functions, not these.
+    resolve_name(torch.add)
     with contextlib.ExitStack() as patches:
         for owner, name, replacement in _replaced():
             patches.enter_context(mock.patch.object(owner, name, replacement))

@@ -1,6 +1,6 @@
-"""Records what JAX 0.10.2 gives for the programs of ``explicit_programs.py``.
+"""Records what JAX gives for the programs of ``explicit_programs.py``.
 
-Not a test: run it in a virtual environment of its own with ``jax==0.10.2``
+Not a test: run it in a virtual environment of its own with ``jax==0.12.0.1`` (Python 3.12)
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set below) to write
 ``explicit.json`` beside it. Each program runs under ``jax.jit`` on a mesh of
 Explicit axes, device ``i`` at the ``i``-th row-major coordinate. Per program it
