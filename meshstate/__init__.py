@@ -66,7 +66,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('ExplicitType', 'ShardingTypeError', 'auto_axes', 'device_put', 'einsum', 'explicit', 'explicit_axes', 'matmul', 'typeof'), "meshstate.jax.explicit"),
 }
 _SUBMODULES = frozenset(
-    {"core", "jax", "layout", "megatron", "simulation", "testing", "titan", "tools", "parallel_state"}
+    {"checkpoint", "core", "jax", "layout", "megatron", "simulation", "testing", "titan", "tools", "parallel_state"}
 )
 
 

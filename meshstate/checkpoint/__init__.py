@@ -1,0 +1,13 @@
+"""Checkpoints that know the layout: plain shards saved under one layout load under another.
+
+``save(state, path, layout)`` and ``load(state, path, layout)`` take each rank's own
+shards (Megatron-style TP weights, ``shard_map`` blocks, local experts, a pipeline
+stage's layers, AdamW moments) and a :class:`Layout` saying how they lie; torch's DCP
+does the files. See docs/reference.md, "Checkpoints across layouts".
+"""
+
+from meshstate.checkpoint.errors import CheckpointError
+from meshstate.checkpoint.layout import Layout
+from meshstate.checkpoint.saving import Transfer, load, save
+
+__all__ = ["CheckpointError", "Layout", "Transfer", "load", "save"]

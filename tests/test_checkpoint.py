@@ -1,0 +1,271 @@
+"""Checkpoints across layouts: plain shards saved under one layout load under another.
+
+A model of every kind of plain shard (a Megatron-style column/row-parallel pair, a
+``shard_map`` MLP's weights over a joint axis tuple, experts over ``ep`` split over
+``etp``, layers numbered by pipeline stage, a replicated table) and its AdamW state
+is trained two steps at one layout, saved, loaded at another, and trained three more:
+every rank's shards, moments and step equal the slices of one process's whole model
+bit for bit after the load and after the steps. Each pair runs on 8 gloo processes
+and on 8 threads of one process.
+"""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshstate
+from meshstate import P
+from meshstate.checkpoint import CheckpointError, Layout, load, save
+
+from conftest import in_both_worlds
+
+LAYERS, EXPERTS, HIDDEN, FFN = 4, 8, 8, 16
+
+SPECS = {
+    "*.up.weight": P("tp", None),            # Megatron's ColumnParallelLinear: partition dim 0
+    "*.down.weight": P(None, "tp"),          # RowParallelLinear: partition dim 1
+    "*.mlp.w1": P(None, ("cp", "tp")),       # a shard_map MLP's blocks over an axis tuple
+    "*.mlp.w2": P(("tp", "cp"), None),       # ... and against mesh order
+    "*.experts.*.w1": P(None, "etp"),        # each expert split over expert-tensor ranks
+    "*.experts.*.w2": P("etp", None),
+    "*.embed": P("dp"),                      # FSDP-style rows over dp
+}
+NUMBERED = {"layers": "pp", "experts": "ep"}
+HSDP_SPECS = {**SPECS, "*.embed": P("dp_shard")}
+
+
+def whole_model():
+    """Every whole tensor of the model, by its whole-model key (float64)."""
+    generator = torch.Generator().manual_seed(0)
+    model = {"embed": torch.randn(16, HIDDEN, dtype=torch.float64, generator=generator)}
+    shapes = {"up.weight": (FFN, HIDDEN), "down.weight": (HIDDEN, FFN), "mlp.w1": (HIDDEN, FFN),
+              "mlp.w2": (FFN, HIDDEN)}
+    for layer in range(LAYERS):
+        for name, shape in shapes.items():
+            model[f"layers.{layer}.{name}"] = torch.randn(*shape, dtype=torch.float64, generator=generator)
+        for expert in range(EXPERTS):
+            for name, shape in (("w1", (HIDDEN, 12)), ("w2", (12, HIDDEN))):
+                model[f"layers.{layer}.experts.{expert}.{name}"] = torch.randn(
+                    *shape, dtype=torch.float64, generator=generator)
+    return model
+
+
+def block(tensor, spec, mesh):
+    """This rank's block of ``tensor`` under ``spec``: each split dim cut into the product
+    of its axes' sizes, the first axis major (written out here, not asked of meshstate)."""
+    for dim, entry in enumerate(spec.dims):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        index, count = 0, 1
+        for axis in axes:
+            index, count = index * mesh.size(axis) + mesh.rank(axis), count * mesh.size(axis)
+        tensor = tensor.chunk(count, dim)[index]
+    return tensor.contiguous()
+
+
+def spec_for(key, specs):
+    layout = Layout(specs)
+    return layout.spec_of(key)
+
+
+def local_model(whole, mesh, specs):
+    """This rank's shards under its own local keys (its stage's layers and its experts
+    numbered from 0)."""
+    per_stage, per_rank = LAYERS // mesh.size("pp"), EXPERTS // mesh.size("ep")
+    stage, ep = mesh.rank("pp"), mesh.rank("ep")
+    local = {"embed": block(whole["embed"], spec_for("model.embed", specs), mesh)}
+    for key, tensor in whole.items():
+        parts = key.split(".")
+        if parts[0] != "layers" or not stage * per_stage <= int(parts[1]) < (stage + 1) * per_stage:
+            continue
+        parts[1] = str(int(parts[1]) - stage * per_stage)
+        if "experts" in parts:
+            at = parts.index("experts") + 1
+            if not ep * per_rank <= int(parts[at]) < (ep + 1) * per_rank:
+                continue
+            parts[at] = str(int(parts[at]) - ep * per_rank)
+        local[".".join(parts)] = block(tensor, spec_for("model." + key, specs), mesh)
+    return local
+
+
+def optimizer_of(parameters):
+    """AdamW over ``parameters`` (a dict), its state made now (step 0, zero moments)."""
+    optimizer = torch.optim.AdamW(list(parameters.values()), lr=0.1, foreach=False)
+    for parameter in parameters.values():
+        optimizer.state[parameter] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(parameter),
+                                      "exp_avg_sq": torch.zeros_like(parameter)}
+    return optimizer
+
+
+def train(parameters, optimizer, steps):
+    """``steps`` AdamW steps with gradient ``sin(w)``: elementwise, so a shard's steps are
+    the slice of the whole model's, bit for bit."""
+    for _ in range(steps):
+        for parameter in parameters.values():
+            parameter.grad = torch.sin(parameter.detach())
+        optimizer.step()
+
+
+def state_of(parameters, optimizer):
+    moments = {f"{key}.{name}": value for key, parameter in parameters.items()
+               for name, value in optimizer.state[parameter].items()}
+    return {"model": parameters, "optim": moments}
+
+
+def trained(steps):
+    """One process's whole model and AdamW state after ``steps`` steps."""
+    parameters = {key: tensor.requires_grad_() for key, tensor in whole_model().items()}
+    optimizer = optimizer_of(parameters)
+    train(parameters, optimizer, steps)
+    return state_of(parameters, optimizer)
+
+
+def shared_directory():
+    made = [tempfile.mkdtemp(prefix="meshstate-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, group_src=0)
+    return made[0]
+
+
+def run_at(sizes, specs):
+    mesh = meshstate.init_mesh(**sizes)
+    whole = trained(0)["model"]
+    parameters = {k: v.detach().clone().requires_grad_() for k, v in local_model(whole, mesh, specs).items()}
+    return mesh, parameters, optimizer_of(parameters)
+
+
+def assert_slices_of(state, reference, mesh, specs):
+    """Every local tensor of ``state`` equals the slice of ``reference``'s whole tensor."""
+    layout = Layout(specs, NUMBERED)
+    per_stage, per_rank = LAYERS // mesh.size("pp"), EXPERTS // mesh.size("ep")
+    offsets = {("layers", "pp"): mesh.rank("pp") * per_stage, ("experts", "ep"): mesh.rank("ep") * per_rank}
+    for part in ("model", "optim"):
+        for key, value in state[part].items():
+            whole_key = layout.global_key(f"{part}.{key}", offsets)
+            want = reference[part][whole_key.split(".", 1)[1]]
+            if value.dim():
+                want = block(want, layout.spec_of(whole_key), mesh)
+            assert torch.equal(value.detach(), want.detach()), (whole_key, dict(mesh.coordinate))
+
+
+LAYOUTS = {
+    "tp2 pp2 ep2": dict(tp=2, pp=2, ep=2, etp=1),
+    "tp4": dict(tp=4, pp=2, ep=2, etp=1),
+    "tp1": dict(tp=1, pp=2, ep=2, etp=1),
+    "cp2": dict(tp=2, cp=2, pp=2, ep=2, etp=1),
+    "etp2": dict(tp=2, pp=2, ep=2, etp=2),
+    "pp4": dict(tp=2, pp=4, ep=1, etp=1),
+    "pp1": dict(tp=2, pp=1, ep=2, etp=1),
+    "ep4": dict(tp=2, pp=1, ep=4, etp=2),
+    "ep2": dict(tp=2, pp=1, ep=2, etp=2),
+    "ep8": dict(tp=1, pp=1, ep=8, etp=1),
+    "hsdp": dict(tp=2, pp=1, ep=2, etp=1, dp_replicate=2),
+}
+PAIRS = [
+    ("tp2 pp2 ep2", "tp2 pp2 ep2"),  # unchanged
+    ("tp2 pp2 ep2", "tp4"), ("tp2 pp2 ep2", "tp1"), ("tp2 pp2 ep2", "cp2"),  # one axis each
+    ("tp2 pp2 ep2", "etp2"), ("pp4", "tp2 pp2 ep2"), ("tp2 pp2 ep2", "pp1"),
+    ("ep4", "ep2"), ("ep4", "ep8"), ("ep4", "ep4"),  # experts per rank: KempnerForge#202
+    ("tp2 pp2 ep2", "ep8"), ("cp2", "ep4"),  # several at once
+    ("hsdp", "tp2 pp2 ep2"), ("tp2 pp2 ep2", "hsdp"),  # HSDP <-> plain dp
+]
+
+
+def specs_of(name):
+    return HSDP_SPECS if name == "hsdp" else SPECS
+
+
+@pytest.mark.parametrize("pairs", [PAIRS[:7], PAIRS[7:]], ids=["one axis", "experts, several, hsdp"])
+@in_both_worlds(8, ("processes", "threads"))
+def test_every_kind_of_shard_moves_between_layouts(pairs):
+    directory = shared_directory()
+    after_two, after_five = trained(2), trained(5)
+    for number, (saved_at, loaded_at) in enumerate(pairs):
+        path = os.path.join(directory, str(number))
+        mesh, parameters, optimizer = run_at(LAYOUTS[saved_at], specs_of(saved_at))
+        train(parameters, optimizer, 2)
+        save(state_of(parameters, optimizer), path, Layout(specs_of(saved_at), NUMBERED), mesh)
+        mesh.destroy()
+
+        mesh, parameters, optimizer = run_at(LAYOUTS[loaded_at], specs_of(loaded_at))
+        state = state_of(parameters, optimizer)
+        load(state, path, Layout(specs_of(loaded_at), NUMBERED), mesh)
+        assert_slices_of(state, after_two, mesh, specs_of(loaded_at))
+        train(parameters, optimizer, 3)
+        assert_slices_of(state_of(parameters, optimizer), after_five, mesh, specs_of(loaded_at))
+        mesh.destroy()
+
+
+def unique_bytes(state):
+    """The bytes of the whole model's tensors in ``state`` (each once)."""
+    return sum(value.numel() * value.element_size() for part in state.values() for value in part.values())
+
+
+@in_both_worlds(8, ("processes", "threads"))
+def test_each_entry_is_written_once_and_read_once_per_replica_group():
+    """Summed over ranks, the tensor bytes written and the bytes read equal the whole
+    model's, at the same layout and at another: a replicated entry (the AdamW steps, the
+    table over tp) is written by one rank of its replica group and read by one, which
+    broadcasts it (torchtitan#4035)."""
+    directory, whole = shared_directory(), unique_bytes(trained(0))
+    for number, (saved_at, loaded_at) in enumerate([("tp2 pp2 ep2", "tp2 pp2 ep2"), ("ep4", "cp2")]):
+        path = os.path.join(directory, str(number))
+        mesh, parameters, optimizer = run_at(LAYOUTS[saved_at], SPECS)
+        written = save(state_of(parameters, optimizer), path, Layout(SPECS, NUMBERED), mesh)
+        mesh.destroy()
+        mesh, parameters, optimizer = run_at(LAYOUTS[loaded_at], SPECS)
+        read = load(state_of(parameters, optimizer), path, Layout(SPECS, NUMBERED), mesh)
+        mesh.destroy()
+        totals = torch.tensor([written.bytes, read.bytes])
+        dist.all_reduce(totals)
+        assert totals.tolist() == [whole, whole], (saved_at, loaded_at, totals.tolist(), whole)
+
+
+@in_both_worlds(8, ("processes", "threads"))
+def test_a_checkpoint_that_does_not_cover_the_layout_is_refused_before_anything_loads():
+    directory = shared_directory()
+    mesh, parameters, optimizer = run_at(LAYOUTS["ep4"], SPECS)
+    save({"model": parameters}, directory, Layout(SPECS, NUMBERED), mesh)
+    mesh.destroy()
+
+    mesh = meshstate.init_mesh(tp=2, ep=4, etp=2)
+    wider = {f"layers.{layer}.experts.{expert}.w1": torch.zeros(HIDDEN, 6, dtype=torch.float64)
+             for layer in range(LAYERS) for expert in range(4)}  # 16 experts: 4 a rank
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.experts\.(8|12)\.w1 .* is not in the "
+                       r"checkpoint \(it has model\.layers\.0\.experts 0-7\).*nothing was loaded"):
+        load({"model": wider}, directory, Layout(SPECS, NUMBERED), mesh)
+    assert all(not value.any() for value in wider.values())
+    mesh.destroy()
+
+    mesh, parameters, _ = run_at(LAYOUTS["ep4"], SPECS)
+    parameters["embed"] = torch.zeros(4, 4, dtype=torch.float64)
+    with pytest.raises(CheckpointError, match=r"model\.embed: the checkpoint's whole shape is "
+                       r"\(16, 8\), this layout's is \(16, 4\)"):
+        load({"model": parameters}, directory, Layout(SPECS, NUMBERED), mesh)
+    mesh.destroy()
+
+
+def test_a_layout_names_what_it_cannot_use():
+    with pytest.raises(CheckpointError, match=r"Layout specs\['\*\.up'\] must be a meshstate\.P, got tuple"):
+        Layout({"*.up": ("tp", None)})
+    layout = Layout(numbered={"layers": "pp"})
+    with pytest.raises(CheckpointError, match=r"the items under 'layers' \(numbered along 'pp'\) are "
+                       r"0-1, 3 on this rank; a rank's own must be 0-2"):
+        layout.counts(["layers.0.w", "layers.1.w", "layers.3.w"])
+    assert layout.global_key("optim.layers.1.w.exp_avg", {("layers", "pp"): 2}) == "optim.layers.3.w.exp_avg"
+    assert Layout({"*.w": P("tp")}).spec_of("optim.layers.1.w.exp_avg") == P("tp")
+
+
+def test_the_simulated_world_refuses_a_checkpoint_by_name():
+    from meshstate.testing import simulated_world
+
+    def body():
+        mesh = meshstate.init_mesh(tp=2)
+        try:
+            save({"w": torch.ones(2)}, "/nonexistent", Layout(), mesh)
+        finally:
+            mesh.destroy()
+
+    with simulated_world(2) as world, pytest.raises(Exception, match="meshstate.checkpoint.save"):
+        world.run(body)
