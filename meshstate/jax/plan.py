@@ -31,7 +31,7 @@ from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.world import each_rank
 from meshstate.jax.torch_calls import block, device_for, gather, gather_whole, take_block
-from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
+from meshstate.jax.sharding import DimAxes, NamedSharding, P, entry_axes, to_placements
 
 Leaves = list[tuple[int, torch.Tensor]]
 """Tensors, each with the number of its spec in a plan: a call's flat arguments or results."""
@@ -94,7 +94,7 @@ class Plan:
         """DTensor specs of even results, by spec number and block shape (eager, no autograd)."""
         self.split_dims = tuple(
             [
-                (dim, parallel_mesh.ordered(_axes_of(entry)))
+                (dim, parallel_mesh.ordered(entry_axes(entry)))
                 for dim, entry in enumerate(spec.dims)
                 if entry is not None
             ]
@@ -234,7 +234,7 @@ def _summed_shapes(outputs: Leaves, plan: Plan) -> list[torch.Size]:
 
     Where an argument was cut unevenly a rank cannot know the others' blocks."""
     split = [
-        (tuple(set(plan.mesh_axes) - set(_axes_of(entry))), y.shape[dim])
+        (tuple(set(plan.mesh_axes) - set(entry_axes(entry))), y.shape[dim])
         for number, y in outputs
         for dim, entry in enumerate(plan.specs[number].dims[: y.dim()])
         if entry is not None

@@ -1,0 +1,43 @@
+"""JAX's Explicit axes for DTensor code: the sharding is part of the type.
+
+Inside :func:`explicit`, a DTensor on a view of the mesh is typed as JAX types
+an array on Explicit axes (:func:`typeof`), and plain torch ops on such values
+follow JAX 0.10's rules (:mod:`~meshstate.jax.explicit.rules`): each gives JAX's
+result sharding, or raises :class:`ShardingTypeError` with JAX's message before
+anything is sent. Nothing communicates unless the program asked:
+``out_sharding``, :func:`~meshstate.reshard`, or a reduction over a split dim
+(which JAX reduces at once). Values are DTensor's; gradients reaching a leaf
+carry its type, as JAX's cotangents do.
+
+Example (8 ranks, ``init_mesh(tp=4)``)::
+
+    with meshstate.explicit():
+        x = meshstate.device_put(torch.randn(8, 16), P("dp", "tp"))
+        str(meshstate.typeof(x))                            # 'float32[8@dp,16@tp]'
+        w = meshstate.device_put(torch.randn(16, 4), P("tp", None))
+        u = meshstate.matmul(x, w, out_sharding=P("dp", None, unreduced={"tp"}))
+        meshstate.reshard(u, P("dp", None))                 # the pending sum, reduced
+
+Four floors: :mod:`~meshstate.jax.explicit.rules`, the typing rules as pure arithmetic on
+types; :mod:`~meshstate.jax.explicit.plans`, what an op does on its operands' layouts;
+:mod:`~meshstate.jax.explicit.runs`, how a planned op runs on DTensors (and the table of
+ops seen before); :mod:`~meshstate.jax.explicit.ops`, each typed torch op's handler; and
+:mod:`~meshstate.jax.explicit.mode`, the mode and the public calls.
+"""
+
+from meshstate.jax.explicit.mode import (
+    ExplicitType,
+    auto_axes,
+    device_put,
+    einsum,
+    explicit,
+    explicit_axes,
+    matmul,
+    typeof,
+)
+from meshstate.jax.explicit.rules import ShardingTypeError
+
+__all__ = [
+    "ExplicitType", "ShardingTypeError", "auto_axes", "device_put", "einsum", "explicit",
+    "explicit_axes", "matmul", "typeof",
+]
