@@ -11,7 +11,7 @@ is found by the specs' values).
 Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
 
     plan = plan_on(mesh, (P("tp"),))
-    plan.to_local(0, torch.arange(8.0))   # this tp rank's half
+    plan.block_of(0, torch.arange(8.0))   # this tp rank's half
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Plan:
         axes = self.left_out_axes(spec)
         return parallel_mesh.ordered(axes) if axes else None
 
-    def to_local(self, number: int, x: torch.Tensor) -> torch.Tensor:
+    def block_of(self, number: int, x: torch.Tensor) -> torch.Tensor:
         """This rank's block of ``x`` under spec ``number``; its gradient is the block's own."""
         if isinstance(x, DTensor):
             return self._local_of(x, number)

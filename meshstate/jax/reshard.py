@@ -71,7 +71,7 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
     if spec.unreduced:
         return _into_pending(reshard(x, P(*spec.dims), parallel_mesh), spec, frozenset())
     plan = plan_on(parallel_mesh, (spec,))
-    return plan.to_dtensor(0, plan.to_local(0, x), x.shape)
+    return plan.to_dtensor(0, plan.block_of(0, x), x.shape)
 
 
 @_compat.constant_when_traced

@@ -21,20 +21,20 @@ Example (8 ranks, ``init_mesh(tp=4)``)::
 Four floors: :mod:`~meshstate.jax.explicit.rules`, the typing rules as pure arithmetic on
 types; :mod:`~meshstate.jax.explicit.plans`, what an op does on its operands' layouts;
 :mod:`~meshstate.jax.explicit.runs`, how a planned op runs on DTensors (and the table of
-ops seen before); :mod:`~meshstate.jax.explicit.ops`, each typed torch op's handler; and
-:mod:`~meshstate.jax.explicit.mode`, the mode and the public calls.
+ops seen before); :mod:`~meshstate.jax.explicit.ops`, each typed torch op's handler and the
+contractions :func:`matmul` and :func:`einsum`; :mod:`~meshstate.jax.explicit.mode`, the mode
+and the other public calls.
 """
 
 from meshstate.jax.explicit.mode import (
     ExplicitType,
     auto_axes,
     device_put,
-    einsum,
     explicit,
     explicit_axes,
-    matmul,
     typeof,
 )
+from meshstate.jax.explicit.ops import einsum, matmul
 from meshstate.jax.explicit.rules import ShardingTypeError
 
 __all__ = [

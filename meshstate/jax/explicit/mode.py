@@ -1,7 +1,6 @@
 """The explicit mode: :class:`ExplicitAxes` hands each torch op on DTensors to its handler
 (:mod:`~meshstate.jax.explicit.ops`), and the public calls made under it (:func:`explicit`,
-:func:`device_put`, :func:`typeof`, :func:`matmul`, :func:`einsum`, :func:`auto_axes`,
-:func:`explicit_axes`)."""
+:func:`device_put`, :func:`typeof`, :func:`auto_axes`, :func:`explicit_axes`)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.errors import ArgumentTypeError
 from meshstate.jax.explicit import rules
-from meshstate.jax.explicit.ops import HANDLERS, contracted, full_equation, kind_of
+from meshstate.jax.explicit.ops import HANDLERS, kind_of
 from meshstate.jax.explicit.plans import array_type, dtype_name, name_of, sized_axes
 from meshstate.jax.explicit.rules import ArrayType, ShardingTypeError
 from meshstate.jax.explicit.runs import NOT_FAST, run_fast, state, suspended
@@ -83,22 +82,6 @@ def device_put(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DT
     if not isinstance(spec, P):
         raise ArgumentTypeError(f"device_put(spec=...) takes a P, got {type(spec).__name__}")
     return reshard(x, spec, mesh)
-
-
-def matmul(a: torch.Tensor, b: torch.Tensor, out_sharding: P | None = None) -> DTensor:
-    """``a @ b`` typed, resharded to ``out_sharding`` (JAX's ``jnp.matmul(a, b,
-    out_sharding=...)``): any spec, or the contracting axes ``unreduced`` to keep the sum
-    pending. Example: ``matmul(x, w, out_sharding=P("dp", None))``."""
-    return contracted(None, (a, b), out_sharding, torch.matmul, matmul=True)
-
-
-def einsum(equation: str, *operands: torch.Tensor, out_sharding: P | None = None) -> DTensor:
-    """``torch.einsum(equation, *operands)`` of two operands, typed as JAX's ``dot_general``
-    and resharded to ``out_sharding``. Example: ``einsum("ij,jk->ik", x, w)``."""
-    return contracted(
-        full_equation(equation, operands), tuple(operands), out_sharding,
-        functools.partial(torch.einsum, equation), matmul=False,
-    )
 
 
 def auto_axes(f: Callable[..., Any], out_sharding: P) -> Callable[..., DTensor]:

@@ -15,6 +15,7 @@ Example (inside ``meshstate.explicit()``)::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,6 +99,22 @@ def full_equation(equation: str, operands: Sequence[torch.Tensor]) -> str:
         return equation
     labels = equation.replace(",", "")
     return f"{equation}->{''.join(sorted(l for l in set(labels) if labels.count(l) == 1))}"
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out_sharding: P | None = None) -> DTensor:
+    """``a @ b`` typed, resharded to ``out_sharding`` (JAX's ``jnp.matmul(a, b,
+    out_sharding=...)``): any spec, or the contracting axes ``unreduced`` to keep the sum
+    pending. Example: ``matmul(x, w, out_sharding=P("dp", None))``."""
+    return contracted(None, (a, b), out_sharding, torch.matmul, matmul=True)
+
+
+def einsum(equation: str, *operands: torch.Tensor, out_sharding: P | None = None) -> DTensor:
+    """``torch.einsum(equation, *operands)`` of two operands, typed as JAX's ``dot_general``
+    and resharded to ``out_sharding``. Example: ``einsum("ij,jk->ik", x, w)``."""
+    return contracted(
+        full_equation(equation, operands), tuple(operands), out_sharding,
+        functools.partial(torch.einsum, equation), matmul=False,
+    )
 
 
 def contracted(
