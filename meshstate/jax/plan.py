@@ -30,7 +30,7 @@ from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.world import each_rank
-from meshstate.jax.torch_calls import block, device_for, gather, gather_whole, take_block
+from meshstate.jax.torch_calls import block, device_for, take_block
 from meshstate.jax.sharding import DimAxes, NamedSharding, P, entry_axes, to_placements
 
 Leaves = list[tuple[int, torch.Tensor]]

@@ -216,7 +216,7 @@ def matmul_equation(lhs_ndim: int, rhs_ndim: int) -> str:
     key = (lhs_ndim, rhs_ndim)
     found = _EQUATIONS.get(key)
     if found is None:
-        found = _EQUATIONS[key] = rules.matmul_equation(lhs_ndim, rhs_ndim)
+        found = _EQUATIONS[key] = rules.matmul_as_einsum(lhs_ndim, rhs_ndim)
     return found
 
 
