@@ -18,22 +18,11 @@ Example (8 ranks, ``init_mesh(tp=4)``)::
         u = meshstate.matmul(x, w, out_sharding=P("dp", None, unreduced={"tp"}))
         meshstate.reshard(u, P("dp", None))                 # the pending sum, reduced
 
-Four floors: :mod:`~meshstate.jax.explicit.rules`, the typing rules as pure arithmetic on
-types; :mod:`~meshstate.jax.explicit.plans`, what an op does on its operands' layouts;
-:mod:`~meshstate.jax.explicit.runs`, how a planned op runs on DTensors (and the table of
-ops seen before); :mod:`~meshstate.jax.explicit.ops`, each typed torch op's handler and the
-contractions :func:`matmul` and :func:`einsum`; :mod:`~meshstate.jax.explicit.mode`, the mode
-and the other public calls.
+Inside: ``rules`` (the typing rules, pure arithmetic), ``plans`` (an op on its operands'
+layouts), ``runs`` (a planned op on DTensors), ``ops`` (each op's handler), ``mode``.
 """
 
-from meshstate.jax.explicit.mode import (
-    ExplicitType,
-    auto_axes,
-    device_put,
-    explicit,
-    explicit_axes,
-    typeof,
-)
+from meshstate.jax.explicit.mode import ExplicitType, auto_axes, device_put, explicit, explicit_axes, typeof
 from meshstate.jax.explicit.ops import einsum, matmul
 from meshstate.jax.explicit.rules import ShardingTypeError
 
