@@ -5,7 +5,13 @@ import sys
 
 import pytest
 
-from meshstate.tools import bench, bench_compile, bench_explicit, bench_harness, bench_init, bench_processes, bench_runtime
+from meshstate.tools.bench import compiled as bench_compile
+from meshstate.tools.bench import explicit as bench_explicit
+from meshstate.tools.bench import harness as bench_harness
+from meshstate.tools.bench import init as bench_init
+from meshstate.tools.bench import processes as bench_processes
+from meshstate.tools.bench import report as bench
+from meshstate.tools.bench import runtime as bench_runtime
 from meshstate.tools.cli import main
 
 SIZES = dict(order="tp-cp-ep-dp-pp", tp=2, cp=2, pp=2, ep=2, etp=1)
@@ -160,7 +166,7 @@ def test_runtime_table_has_every_call_traced_as_one_graph(monkeypatch):
 def test_a_simulated_check_counts_its_own_memory_not_its_parents():
     """The row's process starts fresh: a parent holding a gigabyte does not raise its peak
     (Linux keeps ``ru_maxrss`` across exec)."""
-    from meshstate.tools.bench_simulated import time_simulated_check
+    from meshstate.tools.bench.simulated import time_simulated_check
 
     held = bytearray(2**30)
     held[::4096] = b"x" * len(held[::4096])  # touch every page: resident

@@ -14,9 +14,14 @@ import pytest
 from conftest import heed_ctrl_c
 import torch
 
-from meshstate.tools import bench_init, bench_processes, cli_commands, cli_parser, cli_plan, cli_shared
+from meshstate.tools.bench import init as bench_init
+from meshstate.tools.bench import processes as bench_processes
+from meshstate.tools.cli import commands as cli_commands
+from meshstate.tools.cli import parser as cli_parser
+from meshstate.tools.cli import plan as cli_plan
+from meshstate.tools.cli import shared as cli_shared
 from meshstate.tools.cli import main
-from meshstate.tools.cli_commands import LocalCapacity
+from meshstate.tools.cli.commands import LocalCapacity
 
 GIB = 2**30
 

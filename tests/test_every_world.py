@@ -22,7 +22,7 @@ from meshstate import SimulationError
 from meshstate.megatron import install, uninstall
 from meshstate.testing import local_world, simulated_world, threaded_world
 from meshstate.testing.launch import LocalWorld
-from meshstate.tools.bench_simulated import pipeline_step
+from meshstate.tools.bench.simulated import pipeline_step
 
 import world_bodies as bodies
 

@@ -7,10 +7,10 @@ FIRST_USE = """
 import sys
 import meshstate
 print(sorted(name for name in sys.modules if name == "torch" or name.startswith("meshstate.")))
-HEAVY = ("meshstate.core.build", "meshstate.tools.bench", "torch.distributed.tensor")
-import meshstate.tools.cli_plan  # what `meshstate plan` loads: the layout, no mesh
+HEAVY = ("meshstate.core.build", "meshstate.tools.bench.report", "torch.distributed.tensor")
+import meshstate.tools.cli.plan  # what `meshstate plan` loads: the layout, no mesh
 print("plan:", [name for name in HEAVY if name in sys.modules])
-import meshstate.tools.cli_commands  # what `meshstate check` loads: the mesh, neither bench nor DTensor
+import meshstate.tools.cli.commands  # what `meshstate check` loads: the mesh, neither bench nor DTensor
 print("check:", [name for name in HEAVY if name in sys.modules])
 for name in ("core", "jax", "megatron", "testing", "titan", "tools"):
     module = getattr(meshstate, name)

@@ -24,7 +24,7 @@ from meshstate import SimulationError
 from meshstate.errors import MeshStateError
 from meshstate.simulation import local_compat
 from meshstate.testing import distributed, fake_world, local_world, simulated_world
-from meshstate.tools.bench_simulated import (
+from meshstate.tools.bench.simulated import (
     SimulatedCheckRow,
     format_simulated_checks,
     pipeline_expected,

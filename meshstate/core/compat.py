@@ -1,7 +1,10 @@
-"""The private torch APIs the library touches (core, jax, megatron, titan), kept in one place.
+"""The runtime layer's private torch APIs: those core touches, and the façades above it (jax,
+megatron, titan) through it, kept in one place.
 
 A torch upgrade that moves any of these is this file's work alone; each function says which
-private name it relies on. The harness's and benchmark's: :mod:`meshstate.testing.torch_internals`.
+private name it relies on. One such module per layer that touches torch's privates: the
+simulation's is :mod:`meshstate.simulation.local_compat`, the harness's and benchmark's
+:mod:`meshstate.testing.torch_internals`.
 """
 
 from __future__ import annotations

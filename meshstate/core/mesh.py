@@ -14,14 +14,11 @@ key declared (only its members take part). The current mesh (``with mesh:``,
 
 from __future__ import annotations
 
-import inspect
-import os
 import sys
 import threading
-import weakref
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh

@@ -11,7 +11,7 @@ is found by the specs' values).
 Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
 
     plan = plan_on(mesh, (P("tp"),))
-    plan.to_local(0, torch.arange(8.0))   # this tp rank's half
+    plan.block_of(0, torch.arange(8.0))   # this tp rank's half
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.core.world import each_rank
-from meshstate.jax.torch_calls import block, device_for, gather, gather_whole, take_block
-from meshstate.jax.sharding import DimAxes, NamedSharding, P, _axes_of, to_placements
+from meshstate.jax.torch_calls import block, device_for, take_block
+from meshstate.jax.sharding import DimAxes, NamedSharding, P, entry_axes, to_placements
 
 Leaves = list[tuple[int, torch.Tensor]]
 """Tensors, each with the number of its spec in a plan: a call's flat arguments or results."""
@@ -94,7 +94,7 @@ class Plan:
         """DTensor specs of even results, by spec number and block shape (eager, no autograd)."""
         self.split_dims = tuple(
             [
-                (dim, parallel_mesh.ordered(_axes_of(entry)))
+                (dim, parallel_mesh.ordered(entry_axes(entry)))
                 for dim, entry in enumerate(spec.dims)
                 if entry is not None
             ]
@@ -116,7 +116,7 @@ class Plan:
         axes = self.left_out_axes(spec)
         return parallel_mesh.ordered(axes) if axes else None
 
-    def to_local(self, number: int, x: torch.Tensor) -> torch.Tensor:
+    def block_of(self, number: int, x: torch.Tensor) -> torch.Tensor:
         """This rank's block of ``x`` under spec ``number``; its gradient is the block's own."""
         if isinstance(x, DTensor):
             return self._local_of(x, number)
@@ -234,7 +234,7 @@ def _summed_shapes(outputs: Leaves, plan: Plan) -> list[torch.Size]:
 
     Where an argument was cut unevenly a rank cannot know the others' blocks."""
     split = [
-        (tuple(set(plan.mesh_axes) - set(_axes_of(entry))), y.shape[dim])
+        (tuple(set(plan.mesh_axes) - set(entry_axes(entry))), y.shape[dim])
         for number, y in outputs
         for dim, entry in enumerate(plan.specs[number].dims[: y.dim()])
         if entry is not None

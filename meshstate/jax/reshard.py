@@ -12,11 +12,8 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,7 +25,7 @@ from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mes
 from meshstate.core.ordered import OrderedGroup
 from meshstate.jax.plan import contiguous_strides, plan_on
 from meshstate.jax.torch_calls import block, gather, gather_whole, take_block
-from meshstate.jax.sharding import DimAxes, P, _axes_of, to_placements
+from meshstate.jax.sharding import DimAxes, P, entry_axes, spec_of, to_placements
 
 __all__ = ["reshard"]
 
@@ -74,7 +71,7 @@ def reshard(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTens
     if spec.unreduced:
         return _into_pending(reshard(x, P(*spec.dims), parallel_mesh), spec, frozenset())
     plan = plan_on(parallel_mesh, (spec,))
-    return plan.to_dtensor(0, plan.to_local(0, x), x.shape)
+    return plan.to_dtensor(0, plan.block_of(0, x), x.shape)
 
 
 @_compat.constant_when_traced
@@ -99,7 +96,7 @@ def _into_pending(x: DTensor, spec: P, pending: frozenset[str]) -> DTensor:
         x = x.redistribute(view, [p if p.is_partial() else Replicate() for p in x.placements])
         source = P()
     new = sorted(spec.unreduced - pending)
-    dims = [_axes_of(source.dims[d]) if d < len(source.dims) else () for d in range(x.dim())]
+    dims = [entry_axes(source.dims[d]) if d < len(source.dims) else () for d in range(x.dim())]
     for axis in new:
         dims = [tuple(a for a in entry if a != axis) + ((axis,) if axis in entry else ()) for entry in dims]
     x = reshard(x, P(*dims, unreduced=pending))
@@ -186,11 +183,11 @@ def _plan_move(
         if len(spec.dims) > len(shape):
             return None
         for dim, entry in enumerate(spec.dims):
-            if shape[dim] % math.prod(sizes[axis] for axis in _axes_of(entry)):
+            if shape[dim] % math.prod(sizes[axis] for axis in entry_axes(entry)):
                 return None
     gathers, takes = [], []
     for dim in range(len(shape)):
-        before, after = (_axes_of(s.dims[dim]) if dim < len(s.dims) else () for s in (source, target))
+        before, after = (entry_axes(s.dims[dim]) if dim < len(s.dims) else () for s in (source, target))
         if before != after:
             if before:
                 gathers.append((dim, parallel_mesh.ordered(before)))
@@ -209,23 +206,3 @@ def _owner(view: DeviceMesh) -> ParallelMesh | None:
     except NotInitializedError:
         return None
     return parallel_mesh if any(root == view for root in parallel_mesh.root_meshes()) else None
-
-
-def spec_of(view: DeviceMesh, placements: tuple[Placement, ...]) -> P | None:
-    """The spec without unreduced axes whose placements on ``view`` are ``placements``."""
-    mesh_axes = view.mesh_dim_names or ()
-    by_dim: dict[int, list[str]] = {}
-    for axis, placement in zip(mesh_axes, placements):
-        dim = _compat.sharded_dim(placement)
-        if dim is not None:
-            by_dim.setdefault(dim, []).append(axis)
-        elif not isinstance(placement, Replicate):
-            return None
-    ndim = max(by_dim, default=-1) + 1
-    orders = [itertools.permutations(by_dim.get(dim, ())) for dim in range(ndim)]
-    for choice in itertools.product(*orders):
-        candidate = P(*(tuple(axes) or None for axes in choice))
-        if to_placements(candidate, view) == placements:
-            return candidate
-    return None
-

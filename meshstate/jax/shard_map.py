@@ -236,7 +236,7 @@ class _Typed:
 
     def enter(self, plan: Plan, number: int, x: torch.Tensor) -> torch.Tensor:
         """This rank's block of ``x``, typed by its in-spec ``number``."""
-        local = plan.to_local(number, x)
+        local = plan.block_of(number, x)
         if local is x or isinstance(x, DTensor):  # not the caller's tensor: type a view of it
             local = local.view_as(local)
         return typed(local, plan.named[number])
@@ -283,7 +283,7 @@ class _Legacy:
 
     def enter(self, plan: Plan, number: int, x: torch.Tensor) -> torch.Tensor:
         """This rank's block of ``x`` under its in-spec ``number``."""
-        local = plan.to_local(number, x)
+        local = plan.block_of(number, x)
         left_out = plan.left_out[number]
         if left_out is None or not local.requires_grad:
             return local

@@ -79,7 +79,7 @@ class P:
                 raise ConfigError(
                     f"{_format_spec(dims, unreduced)}: unreduced holds {name!r}, which is not "
                     "an axis name")
-        used = [axis for entry in canonical for axis in _axes_of(entry)] + list(unreduced)
+        used = [axis for entry in canonical for axis in entry_axes(entry)] + list(unreduced)
         if len(set(used)) != len(used):
             axis = next(axis for axis in used if used.count(axis) > 1)
             raise ConfigError(
@@ -92,7 +92,7 @@ class P:
     @property
     def axes(self) -> tuple[str, ...]:
         """Every axis the spec names, dims first (in order), then the unreduced ones sorted."""
-        split_axes = tuple(axis for entry in self.dims for axis in _axes_of(entry))
+        split_axes = tuple(axis for entry in self.dims for axis in entry_axes(entry))
         return split_axes + tuple(sorted(self.unreduced))
 
     def __repr__(self) -> str:
@@ -128,7 +128,7 @@ def to_placements(spec: P, device_mesh: DeviceMesh) -> tuple[Placement, ...]:
             raise AxisError(f"{spec!r}: mesh has no axis {axis!r}; valid axes are {mesh_axes}")
     placements: list[Placement] = [Replicate()] * device_mesh.ndim
     for dim, entry in enumerate(spec.dims):
-        dim_axes = _axes_of(entry)
+        dim_axes = entry_axes(entry)
         for position, axis in enumerate(dim_axes):
             mesh_dim = mesh_axes.index(axis)
             split_factor = math.prod(
@@ -142,6 +142,25 @@ def to_placements(spec: P, device_mesh: DeviceMesh) -> tuple[Placement, ...]:
     for axis in spec.unreduced:
         placements[mesh_axes.index(axis)] = Partial()
     return tuple(placements)
+
+
+def spec_of(view: DeviceMesh, placements: tuple[Placement, ...]) -> P | None:
+    """The spec without unreduced axes whose placements on ``view`` are ``placements``."""
+    mesh_axes = view.mesh_dim_names or ()
+    by_dim: dict[int, list[str]] = {}
+    for axis, placement in zip(mesh_axes, placements):
+        dim = _compat.sharded_dim(placement)
+        if dim is not None:
+            by_dim.setdefault(dim, []).append(axis)
+        elif not isinstance(placement, Replicate):
+            return None
+    ndim = max(by_dim, default=-1) + 1
+    orders = [itertools.permutations(by_dim.get(dim, ())) for dim in range(ndim)]
+    for choice in itertools.product(*orders):
+        candidate = P(*(tuple(axes) or None for axes in choice))
+        if to_placements(candidate, view) == placements:
+            return candidate
+    return None
 
 
 @dataclass(frozen=True)
@@ -279,14 +298,14 @@ def distribute(tensor: torch.Tensor, device_mesh: DeviceMesh, spec: P) -> DTenso
     return partial_tensor
 
 
-def _axes_of(entry: DimAxes) -> tuple[str, ...]:
+def entry_axes(entry: DimAxes) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else entry
 
 
 def _split_axes(spec: P, dim: int) -> tuple[str, ...]:
-    return _axes_of(spec.dims[dim]) if dim < len(spec.dims) else ()
+    return entry_axes(spec.dims[dim]) if dim < len(spec.dims) else ()
 
 
 def _chunk_of(

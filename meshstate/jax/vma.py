@@ -25,7 +25,6 @@ Example (inside ``shard_map(f, in_specs=P("tp"), out_specs=P("tp"))``)::
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -36,7 +35,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from meshstate.core import compat as _compat
 from meshstate.errors import MeshStateError
-from meshstate.core.mesh import ParallelMesh, current_mesh
+from meshstate.core.mesh import current_mesh
 
 __all__ = ["VaryingAxesError", "VaryingTypes", "own_type", "plug_outside_types", "vma"]
 

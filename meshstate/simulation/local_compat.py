@@ -1,4 +1,4 @@
-"""The private torch names behind simulated worlds, kept in one place.
+"""The simulation layer's private torch names (those behind simulated worlds), kept in one place.
 
 ``torch.distributed._local_tensor`` (torch 2.13) runs every rank of a world in
 one process: under ``LocalTensorMode`` a tensor holds one value per rank and a

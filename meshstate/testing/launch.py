@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
-import multiprocessing
 import os
 import signal
 import socket

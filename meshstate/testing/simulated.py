@@ -41,7 +41,7 @@ whole simulated world, and point-to-point between stages is real: a send from ev
 rank of a stage to its peer in another (torch's ``PipelineStage`` and schedules such
 as ``Schedule1F1B``, ``dist.send`` over ``mesh.group("pp")``) is one message carrying
 every rank's tensor, received into the other stage's per-rank tensor
-(:mod:`meshstate.simulation.stages`). ``all_reduce``, ``all_gather_into_tensor`` and
+(:mod:`meshstate.testing.stages`). ``all_reduce``, ``all_gather_into_tensor`` and
 ``broadcast`` over a group that spans stages (pp, a joint group with pp) run through that channel
 too; any other collective over one is refused with a
 :class:`~meshstate.errors.SimulationError` naming it, and so is a layout whose pp is
@@ -250,7 +250,7 @@ class SimulatedWorld:
     ) -> None:
         """A stage's process: simulate the stage's ranks running ``fn``, send back the result
         (or the error) through ``writer``."""
-        from meshstate.simulation import stages as staged
+        from meshstate.testing import stages as staged
         from meshstate.simulation.per_rank import value_on
 
         gc.freeze()  # nothing of the caller's is collected (destroyed) in this fork
@@ -311,7 +311,7 @@ def _import_for_the_stages() -> None:
     simulation, and dynamo (torch's ops under ``LocalTensorMode`` import it; 0.6 s)."""
     import torch._dynamo  # noqa: F401
 
-    from meshstate.simulation import stages, torch_per_rank  # noqa: F401
+    from meshstate.testing import stages, torch_per_rank  # noqa: F401
 
 
 def _simulate(
@@ -321,7 +321,7 @@ def _simulate(
     """``fn`` run once for ``ranks`` of a world of ``world_size`` (the whole world, or one
     stage), simulated in this process as rank 0 of the fake backend; its result as it is."""
     from meshstate.simulation import local_compat
-    from meshstate.simulation.torch_per_rank import per_rank_torch
+    from meshstate.testing.torch_per_rank import per_rank_torch
 
     if dist.is_initialized():
         raise SimulationError(

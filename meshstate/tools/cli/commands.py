@@ -1,7 +1,7 @@
 """What ``meshstate check`` and ``bench`` do once their arguments are parsed.
 
 Imports torch and the mesh: :mod:`meshstate.tools.cli` loads this module only for a
-command that runs (``plan`` has :mod:`meshstate.tools.cli_plan`; the bench's own
+command that runs (``plan`` has :mod:`meshstate.tools.cli.plan`; the bench's own
 modules load when it runs). Each ``run_*`` takes the parsed arguments (for ``check``
 with ``layout``, the :class:`MeshConfig` the entry point checked before importing
 torch) and a progress reporter, and returns the exit status and what to print on stdout.
@@ -22,14 +22,14 @@ from meshstate.layout.config import MeshConfig
 from meshstate.errors import ConfigError, MeshStateError
 from meshstate.core.build import init_mesh
 from meshstate.testing.launch import default_backend, run_local
-from meshstate.tools.bench_settings import MAX_SIMULATED_CHECK
-from meshstate.tools.cli_parser import (
+from meshstate.tools.bench.settings import MAX_SIMULATED_CHECK
+from meshstate.tools.cli.parser import (
     RANK_MEMORY_BYTES,
     RANKS_PER_CPU,
     layout_arguments,
     under_torchrun,
 )
-from meshstate.tools.cli_shared import EXIT_MISMATCH, Progress, layout_text
+from meshstate.tools.cli.shared import EXIT_MISMATCH, Progress, layout_text
 from meshstate.tools.verify import (
     PIPELINE_SENDS,
     KindSummary,
@@ -213,14 +213,14 @@ def run_check(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
 
 def run_bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
     """``meshstate bench``: time meshstate beside megatron-core, DeviceMesh and torchtitan."""
-    from meshstate.tools import bench  # the JAX layer and the peers' modules: for bench alone
+    from meshstate.tools.bench import report  # the JAX layer and the peers' modules: for bench alone
 
     sizes: dict[str, Any] = dict(layout_arguments(args))
     if args.processes:
         _require_capacity(
             max(args.processes), args.force, "pass smaller --processes (0 for none)"
         )
-    report = bench.run(
+    measured = report.run(
         args.world_sizes, sizes, rank=args.rank, repeats=args.repeat,
         process_world_sizes=args.processes, with_megatron=not args.without_megatron,
         with_titan=not args.without_torchtitan, with_runtime=not args.without_runtime,
@@ -228,4 +228,4 @@ def run_bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
         simulated_pipeline=args.simulated_pipeline, compile_world_sizes=args.compile_ranks,
         progress=progress,
     )
-    return 0, bench.report_json(report) if args.json else bench.format_report(report)
+    return 0, report.report_json(measured) if args.json else report.format_report(measured)

@@ -431,7 +431,7 @@ class _PointToPoint:
 def between_stages(channel: StageChannel) -> Iterator[None]:
     """Point-to-point across stages over ``channel``, and collectives over groups that span
     stages through it or refused by name, while a stage's body runs (inside
-    :func:`~meshstate.simulation.torch_per_rank.per_rank_torch`)."""
+    :func:`~meshstate.testing.torch_per_rank.per_rank_torch`)."""
     calls = _PointToPoint(channel)
     with contextlib.ExitStack() as patches:
         for name in _POINT_TO_POINT:

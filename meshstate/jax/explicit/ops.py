@@ -1,10 +1,10 @@
 """The torch ops that JAX's Explicit axes type, each handled as JAX lays it out.
 
-Each handler asks :mod:`meshstate.jax.explicit_rules` for the result's type (a plan
+Each handler asks :mod:`~meshstate.jax.explicit.plans` for the result's type (a plan
 made once per op and operand layouts, a constant to ``torch.compile``), moves its
 operands only where JAX moves them (a one-sided contracting split gathered, a
 replicated operand cut locally to the result's blocks, a dim about to be merged or
-sliced), runs the op (:mod:`meshstate.jax.explicit_runs`) and lays the result out as
+sliced), runs the op (:mod:`~meshstate.jax.explicit.runs`) and lays the result out as
 the type says (a reduction's partial sum reduced at once). A refusal is raised before
 any operand moves.
 
@@ -15,108 +15,62 @@ Example (inside ``meshstate.explicit()``)::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement
+from torch.distributed.tensor import DTensor
 from torch.overrides import resolve_name
 
 from meshstate.core import compat as _compat
-from meshstate.jax import explicit_rules as rules
-from meshstate.jax.explicit_rules import ShardingTypeError
-from meshstate.jax.explicit_runs import (
+from meshstate.jax.explicit.plans import (
+    contraction_plan,
+    elementwise_plan,
+    jax_name,
+    layout_of,
+    matmul_equation,
+    name_of,
+    reduction_plan,
+    refuse_if,
+    reshape_plan,
+    shape_plan,
+    sharded_type_text,
+)
+from meshstate.jax.explicit.rules import ShardingTypeError
+from meshstate.jax.explicit.runs import (
     NOT_FAST,
     FastOp,
-    Layout,
-    Plan,
     as_dtensor,
-    axes_of,
     fast_key,
     keep_fast,
     laid_out,
-    layout_of,
     leaf_typed,
     on_blocks,
-    placements_of,
-    planned,
-    refuse_if,
+    placed,
     remember_fast,
     requires_grad,
     run_fast,
     through_dtensor,
-    type_of,
-    type_text,
-    typed,
     view_of,
-    with_grads,
 )
 from meshstate.jax.plan import contiguous_strides
-from meshstate.jax.sharding import P, _axes_of
-
-
-# --- elementwise -------------------------------------------------------------------
-
-_JAX_NAMES = {"truediv": "div", "true_divide": "div", "divide": "div", "multiply": "mul",
-              "subtract": "sub", "maximum": "max", "minimum": "min", "negative": "neg",
-              "rsub": "sub", "rtruediv": "div", "rdiv": "div", "to": "convert_element_type"}
-
-
-@_compat.constant_when_traced
-def name_of(func: Callable[..., Any]) -> str:
-    """``func``'s name as torch writes it: ``torch.Tensor.__add__``, ``torch.sin``."""
-    return resolve_name(func) or str(getattr(func, "__name__", func))
-
-
-@_compat.constant_when_traced
-def _jax_name(func: Callable[..., Any]) -> str:
-    """``func``'s JAX primitive name: ``Tensor.__radd__`` -> ``add``, ``torch.sin`` -> ``sin``."""
-    name = name_of(func).rsplit(".", 1)[-1]
-    if name.startswith("__") and name.endswith("__"):
-        name = name[2:-2]
-        if name[:1] in ("r", "i") and name[1:] in _OPERATORS:
-            name = name[1:]
-    name = name.rstrip("_")
-    return str(_JAX_NAMES.get(name, name))
-
-
-_OPERATORS = frozenset({"add", "sub", "mul", "truediv", "pow", "matmul"})
-
-
-@_compat.constant_when_traced
-def _elementwise_plan(name: str, view: DeviceMesh, layouts: tuple[Layout, ...]) -> Plan:
-    def make() -> Plan:
-        axes = axes_of(view)
-        types = [None if layout is None else type_of(view, *layout) for layout in layouts]
-        result = rules.elementwise(name, types, axes)
-        operands: list[tuple[Placement, ...] | None] = []
-        for t in types:
-            if t is None:
-                operands.append(None)
-                continue
-            offset = len(result.shape) - len(t.shape)
-            dims = tuple(() if size == 1 and result.shape[offset + d] != 1 else result.dims[offset + d]
-                         for d, size in enumerate(t.shape))
-            operands.append(placements_of(view, dims, t.unreduced))
-        return with_grads(Plan(tuple(operands), placements_of(view, result.dims, result.unreduced),
-                                 shape=result.shape))
-    return planned(make)
+from meshstate.jax.sharding import P, entry_axes
 
 
 def elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An elementwise op (unary, binary with broadcasting and scalars, in place)."""
     view = view_of(args)
-    plan = _elementwise_plan(_jax_name(func), view, tuple(layout_of(a) for a in args))
+    plan = elementwise_plan(jax_name(func), view, tuple(layout_of(a) for a in args))
     refuse_if(plan.error)
     if _writes(func) and isinstance(args[0], DTensor) and tuple(args[0].placements) != plan.result:
         raise ShardingTypeError(
-            f"{name_of(func)} writes a {type_text(args[0])} value but the result would be "
+            f"{name_of(func)} writes a {sharded_type_text(args[0])} value but the result would be "
             f"laid out as {plan.result}; write the result to a new value"
         )
     if _writes(func):
-        moved = args[:1] + tuple(typed(view, a, p) for a, p in zip(args[1:], plan.operands[1:]))
+        moved = args[:1] + tuple(placed(view, a, p) for a, p in zip(args[1:], plan.operands[1:]))
         return laid_out(func(*moved, **kwargs), plan.result)
     if through_dtensor(args):
         return as_dtensor(func, args, kwargs, view, plan, plan.result)
@@ -132,24 +86,6 @@ def _writes(func: Callable[..., Any]) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
-# --- contractions --------------------------------------------------------------------
-
-@_compat.constant_when_traced
-def _contraction_plan(
-    equation: str, view: DeviceMesh, layouts: tuple[Layout, ...],
-    out: tuple[tuple[rules.Entry, ...], frozenset[str]] | None, matmul: bool,
-) -> Plan:
-    def make() -> Plan:
-        axes = axes_of(view)
-        lhs, rhs = (type_of(view, *layout) for layout in layouts if layout is not None)
-        c = rules.contract(equation, lhs, rhs, out, axes, matmul)
-        operands = tuple(placements_of(view, dims, frozenset()) for dims in c.operands)
-        natural = placements_of(view, c.natural.dims, c.natural.unreduced)
-        result = placements_of(view, c.result.dims, c.result.unreduced)
-        return with_grads(Plan(operands, natural, shape=c.natural.shape, final=result))
-    return planned(make)
-
-
 def full_equation(equation: str, operands: Sequence[torch.Tensor]) -> str:
     """``equation`` with its output written out (numpy's implicit mode: the labels seen
     once, sorted); only two operands, as JAX's ``dot_general`` takes."""
@@ -163,6 +99,22 @@ def full_equation(equation: str, operands: Sequence[torch.Tensor]) -> str:
         return equation
     labels = equation.replace(",", "")
     return f"{equation}->{''.join(sorted(l for l in set(labels) if labels.count(l) == 1))}"
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out_sharding: P | None = None) -> DTensor:
+    """``a @ b`` typed, resharded to ``out_sharding`` (JAX's ``jnp.matmul(a, b,
+    out_sharding=...)``): any spec, or the contracting axes ``unreduced`` to keep the sum
+    pending. Example: ``matmul(x, w, out_sharding=P("dp", None))``."""
+    return contracted(None, (a, b), out_sharding, torch.matmul, matmul=True)
+
+
+def einsum(equation: str, *operands: torch.Tensor, out_sharding: P | None = None) -> DTensor:
+    """``torch.einsum(equation, *operands)`` of two operands, typed as JAX's ``dot_general``
+    and resharded to ``out_sharding``. Example: ``einsum("ij,jk->ik", x, w)``."""
+    return contracted(
+        full_equation(equation, operands), tuple(operands), out_sharding,
+        functools.partial(torch.einsum, equation), matmul=False,
+    )
 
 
 def contracted(
@@ -184,13 +136,13 @@ def _contracted(
 ) -> DTensor:
     view = view_of(operands)
     out = None if out_sharding is None else (
-        tuple(_axes_of(e) for e in out_sharding.dims), out_sharding.unreduced)
+        tuple(entry_axes(e) for e in out_sharding.dims), out_sharding.unreduced)
     head = ("contraction", equation, out, matmul)  # a fast op's key, in place of ``run``
     if not _compat.tracing() and not through_dtensor(operands):
         known = run_fast(run, operands, view, head)
         if known is not NOT_FAST:
             return known  # type: ignore[no-any-return]
-    plan = _contraction_plan(equation, view, tuple(layout_of(x) for x in operands), out, matmul)
+    plan = contraction_plan(equation, view, tuple(layout_of(x) for x in operands), out, matmul)
     refuse_if(plan.error)
     if through_dtensor(operands):
         return as_dtensor(run, operands, {}, view, plan, plan.final)
@@ -199,26 +151,13 @@ def _contracted(
     return laid_out(result, plan.final)
 
 
-@_compat.constant_when_traced
-def matmul_equation(lhs_ndim: int, rhs_ndim: int) -> str:
-    """``a @ b`` as an einsum equation, made once per pair of ranks."""
-    key = (lhs_ndim, rhs_ndim)
-    found = _EQUATIONS.get(key)
-    if found is None:
-        found = _EQUATIONS[key] = rules.matmul_equation(lhs_ndim, rhs_ndim)
-    return found
-
-
-_EQUATIONS: dict[tuple[int, int], str] = {}
-
-
 def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a, b = args[:2]
     if func is _T.__rmatmul__:
         a, b = b, a
     equation = matmul_equation(a.dim(), b.dim())
     view = view_of((a, b))
-    plan = _contraction_plan(equation, view, (layout_of(a), layout_of(b)), None, True)
+    plan = contraction_plan(equation, view, (layout_of(a), layout_of(b)), None, True)
     refuse_if(plan.error)
     if through_dtensor((a, b)):
         return as_dtensor(func, args, kwargs, view, plan, plan.final)
@@ -236,31 +175,6 @@ def _einsum(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
                       lambda *xs: torch.einsum(equation, *xs), False)
 
 
-# --- reductions, shapes ---------------------------------------------------------------
-
-_REDUCE_OPS = {"sum": "sum", "mean": "avg", "max": "max", "min": "min"}
-
-
-@_compat.constant_when_traced
-def _reduction_plan(
-    name: str, view: DeviceMesh, layout: Layout, dims: tuple[int, ...], keepdim: bool
-) -> Plan:
-    """A reduction: ``result`` as the blocks give it (a partial ``sum``/``avg``/``max``/
-    ``min`` over the split dims reduced), ``final`` as JAX types it (those reduced)."""
-    def make() -> Plan:
-        assert layout is not None
-        t = type_of(view, *layout)
-        if t.unreduced and name not in ("sum", "mean"):
-            raise ShardingTypeError(f"unreduced rule for reduce_{name} is not implemented")
-        result = rules.reduce_dims(t, dims, keepdim)
-        final = placements_of(view, result.dims, result.unreduced)
-        reduced = {axis for d in (dims or range(len(t.shape))) for axis in t.dims[d]}
-        natural = tuple(Partial(_REDUCE_OPS[name]) if axis in reduced else placement
-                        for axis, placement in zip(view.mesh_dim_names or (), final))
-        return Plan((), natural, shape=result.shape, final=final)
-    return planned(make)
-
-
 def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A reduction, reduced at once over the split dims it reduces: on the local block and
     then all-reduced where nothing is recorded for autograd, else DTensor's op (whose
@@ -274,8 +188,8 @@ def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             "JAX's Explicit axes do not type; take torch.amax/amin (the values), or "
             "reshard first (meshstate.reshard)")
     dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
-    name = _jax_name(func).removeprefix("a")
-    plan = _reduction_plan(name, x.device_mesh, layout_of(x), dims, bool(given.get("keepdim", False)))
+    name = jax_name(func).removeprefix("a")
+    plan = reduction_plan(name, x.device_mesh, layout_of(x), dims, bool(given.get("keepdim", False)))
     refuse_if(plan.error)
     if (x.requires_grad and torch.is_grad_enabled()) or _compat.tracing():
         return laid_out(func(leaf_typed(x), *args[1:], **kwargs), plan.final)
@@ -285,28 +199,6 @@ def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     if found is not None:
         keep_fast(found[0], FastOp(func, x.device_mesh, spec, plan.final))
     return laid_out(_compat.dtensor_of(local, spec), plan.final)
-
-
-@_compat.constant_when_traced
-def _reshape_plan(view: DeviceMesh, layout: Layout, shape: tuple[int, ...]) -> Plan:
-    def make() -> Plan:
-        assert layout is not None
-        axes = axes_of(view)
-        t = type_of(view, *layout)
-        before, result = rules.reshape(t, shape, axes)
-        sizes = dict(axes)
-        local = []
-        for size, entry in zip(result.shape, result.dims):
-            parts = math.prod(sizes[axis] for axis in entry)
-            if size % parts:
-                raise ShardingTypeError(
-                    f"reshaping {rules.str_type(t, axes)} to {shape}: dim of size {size} does "
-                    f"not divide by its axes' {parts}; reshard first (meshstate.reshard)"
-                )
-            local.append(size // parts)
-        return Plan((placements_of(view, before, t.unreduced),),
-                     placements_of(view, result.dims, result.unreduced), tuple(local))
-    return planned(make)
 
 
 def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -322,43 +214,12 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         known = math.prod(size for size in requested if size != -1)
         requested[requested.index(-1)] = x.numel() // max(known, 1)
     shape = tuple(requested)
-    plan = _reshape_plan(x.device_mesh, layout_of(x), shape)
+    plan = reshape_plan(x.device_mesh, layout_of(x), shape)
     refuse_if(plan.error)
-    moved = typed(x.device_mesh, x, plan.operands[0])
+    moved = placed(x.device_mesh, x, plan.operands[0])
     local = moved.to_local().reshape(plan.local_shape)
     return DTensor.from_local(local, x.device_mesh, plan.result, run_check=False,
                               shape=torch.Size(shape), stride=contiguous_strides(shape))
-
-
-@_compat.constant_when_traced
-def _shape_plan(kind: str, view: DeviceMesh, layouts: tuple[Layout, ...], arguments: tuple[Any, ...]) -> Plan:
-    def make() -> Plan:
-        axes = axes_of(view)
-        types = [type_of(view, *layout) for layout in layouts if layout is not None]
-        if kind == "permute":
-            result = rules.permute(types[0], arguments)
-        elif kind == "unsqueeze":
-            result = rules.unsqueeze(types[0], arguments[0])
-        elif kind == "cat":
-            result = rules.concatenate(types, arguments[0], axes)
-        else:
-            result = rules.take(types[0], arguments, axes)
-        if kind in ("permute", "unsqueeze"):
-            operand = placements_of(view, types[0].dims, types[0].unreduced)
-            return with_grads(Plan((operand,), placements_of(view, result.dims, result.unreduced),
-                                     shape=result.shape))
-        operands: list[tuple[Placement, ...] | None] = []
-        for t in types:
-            cut = arguments[0] % len(t.shape) if kind == "cat" else None
-            unsplit = tuple(() if d == cut or (kind == "take" and _sliced(arguments, d, size))
-                            else e for d, (size, e) in enumerate(zip(t.shape, t.dims)))
-            operands.append(placements_of(view, unsplit, t.unreduced))
-        return Plan(tuple(operands), placements_of(view, result.dims, result.unreduced))
-    return planned(make)
-
-
-def _sliced(keys: tuple[Any, ...], dim: int, size: int) -> bool:
-    return dim < len(keys) and keys[dim] is not None and tuple(keys[dim]) != (0, size)
 
 
 def _permute(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -376,7 +237,7 @@ def _permute(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     # .T and .mT as torch.permute: a property's getter called by hand is what torch.compile
     # cannot trace.
     result = _shaped(torch.permute, (x, tuple(order)), {}, "permute", tuple(order))
-    plan = _shape_plan("permute", x.device_mesh, (layout_of(x),), tuple(order))
+    plan = shape_plan("permute", x.device_mesh, (layout_of(x),), tuple(order))
     if not through_dtensor(args):
         remember_fast(func, args, plan, result, plan.result)
     return result
@@ -390,9 +251,9 @@ def _cat(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     tensors = list(args[0])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     view = view_of(tensors)
-    plan = _shape_plan("cat", view, tuple(layout_of(t) for t in tensors), (dim,))
+    plan = shape_plan("cat", view, tuple(layout_of(t) for t in tensors), (dim,))
     refuse_if(plan.error)
-    moved = [typed(view, t, p) for t, p in zip(tensors, plan.operands)]
+    moved = [placed(view, t, p) for t, p in zip(tensors, plan.operands)]
     return laid_out(func(moved, dim), plan.result)
 
 
@@ -422,7 +283,7 @@ def _static_keys(x: torch.Tensor, key: Any) -> tuple[tuple[int, int] | None, ...
 def _shaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             kind: str, arguments: tuple[Any, ...]) -> Any:
     x = args[0]
-    plan = _shape_plan(kind, x.device_mesh, (layout_of(x),), arguments)
+    plan = shape_plan(kind, x.device_mesh, (layout_of(x),), arguments)
     refuse_if(plan.error)
     if kind in ("permute", "unsqueeze") and through_dtensor(args):
         return as_dtensor(func, args, kwargs, x.device_mesh, plan, plan.result)
@@ -431,7 +292,7 @@ def _shaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         if not kwargs:
             remember_fast(func, args, plan, result, plan.result)
         return result
-    moved = typed(x.device_mesh, x, plan.operands[0])
+    moved = placed(x.device_mesh, x, plan.operands[0])
     return laid_out(func(moved, *args[1:], **kwargs), plan.result)
 
 
@@ -447,20 +308,32 @@ _UNARY: list[Callable[..., Any]] = [torch.sin, torch.cos, torch.exp, torch.log, 
           _T.sin, _T.cos, _T.exp, _T.log, _T.tanh, _T.sigmoid, _T.relu, _T.sqrt, _T.rsqrt,
           _T.abs, _T.neg, _T.__neg__, _T.square, _T.clone, _T.contiguous, _T.to, _T.float,
           _T.double, _T.half, _T.bfloat16, _T.type_as]
+
+
 _BINARY: list[Callable[..., Any]] = [torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.maximum,
            torch.minimum, torch.pow, torch.where, _T.add, _T.sub, _T.mul, _T.div, _T.pow,
            _T.maximum, _T.minimum, _T.__add__, _T.__radd__, _T.__sub__, _T.__rsub__,
            _T.__mul__, _T.__rmul__, _T.__truediv__, _T.__rtruediv__, _T.__pow__, _T.__rpow__,
            _T.add_, _T.sub_, _T.mul_, _T.div_, _T.__iadd__, _T.__isub__, _T.__imul__,
            _T.__itruediv__]
+
+
 _WITH_INDICES: tuple[Callable[..., Any], ...] = (torch.max, torch.min, _T.max, _T.min)
 """Reductions that, given a dim, also give indices: typed only over every dim."""
+
+
 _REDUCTIONS: list[Callable[..., Any]] = [
     torch.sum, torch.mean, torch.amax, torch.amin, _T.sum, _T.mean, _T.amax, _T.amin,
     *_WITH_INDICES]
+
+
 _RESHAPES: list[Callable[..., Any]] = [torch.reshape, torch.flatten, _T.reshape, _T.view, _T.flatten]
+
+
 _PERMUTES: list[Callable[..., Any]] = [torch.permute, torch.transpose, torch.t, _T.permute, _T.transpose, _T.t,
              _T.T.__get__, _T.mT.__get__]  # type: ignore[attr-defined]
+
+
 _KINDS: dict[Callable[..., Any], str] = {
     **dict.fromkeys(_UNARY + _BINARY, "elementwise"),
     **dict.fromkeys([torch.matmul, torch.mm, torch.bmm, _T.matmul, _T.mm, _T.bmm,
@@ -484,6 +357,8 @@ _KINDS: dict[Callable[..., Any], str] = {
 }
 """Each torch function JAX's Explicit axes type here, by its kind (torch's own functions);
 ``passes``: those that read a value without computing on it (and autograd)."""
+
+
 _BY_NAME = {resolve_name(func): kind for func, kind in _KINDS.items() if resolve_name(func)}
 
 

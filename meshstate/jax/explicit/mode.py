@@ -1,23 +1,6 @@
-"""JAX's Explicit axes for DTensor code: the sharding is part of the type.
-
-Inside :func:`explicit`, a DTensor on a view of the mesh is typed as JAX types
-an array on Explicit axes (:func:`typeof`), and plain torch ops on such values
-follow JAX 0.10's rules (:mod:`meshstate.jax.explicit_rules`): each gives JAX's
-result sharding, or raises :class:`ShardingTypeError` with JAX's message before
-anything is sent. Nothing communicates unless the program asked:
-``out_sharding``, :func:`~meshstate.reshard`, or a reduction over a split dim
-(which JAX reduces at once). Values are DTensor's; gradients reaching a leaf
-carry its type, as JAX's cotangents do.
-
-Example (8 ranks, ``init_mesh(tp=4)``)::
-
-    with meshstate.explicit():
-        x = meshstate.device_put(torch.randn(8, 16), P("dp", "tp"))
-        str(meshstate.typeof(x))                            # 'float32[8@dp,16@tp]'
-        w = meshstate.device_put(torch.randn(16, 4), P("tp", None))
-        u = meshstate.matmul(x, w, out_sharding=P("dp", None, unreduced={"tp"}))
-        meshstate.reshard(u, P("dp", None))                 # the pending sum, reduced
-"""
+"""The explicit mode: :class:`ExplicitAxes` hands each torch op on DTensors to its handler
+(:mod:`~meshstate.jax.explicit.ops`), and the public calls made under it (:func:`explicit`,
+:func:`device_put`, :func:`typeof`, :func:`auto_axes`, :func:`explicit_axes`)."""
 
 from __future__ import annotations
 
@@ -34,23 +17,14 @@ from torch.overrides import TorchFunctionMode
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.errors import ArgumentTypeError
-from meshstate.jax import explicit_rules as rules
-from meshstate.jax.explicit_ops import (
-    HANDLERS, contracted, full_equation, kind_of, name_of,
-)
-from meshstate.jax.explicit_runs import (
-    NOT_FAST, array_type, axes_of, dtype_name, run_fast, state, suspended,
-)
-from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
+from meshstate.jax.explicit import rules
+from meshstate.jax.explicit.ops import HANDLERS, kind_of
+from meshstate.jax.explicit.plans import array_type, dtype_name, name_of, sized_axes
+from meshstate.jax.explicit.rules import ArrayType, ShardingTypeError
+from meshstate.jax.explicit.runs import NOT_FAST, run_fast, state, suspended
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
 from meshstate.jax.vma import every_op_typed
-
-__all__ = [
-    "ExplicitType", "ShardingTypeError", "auto_axes", "device_put", "einsum", "explicit",
-    "explicit_axes", "matmul", "typeof",
-]
-
 
 @dataclass(frozen=True)
 class ExplicitType:
@@ -78,7 +52,7 @@ def typeof(x: torch.Tensor) -> ExplicitType:
     plain tensor's unsplit. Example: ``str(typeof(x))`` is ``'float32[8@dp,16@tp]'``."""
     if isinstance(x, DTensor):
         t = array_type(x)
-        axes = axes_of(x.device_mesh)
+        axes = sized_axes(x.device_mesh)
     else:
         t = ArrayType(tuple(x.shape), dtype_name(x.dtype), ((),) * x.dim())
         axes = ()
@@ -108,22 +82,6 @@ def device_put(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DT
     if not isinstance(spec, P):
         raise ArgumentTypeError(f"device_put(spec=...) takes a P, got {type(spec).__name__}")
     return reshard(x, spec, mesh)
-
-
-def matmul(a: torch.Tensor, b: torch.Tensor, out_sharding: P | None = None) -> DTensor:
-    """``a @ b`` typed, resharded to ``out_sharding`` (JAX's ``jnp.matmul(a, b,
-    out_sharding=...)``): any spec, or the contracting axes ``unreduced`` to keep the sum
-    pending. Example: ``matmul(x, w, out_sharding=P("dp", None))``."""
-    return contracted(None, (a, b), out_sharding, torch.matmul, matmul=True)
-
-
-def einsum(equation: str, *operands: torch.Tensor, out_sharding: P | None = None) -> DTensor:
-    """``torch.einsum(equation, *operands)`` of two operands, typed as JAX's ``dot_general``
-    and resharded to ``out_sharding``. Example: ``einsum("ij,jk->ik", x, w)``."""
-    return contracted(
-        full_equation(equation, operands), tuple(operands), out_sharding,
-        functools.partial(torch.einsum, equation), matmul=False,
-    )
 
 
 def auto_axes(f: Callable[..., Any], out_sharding: P) -> Callable[..., DTensor]:

@@ -1,6 +1,6 @@
 """``meshstate bench``'s real processes: init on N local ranks, and a psum over an undeclared tuple.
 
-The approaches of :mod:`meshstate.tools.bench_init` build the same layout on
+The approaches of :mod:`meshstate.tools.bench.init` build the same layout on
 real local processes (gloo, NCCL with a GPU per rank); each row is the wall
 time of init on the slowest rank. Then a psum over an axis tuple the mesh was
 not built with: the first call (which makes its group) and later ones, beside a
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from meshstate.layout.config import MeshConfig
 from meshstate.core.build import init_mesh
 from meshstate.testing.launch import LocalWorld, default_backend
-from meshstate.tools.bench_init import _BUILDERS, _median_seconds
+from meshstate.tools.bench.init import _BUILDERS, _median_seconds
 
 
 @dataclass(frozen=True)

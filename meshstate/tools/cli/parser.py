@@ -20,7 +20,7 @@ from typing import Any, NoReturn, cast
 
 from meshstate.layout.config import DEFAULT_ORDER, MAX_WORLD_SIZE, MeshArguments, MeshConfig, sizes_text
 from meshstate.errors import ConfigError
-from meshstate.tools.bench_settings import (
+from meshstate.tools.bench.settings import (
     COMPILE_SIZES,
     MAX_SIMULATED_CHECK,
     MAX_FAKE_WORLD,
@@ -30,7 +30,7 @@ from meshstate.tools.bench_settings import (
     SIMULATED_PIPELINE_SIZES,
     SIMULATED_PIPELINE_WORLD,
 )
-from meshstate.tools.cli_shared import EXIT_BAD_INPUT
+from meshstate.tools.cli.shared import EXIT_BAD_INPUT
 
 MAX_LISTED_WORLD = 2**20
 """The largest world whose every group ``plan --json`` or ``--gpus-per-node`` lists

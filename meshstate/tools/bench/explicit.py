@@ -28,7 +28,7 @@ from meshstate.jax.explicit import device_put, explicit, matmul
 from meshstate.jax.sharding import P
 from meshstate.testing import torch_internals
 from meshstate.testing.fake import fake_world
-from meshstate.tools.bench_runtime import _us_per_call
+from meshstate.tools.bench.runtime import _us_per_call
 
 EXPLICIT_WORLD, EXPLICIT_TP = 8, 4
 """The fake world and layout the table is measured on (dp=2)."""

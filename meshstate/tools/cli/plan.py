@@ -26,8 +26,8 @@ from meshstate.layout.topology import (
     locality_report,
     nodes_spanned,
 )
-from meshstate.tools.cli_parser import MAX_LISTED_WORLD
-from meshstate.tools.cli_shared import Progress, layout_text
+from meshstate.tools.cli.parser import MAX_LISTED_WORLD
+from meshstate.tools.cli.shared import Progress, layout_text
 from meshstate.tools.svg import layout_svg
 
 _SLOW_LISTING = 2**16

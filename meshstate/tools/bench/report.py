@@ -2,17 +2,17 @@
 
 Five measurements, each in its own module, in this order:
 
-- :mod:`~meshstate.tools.bench_init`: every approach builds the same layout on
+- :mod:`~meshstate.tools.bench.init`: every approach builds the same layout on
   one rank of a fake world per world size (torch's fake backend): init time, groups, memory,
   getter cost, ratios against megatron-core at the same world size;
-- :mod:`~meshstate.tools.bench_processes`: the same on real local processes,
+- :mod:`~meshstate.tools.bench.processes`: the same on real local processes,
   and a psum over an undeclared axis tuple;
-- :mod:`~meshstate.tools.bench_runtime`: what each JAX-layer call costs, eager
+- :mod:`~meshstate.tools.bench.runtime`: what each JAX-layer call costs, eager
   and compiled, beside torch's own;
-- :mod:`~meshstate.tools.bench_explicit`: a typed op of JAX's Explicit axes beside the
+- :mod:`~meshstate.tools.bench.explicit`: a typed op of JAX's Explicit axes beside the
   same DTensor op;
-- :mod:`~meshstate.tools.bench_harness`: how long a test suite takes to start N ranks;
-- :mod:`~meshstate.tools.bench_simulated`: ``check --simulate`` of whole worlds in one
+- :mod:`~meshstate.tools.bench.harness`: how long a test suite takes to start N ranks;
+- :mod:`~meshstate.tools.bench.simulated`: ``check --simulate`` of whole worlds in one
   process, its time and peak memory, and one 1F1B step of a pipeline simulated stage by
   stage (a process per stage), against one process's computation.
 
@@ -34,8 +34,8 @@ import torch
 
 from meshstate.layout.config import MeshConfig, check_positive_int
 from meshstate.errors import ConfigError
-from meshstate.tools.bench_harness import SINGLE_PROCESS, HarnessRow, measure_harness
-from meshstate.tools.bench_init import (
+from meshstate.tools.bench.harness import SINGLE_PROCESS, HarnessRow, measure_harness
+from meshstate.tools.bench.init import (
     APPROACHES,
     GETTERS,
     MEGATRON,
@@ -45,15 +45,15 @@ from meshstate.tools.bench_init import (
     megatron_available,
     titan_available,
 )
-from meshstate.tools.bench_processes import (
+from meshstate.tools.bench.processes import (
     AxisSetRow,
     ProcessRow,
     measure_processes,
 )
-from meshstate.tools.bench_runtime import (
+from meshstate.tools.bench.runtime import (
     QueryRow, RuntimeRow, format_queries, format_runtime, measure_queries, measure_runtime,
 )
-from meshstate.tools.bench_settings import (
+from meshstate.tools.bench.settings import (
     COMPILE_SIZES,
     MAX_SIMULATED_CHECK,
     MAX_FAKE_WORLD,
@@ -61,9 +61,9 @@ from meshstate.tools.bench_settings import (
     SIMULATED_CHECK_SIZES,
     SIMULATED_PIPELINE_SIZES,
 )
-from meshstate.tools.bench_compile import CompileRow, format_compile, measure_compile
-from meshstate.tools.bench_explicit import ExplicitRow, format_explicit, measure_explicit
-from meshstate.tools.bench_simulated import (
+from meshstate.tools.bench.compiled import CompileRow, format_compile, measure_compile
+from meshstate.tools.bench.explicit import ExplicitRow, format_explicit, measure_explicit
+from meshstate.tools.bench.simulated import (
     SimulatedCheckRow,
     format_simulated_checks,
     measure_simulated_checks,

@@ -242,7 +242,7 @@ def _typed(
     return ArrayType(shape, dtype, padded, unreduced)
 
 
-def matmul_equation(lhs_ndim: int, rhs_ndim: int) -> str:
+def matmul_as_einsum(lhs_ndim: int, rhs_ndim: int) -> str:
     """``a @ b`` as an einsum equation (numpy's matmul: a 1-D operand loses its dim)."""
     letters = "abcdefghijklmnopqrstuvw"
     batch = max(lhs_ndim, rhs_ndim) - 2

@@ -27,7 +27,7 @@ from meshstate.jax.shard_map import shard_map
 from meshstate.jax.sharding import P
 from meshstate.testing.launch import LocalWorld
 from meshstate.testing.torch_internals import graphs_traced
-from meshstate.tools.bench_settings import COMPILE_SIZES
+from meshstate.tools.bench.settings import COMPILE_SIZES
 
 BACKEND = "aot_eager"
 

@@ -94,7 +94,7 @@ def _in_a_fresh_process(measure: str, world_size: int, sizes: dict[str, Any]) ->
     """This module's ``measure(world_size, sizes)`` run in a fresh Python process."""
     code = (
         "import json, sys; from dataclasses import asdict; "
-        f"from meshstate.tools.bench_simulated import {measure}; "
+        f"from meshstate.tools.bench.simulated import {measure}; "
         f"print(json.dumps(asdict({measure}(*json.loads(sys.argv[1])))))"
     )
     done = subprocess.run(

@@ -21,7 +21,7 @@ import copy
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 from unittest import mock
 
 import torch
@@ -30,13 +30,25 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import resolve_name
 
+from meshstate.core.compat import mesh_copies
 from meshstate.errors import OTHER_WORLDS, SimulationError
 from meshstate.layout.ranks import ranks_text
 from meshstate.simulation import local_compat
+from meshstate.simulation.per_rank import (
+    GroupMembers,
+    PerRankIntNode,
+    PerRankParts,
+    group_rank,
+    holds_per_rank,
+    members,
+    per_rank_bool,
+    per_rank_int,
+    per_rank_value,
+    tiling_mismatch,
+    value_on,
+)
 from meshstate.simulation.the_body import from_a_library, the_bodys_line
 
-if TYPE_CHECKING:
-    from meshstate.simulation.per_rank import GroupMembers
 
 _NOT_SIMULATED = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 """Point-to-point calls: torch simulates them only with a thread per rank (LocalRunnerMode)."""
@@ -64,13 +76,11 @@ def per_rank_torch() -> Iterator[None]:
     ``group.rank()``, ``DeviceMesh.mesh``), ``all_gather_object`` and
     ``broadcast_object_list`` are per rank; logging's ``%s`` arguments give a line per
     rank. ``str()`` or a format of a per-rank value, point-to-point calls (real between
-    the stages of a world simulated stage by stage: :mod:`meshstate.simulation.stages`),
+    the stages of a world simulated stage by stage: :mod:`meshstate.testing.stages`),
     a ``new_group`` of some ranks, subgroups the simulation would read otherwise,
     DistributedDataParallel and FSDP raise :class:`SimulationError`. torch's and
     meshstate's own modules keep c10d's answers (the process's, rank 0's).
     """
-    from meshstate.simulation.per_rank import PerRankIntNode, per_rank_int
-
     # torch names the functions a torch function mode sees from a table it builds once,
     # on its first question: asked now, it holds torch's own functions, not these.
     resolve_name(torch.add)
@@ -162,8 +172,6 @@ _fork_rng_of_torch = torch.random.fork_rng
 
 def _get_rank(group: dist.ProcessGroup | None = None) -> int:
     """``torch.distributed.get_rank`` for every simulated rank at once."""
-    from meshstate.simulation.per_rank import group_rank, per_rank_int
-
     if group is None or group is c10d.GroupMember.WORLD:
         return per_rank_int({rank: rank for rank in _simulated()})
     return group_rank(group)
@@ -198,8 +206,6 @@ def _new_subgroups_by_enumeration(
 ) -> Any:
     """``torch.distributed.new_subgroups_by_enumeration``, refusing groups whose collectives
     torch's simulation would run over other ranks."""
-    from meshstate.simulation.per_rank import tiling_mismatch
-
     mine, subgroups = _enumerate_subgroups(ranks_per_subgroup_list, *args, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]
     mismatch = tiling_mismatch("subgroups", cast(Any, mine), ranks_per_subgroup_list)
     if mismatch is not None:
@@ -211,8 +217,6 @@ def _for_every_rank(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     """``torch.tensor`` (or ``as_tensor``) making a tensor every simulated rank holds: torch's
     simulation leaves what these make a plain tensor, which its collectives skip; of data
     holding per-rank integers (``torch.tensor([rank, 1])``), each rank's own."""
-    from meshstate.simulation.per_rank import holds_per_rank, per_rank_value, value_on
-
     def made_for_every_rank(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         ranks = local_compat.enabled_ranks()  # None where the simulation is paused
         if ranks is None:
@@ -307,8 +311,6 @@ def _all_gather(
 def _per_rank_predicate(compare: Callable[..., bool]) -> Callable[..., bool]:
     """``torch.equal`` (or ``allclose``) on every simulated rank: a per-rank bool (torch's
     simulation answers ``True`` for all ranks when only some are equal)."""
-    from meshstate.simulation.per_rank import per_rank_bool
-
     def compare_on_every_rank(first: torch.Tensor, second: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
         ranks = _simulated()
         with local_compat.simulation_paused():
@@ -325,8 +327,6 @@ def _per_rank_predicate(compare: Callable[..., bool]) -> Callable[..., bool]:
 def _not_close_on_some_rank(not_close: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     """torch.testing's check behind ``assert_close``, on every simulated rank: a failure
     names the ranks it fails on."""
-    from meshstate.simulation.per_rank import value_on
-
     def not_close_on_every_rank(actual: Any, expected: Any, **options: Any) -> list[Any]:
         ranks = _simulated()
         with local_compat.simulation_paused():
@@ -353,8 +353,6 @@ def _in_the_body(per_rank: Callable[..., Any], process: Callable[..., Any]) -> C
 
 
 def _members(group: dist.ProcessGroup | None) -> GroupMembers:
-    from meshstate.simulation.per_rank import members
-
     return members(group or cast(dist.ProcessGroup, c10d.GroupMember.WORLD))
 
 
@@ -378,16 +376,11 @@ def _group_rank(group: dist.ProcessGroup, global_rank: int) -> int:
 
 def _group_rank_of(group: dist.ProcessGroup) -> int:
     """``ProcessGroup.rank()`` for every simulated rank."""
-    from meshstate.simulation.per_rank import group_rank
-
     return group_rank(group)
 
 
 def _mesh_of(view: DeviceMesh) -> torch.Tensor:
     """``DeviceMesh.mesh`` for every simulated rank: the copy of ``view`` it is in."""
-    from meshstate.core.compat import mesh_copies
-    from meshstate.simulation.per_rank import per_rank_value
-
     with local_compat.simulation_paused():
         copies = mesh_copies(view)
         copy_of = {rank: copy for copy in copies.unbind(0) for rank in copy.flatten().tolist()}
@@ -397,8 +390,6 @@ def _mesh_of(view: DeviceMesh) -> torch.Tensor:
 def _all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup | None = None) -> None:
     """``torch.distributed.all_gather_object`` for every simulated rank: each rank's list
     holds its group's objects."""
-    from meshstate.simulation.per_rank import per_rank_value, value_on
-
     ranks, simulated = _members(group), _simulated()
     _refuse_other_stages("all_gather_object", group, simulated, [ranks.on(rank) for rank in simulated])
     for at in range(len(ranks)):
@@ -414,8 +405,6 @@ def _broadcast_object_list(
 ) -> None:
     """``torch.distributed.broadcast_object_list`` for every simulated rank: each rank's
     list becomes its source's (``src`` a global rank, or ``group_src`` one of its group)."""
-    from meshstate.simulation.per_rank import per_rank_value, value_on
-
     ranks, simulated = _members(group), _simulated()
     source = {
         rank: ranks.on(rank)[value_on(group_src, rank)] if group_src is not None
@@ -461,8 +450,6 @@ class _Generator(torch.Generator, metaclass=_GeneratorType):
     rank's stream with its own (``torch.Generator().manual_seed(rank)``)."""
 
     def manual_seed(self, seed: Any) -> torch.Generator:
-        from meshstate.simulation.per_rank import holds_per_rank
-
         if not holds_per_rank(seed):
             return super().manual_seed(seed)
         local_compat.seed_each_rank(self, local_compat.local_ints(seed.node))
@@ -524,8 +511,6 @@ def _setitem(tensor: torch.Tensor, index: Any, value: Any) -> None:
 
 
 def _per_rank_integer(item: object) -> bool:
-    from meshstate.simulation.per_rank import holds_per_rank
-
     return isinstance(item, torch.SymInt) and holds_per_rank(item)
 
 
@@ -535,8 +520,6 @@ def _cut(
     """``chunk`` (``split``, ``tensor_split``, ``unbind``) whose parts a per-rank integer
     indexes (``W.chunk(2, 1)[t]`` is each rank's part); ``dim_at``: where ``dim`` is among
     the arguments after the tensor."""
-    from meshstate.simulation.per_rank import PerRankParts
-
     def cut_for_every_rank(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Sequence[torch.Tensor]:
         parts = cut(tensor, *args, **kwargs)
         if local_compat.enabled_ranks() is None:
@@ -554,8 +537,6 @@ def _refuse_text(what: str, plainly: Callable[..., str]) -> Callable[..., str]:
     description."""
 
     def text(value: Any, *spec: str) -> str:
-        from meshstate.simulation.per_rank import holds_per_rank
-
         if not holds_per_rank(value) or from_a_library(sys._getframe(1)):
             return plainly(value, *spec)
         raise SimulationError(
@@ -575,8 +556,6 @@ _handle = logging.Logger.handle
 def _log_each_rank(logger: logging.Logger, record: logging.LogRecord) -> None:
     """``Logger.handle`` in a simulated body: a record whose arguments differ per rank is
     logged once per text, naming its ranks, as each rank's process logs its own."""
-    from meshstate.simulation.per_rank import holds_per_rank, value_on
-
     if not holds_per_rank((record.msg, record.args)):
         _handle(logger, record)
         return

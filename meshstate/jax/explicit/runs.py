@@ -1,15 +1,13 @@
-"""How a typed op of JAX's Explicit axes runs on DTensors (the handlers are
-:mod:`meshstate.jax.explicit_ops`).
+"""How a planned op of JAX's Explicit axes runs on DTensors.
 
-A value's type is read from its placements once (:func:`array_type`); a :class:`Plan`
-says how an op's operands are laid out first and its result after; an op runs on the
-local blocks (:func:`on_blocks`: no DTensor propagation), or as DTensor's own where
-autograd records it or a trace sees it (:func:`as_dtensor`); an op seen before on the
-same layouts runs from the :data:`FAST` table without its rule (:func:`run_fast`).
+An op runs on the local blocks (:func:`on_blocks`: no DTensor propagation), or as
+DTensor's own where autograd records it or a trace sees it (:func:`as_dtensor`); an op
+seen before on the same layouts runs from the :data:`FAST` table without its plan
+(:func:`run_fast`). Gradients reaching a leaf are laid out as the leaf (:func:`leaf_typed`).
 
-Example (mesh ``(dp, tp) = (2, 4)``)::
+Example (inside ``meshstate.explicit()``)::
 
-    str(array_type(x).dims)        # "(('dp',), ('tp',))" for x on P("dp", "tp")
+    laid_out(x + y, plan.result)          # the result as JAX types it
 """
 
 from __future__ import annotations
@@ -17,23 +15,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from meshstate.core import compat as _compat
-from meshstate.jax import explicit_rules as rules
-from meshstate.jax.explicit_rules import ArrayType, ShardingTypeError
+from meshstate.jax.explicit.plans import KEPT, OpPlan
 from meshstate.jax.plan import contiguous_strides
-from meshstate.jax.reshard import spec_of
-from meshstate.jax.sharding import P, _axes_of, to_placements
-
-Layout = tuple[tuple[Placement, ...] | None, tuple[int, ...], str] | None
-"""An operand as a plan sees it: its placements (``None``: a plain tensor, replicated),
-shape and dtype name; ``None`` for a Python number."""
 
 
 class ExplicitState(threading.local):
@@ -58,110 +48,7 @@ def suspended() -> Iterator[None]:
         state.suspended = before
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@_compat.constant_when_traced
-def axes_of(view: DeviceMesh) -> rules.Axes:
-    """``view``'s axes and sizes in mesh order."""
-    return tuple(zip(view.mesh_dim_names or (), view.shape))
-
-
-def array_type(x: DTensor) -> ArrayType:
-    """The JAX type of DTensor ``x``, worked out once per placements, shape and dtype."""
-    return type_of(x.device_mesh, tuple(x.placements), tuple(x.shape), dtype_name(x.dtype))
-
-
-@_compat.constant_when_traced
-def type_of(
-    view: DeviceMesh, placements: tuple[Placement, ...] | None, shape: tuple[int, ...], dtype: str
-) -> ArrayType:
-    key = (view, placements, shape, dtype)
-    found = _TYPES.get(key)
-    if found is None:
-        if placements is None:
-            return ArrayType(shape, dtype, ((),) * len(shape))
-        reduced = tuple(Replicate() if p.is_partial() else p for p in placements)
-        spec = spec_of(view, reduced)
-        if spec is None:
-            raise ShardingTypeError(
-                f"a DTensor with placements {placements} has no JAX type (a strided layout "
-                "no partition spec gives); reshard it first (meshstate.reshard)"
-            )
-        names = view.mesh_dim_names or ()
-        dims = tuple(_axes_of(spec.dims[d]) if d < len(spec.dims) else () for d in range(len(shape)))
-        pending = frozenset(n for n, p in zip(names, placements) if p.is_partial())
-        if len(_TYPES) >= FAST_KEPT:
-            _TYPES.clear()
-        found = _TYPES[key] = ArrayType(shape, dtype, dims, pending)
-    return found
-
-
-_TYPES: dict[tuple[Any, ...], ArrayType] = {}
-
-
-def placements_of(view: DeviceMesh, dims: Sequence[rules.Entry], unreduced: frozenset[str]) -> tuple[Placement, ...]:
-    return to_placements(P(*(entry or None for entry in dims), unreduced=unreduced), view)
-
-
-def layout_of(value: Any) -> Layout:
-    if isinstance(value, DTensor):
-        return tuple(value.placements), tuple(value.shape), dtype_name(value.dtype)
-    if isinstance(value, torch.Tensor):
-        return None, tuple(value.shape), dtype_name(value.dtype)
-    return None
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a typed op does: each operand's placements before it runs (``None``: as it
-    is), the result's placements and global ``shape``, or the refusal (``error``: JAX's
-    text); run on blocks, each operand block's gradient placements (``grads``); a
-    contraction's result laid out as ``final`` after it runs."""
-
-    operands: tuple[tuple[Placement, ...] | None, ...] = ()
-    result: tuple[Placement, ...] = ()
-    local_shape: tuple[int, ...] = ()
-    error: str = ""
-    shape: tuple[int, ...] = ()
-    grads: tuple[tuple[Placement, ...] | None, ...] = ()
-    final: tuple[Placement, ...] = ()
-
-
-def with_grads(plan: Plan) -> Plan:
-    """``plan`` with the placements of each operand's local gradient when the op runs on
-    local blocks: a pending sum's cotangent is replicated; where an operand is replicated
-    over an axis that splits the result, each rank's gradient is a part of the sum."""
-    grads: list[tuple[Placement, ...] | None] = []
-    for operand in plan.operands:
-        if operand is None:
-            grads.append(None)
-            continue
-        grads.append(tuple(
-            Replicate() if mine.is_partial()
-            else Partial() if mine.is_replicate() and not theirs.is_replicate() else mine
-            for mine, theirs in zip(operand, plan.result)
-        ))
-    return replace(plan, grads=tuple(grads))
-
-
-def planned(make: Callable[[], Plan]) -> Plan:
-    try:
-        return make()
-    except ShardingTypeError as refusal:
-        return Plan(error=str(refusal))
-
-
-def refuse_if(error: str) -> None:
-    """Raise JAX's refusal ``error`` where there is one: while tracing too, where
-    ``torch.compile`` lets it out as itself, or under ``fullgraph=True`` inside its
-    "Observed exception" error, which quotes it."""
-    if error:
-        raise ShardingTypeError(error)
-
-
-def typed(view: DeviceMesh, operand: Any, placements: tuple[Placement, ...] | None) -> Any:
+def placed(view: DeviceMesh, operand: Any, placements: tuple[Placement, ...] | None) -> Any:
     """``operand`` laid out as ``placements`` (a plain tensor first made a replicated
     DTensor: the same value on every rank, as an unsharded JAX array)."""
     if placements is None or not isinstance(operand, torch.Tensor):
@@ -217,7 +104,7 @@ def view_of(args: Sequence[Any]) -> DeviceMesh:
 
 
 def on_blocks(
-    view: DeviceMesh, plan: Plan, operands: Sequence[Any], run: Callable[..., torch.Tensor]
+    view: DeviceMesh, plan: OpPlan, operands: Sequence[Any], run: Callable[..., torch.Tensor]
 ) -> DTensor:
     """``run`` on the operands' local blocks (laid out as ``plan`` says first): the result's
     block, made a DTensor of the plan's result layout without asking DTensor's propagation,
@@ -225,7 +112,7 @@ def on_blocks(
     blocks = []
     for operand, placements, grads in zip(operands, plan.operands, plan.grads):
         if isinstance(operand, torch.Tensor) and placements is not None:
-            operand = typed(view, operand, placements).to_local(grad_placements=grads)
+            operand = placed(view, operand, placements).to_local(grad_placements=grads)
         blocks.append(operand)
     return DTensor.from_local(run(*blocks), view, plan.result, run_check=False,
                               shape=torch.Size(plan.shape), stride=contiguous_strides(plan.shape))
@@ -255,8 +142,6 @@ class FastOp:
 FAST: dict[tuple[Any, ...], FastOp] = {}
 """The fast typed ops, by :func:`fast_key`; each checks its mesh is the operands' (one
 destroyed and built again equal gets a new entry)."""
-FAST_KEPT = 1024
-"""Past this many fast ops (shapes vary, say with sequence length) the table starts over."""
 
 
 def fast_key(
@@ -314,13 +199,13 @@ def through_dtensor(args: Sequence[Any]) -> bool:
 
 def as_dtensor(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], view: DeviceMesh,
-    plan: Plan, final: tuple[Placement, ...],
+    plan: OpPlan, final: tuple[Placement, ...],
 ) -> DTensor:
     """An op autograd records or a trace sees: DTensor's own, on operands laid out as the rule wants (so its
     sharding propagation finds the layout that moves nothing), its result laid out as JAX
     types it; kept fast where the operands came so laid out and DTensor gave that layout."""
     count = len(plan.operands)
-    moved = tuple(typed(view, a, p) for a, p in zip(args, plan.operands)) + args[count:]
+    moved = tuple(placed(view, a, p) for a, p in zip(args, plan.operands)) + args[count:]
     with suspended():
         given = func(*moved, **kwargs)
     result = laid_out(given, final)
@@ -335,7 +220,7 @@ def as_dtensor(
 
 
 def remember_fast(
-    func: Callable[..., Any], args: tuple[Any, ...], plan: Plan, result: DTensor,
+    func: Callable[..., Any], args: tuple[Any, ...], plan: OpPlan, result: DTensor,
     final: tuple[Placement, ...], head: object = None,
 ) -> None:
     """Keep ``func`` on these layouts fast (under ``head``, see :func:`fast_key`), where
@@ -355,10 +240,6 @@ def remember_fast(
 
 
 def keep_fast(key: tuple[Any, ...], op: FastOp) -> None:
-    if len(FAST) >= FAST_KEPT:
+    if len(FAST) >= KEPT:
         FAST.clear()
     FAST[key] = op
-
-
-def type_text(x: DTensor) -> str:
-    return rules.str_type(array_type(x), axes_of(x.device_mesh))

@@ -10,9 +10,9 @@ unless told ``--force``. ``meshstate bench`` measures meshstate beside
 megatron-core and plain DeviceMesh.
 
 ``--help``, argument errors and layout mistakes come from
-:mod:`meshstate.tools.cli_parser` without importing torch; a command that runs loads
-:mod:`meshstate.tools.cli_plan` (``plan``) or :mod:`meshstate.tools.cli_commands`; all
-take the exit codes and :class:`Progress` from :mod:`meshstate.tools.cli_shared`. A
+:mod:`meshstate.tools.cli.parser` without importing torch; a command that runs loads
+:mod:`meshstate.tools.cli.plan` (``plan``) or :mod:`meshstate.tools.cli.commands`; all
+take the exit codes and :class:`Progress` from :mod:`meshstate.tools.cli.shared`. A
 mistake in the input exits with status 2 and one line on stderr; Ctrl-C exits 130, SIGTERM 143, a
 closed stdout pipe 141, each without a traceback. Progress goes to stderr when it is a terminal,
 or always with ``--verbose``; a step that takes more than 2 s says what it is.
@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from types import FrameType, ModuleType
 
 from meshstate.errors import MeshStateError
-from meshstate.tools.cli_parser import layout_config, parse_args
-from meshstate.tools.cli_shared import (
+from meshstate.tools.cli.parser import layout_config, parse_args
+from meshstate.tools.cli.shared import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -43,16 +43,16 @@ from meshstate.tools.cli_shared import (
 
 
 def _load_commands(command: str, progress: Progress) -> ModuleType:
-    """The module that runs ``command``: :mod:`meshstate.tools.cli_plan` for ``plan``,
-    else :mod:`meshstate.tools.cli_commands`; both import torch.
+    """The module that runs ``command``: :mod:`meshstate.tools.cli.plan` for ``plan``,
+    else :mod:`meshstate.tools.cli.commands`; both import torch.
 
     torch warns "Failed to initialize NumPy" on import where numpy is absent;
     meshstate needs no numpy, so that warning is silenced here.
     """
-    module = "cli_plan" if command == "plan" else "cli_commands"
+    module = "plan" if command == "plan" else "commands"
     with progress.if_slow("importing torch"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-        return importlib.import_module(f"meshstate.tools.{module}")
+        return importlib.import_module(f"meshstate.tools.cli.{module}")
 
 
 class _Terminated(BaseException):

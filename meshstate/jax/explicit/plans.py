@@ -1,0 +1,299 @@
+"""What a typed op of JAX's Explicit axes does, planned from its operands' layouts before
+anything moves (no data, no groups: a constant to ``torch.compile``).
+
+A value's type is read from its placements once (:func:`array_type`); an :class:`OpPlan`
+says how an op's operands are laid out first and its result after, or JAX's refusal;
+each kind of op has its plan maker here (:func:`elementwise_plan`,
+:func:`contraction_plan`, :func:`reduction_plan`, :func:`reshape_plan`,
+:func:`shape_plan`), which asks :mod:`~meshstate.jax.explicit.rules` for the type.
+
+Example (mesh ``(dp, tp) = (2, 4)``)::
+
+    str(array_type(x).dims)        # "(('dp',), ('tp',))" for x on P("dp", "tp")
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.overrides import resolve_name
+
+from meshstate.core import compat as _compat
+from meshstate.jax.explicit import rules
+from meshstate.jax.explicit.rules import ArrayType, ShardingTypeError
+from meshstate.jax.sharding import P, entry_axes, spec_of, to_placements
+
+KEPT = 1024
+"""Past this many entries (shapes vary, say with sequence length) a table of types or of
+fast ops starts over."""
+
+
+Layout = tuple[tuple[Placement, ...] | None, tuple[int, ...], str] | None
+"""An operand as a plan sees it: its placements (``None``: a plain tensor, replicated),
+shape and dtype name; ``None`` for a Python number."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@_compat.constant_when_traced
+def sized_axes(view: DeviceMesh) -> rules.Axes:
+    """``view``'s axes and sizes in mesh order."""
+    return tuple(zip(view.mesh_dim_names or (), view.shape))
+
+
+def array_type(x: DTensor) -> ArrayType:
+    """The JAX type of DTensor ``x``, worked out once per placements, shape and dtype."""
+    return type_of(x.device_mesh, tuple(x.placements), tuple(x.shape), dtype_name(x.dtype))
+
+
+@_compat.constant_when_traced
+def type_of(
+    view: DeviceMesh, placements: tuple[Placement, ...] | None, shape: tuple[int, ...], dtype: str
+) -> ArrayType:
+    key = (view, placements, shape, dtype)
+    found = _TYPES.get(key)
+    if found is None:
+        if placements is None:
+            return ArrayType(shape, dtype, ((),) * len(shape))
+        reduced = tuple(Replicate() if p.is_partial() else p for p in placements)
+        spec = spec_of(view, reduced)
+        if spec is None:
+            raise ShardingTypeError(
+                f"a DTensor with placements {placements} has no JAX type (a strided layout "
+                "no partition spec gives); reshard it first (meshstate.reshard)"
+            )
+        names = view.mesh_dim_names or ()
+        dims = tuple(entry_axes(spec.dims[d]) if d < len(spec.dims) else () for d in range(len(shape)))
+        pending = frozenset(n for n, p in zip(names, placements) if p.is_partial())
+        if len(_TYPES) >= KEPT:
+            _TYPES.clear()
+        found = _TYPES[key] = ArrayType(shape, dtype, dims, pending)
+    return found
+
+
+_TYPES: dict[tuple[Any, ...], ArrayType] = {}
+
+
+def placements_of(view: DeviceMesh, dims: Sequence[rules.Entry], unreduced: frozenset[str]) -> tuple[Placement, ...]:
+    return to_placements(P(*(entry or None for entry in dims), unreduced=unreduced), view)
+
+
+def layout_of(value: Any) -> Layout:
+    if isinstance(value, DTensor):
+        return tuple(value.placements), tuple(value.shape), dtype_name(value.dtype)
+    if isinstance(value, torch.Tensor):
+        return None, tuple(value.shape), dtype_name(value.dtype)
+    return None
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """What a typed op does: each operand's placements before it runs (``None``: as it
+    is), the result's placements and global ``shape``, or the refusal (``error``: JAX's
+    text); run on blocks, each operand block's gradient placements (``grads``); a
+    contraction's result laid out as ``final`` after it runs."""
+
+    operands: tuple[tuple[Placement, ...] | None, ...] = ()
+    result: tuple[Placement, ...] = ()
+    local_shape: tuple[int, ...] = ()
+    error: str = ""
+    shape: tuple[int, ...] = ()
+    grads: tuple[tuple[Placement, ...] | None, ...] = ()
+    final: tuple[Placement, ...] = ()
+
+
+def with_grads(plan: OpPlan) -> OpPlan:
+    """``plan`` with the placements of each operand's local gradient when the op runs on
+    local blocks: a pending sum's cotangent is replicated; where an operand is replicated
+    over an axis that splits the result, each rank's gradient is a part of the sum."""
+    grads: list[tuple[Placement, ...] | None] = []
+    for operand in plan.operands:
+        if operand is None:
+            grads.append(None)
+            continue
+        grads.append(tuple(
+            Replicate() if mine.is_partial()
+            else Partial() if mine.is_replicate() and not theirs.is_replicate() else mine
+            for mine, theirs in zip(operand, plan.result)
+        ))
+    return replace(plan, grads=tuple(grads))
+
+
+def planned(make: Callable[[], OpPlan]) -> OpPlan:
+    try:
+        return make()
+    except ShardingTypeError as refusal:
+        return OpPlan(error=str(refusal))
+
+
+def refuse_if(error: str) -> None:
+    """Raise JAX's refusal ``error`` where there is one: while tracing too, where
+    ``torch.compile`` lets it out as itself, or under ``fullgraph=True`` inside its
+    "Observed exception" error, which quotes it."""
+    if error:
+        raise ShardingTypeError(error)
+
+
+def sharded_type_text(x: DTensor) -> str:
+    return rules.str_type(array_type(x), sized_axes(x.device_mesh))
+
+
+# --- each kind of op's plan ---------------------------------------------------------
+
+_JAX_NAMES = {"truediv": "div", "true_divide": "div", "divide": "div", "multiply": "mul",
+              "subtract": "sub", "maximum": "max", "minimum": "min", "negative": "neg",
+              "rsub": "sub", "rtruediv": "div", "rdiv": "div", "to": "convert_element_type"}
+
+
+@_compat.constant_when_traced
+def name_of(func: Callable[..., Any]) -> str:
+    """``func``'s name as torch writes it: ``torch.Tensor.__add__``, ``torch.sin``."""
+    return resolve_name(func) or str(getattr(func, "__name__", func))
+
+
+@_compat.constant_when_traced
+def jax_name(func: Callable[..., Any]) -> str:
+    """``func``'s JAX primitive name: ``Tensor.__radd__`` -> ``add``, ``torch.sin`` -> ``sin``."""
+    name = name_of(func).rsplit(".", 1)[-1]
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name[:1] in ("r", "i") and name[1:] in _OPERATORS:
+            name = name[1:]
+    name = name.rstrip("_")
+    return str(_JAX_NAMES.get(name, name))
+
+
+_OPERATORS = frozenset({"add", "sub", "mul", "truediv", "pow", "matmul"})
+
+
+@_compat.constant_when_traced
+def elementwise_plan(name: str, view: DeviceMesh, layouts: tuple[Layout, ...]) -> OpPlan:
+    def make() -> OpPlan:
+        axes = sized_axes(view)
+        types = [None if layout is None else type_of(view, *layout) for layout in layouts]
+        result = rules.elementwise(name, types, axes)
+        operands: list[tuple[Placement, ...] | None] = []
+        for t in types:
+            if t is None:
+                operands.append(None)
+                continue
+            offset = len(result.shape) - len(t.shape)
+            dims = tuple(() if size == 1 and result.shape[offset + d] != 1 else result.dims[offset + d]
+                         for d, size in enumerate(t.shape))
+            operands.append(placements_of(view, dims, t.unreduced))
+        return with_grads(OpPlan(tuple(operands), placements_of(view, result.dims, result.unreduced),
+                                 shape=result.shape))
+    return planned(make)
+
+
+@_compat.constant_when_traced
+def contraction_plan(
+    equation: str, view: DeviceMesh, layouts: tuple[Layout, ...],
+    out: tuple[tuple[rules.Entry, ...], frozenset[str]] | None, matmul: bool,
+) -> OpPlan:
+    def make() -> OpPlan:
+        axes = sized_axes(view)
+        lhs, rhs = (type_of(view, *layout) for layout in layouts if layout is not None)
+        c = rules.contract(equation, lhs, rhs, out, axes, matmul)
+        operands = tuple(placements_of(view, dims, frozenset()) for dims in c.operands)
+        natural = placements_of(view, c.natural.dims, c.natural.unreduced)
+        result = placements_of(view, c.result.dims, c.result.unreduced)
+        return with_grads(OpPlan(operands, natural, shape=c.natural.shape, final=result))
+    return planned(make)
+
+
+@_compat.constant_when_traced
+def matmul_equation(lhs_ndim: int, rhs_ndim: int) -> str:
+    """``a @ b`` as an einsum equation, made once per pair of ranks."""
+    key = (lhs_ndim, rhs_ndim)
+    found = _EQUATIONS.get(key)
+    if found is None:
+        found = _EQUATIONS[key] = rules.matmul_as_einsum(lhs_ndim, rhs_ndim)
+    return found
+
+
+_EQUATIONS: dict[tuple[int, int], str] = {}
+
+
+_REDUCE_OPS = {"sum": "sum", "mean": "avg", "max": "max", "min": "min"}
+
+
+@_compat.constant_when_traced
+def reduction_plan(
+    name: str, view: DeviceMesh, layout: Layout, dims: tuple[int, ...], keepdim: bool
+) -> OpPlan:
+    """A reduction: ``result`` as the blocks give it (a partial ``sum``/``avg``/``max``/
+    ``min`` over the split dims reduced), ``final`` as JAX types it (those reduced)."""
+    def make() -> OpPlan:
+        assert layout is not None
+        t = type_of(view, *layout)
+        if t.unreduced and name not in ("sum", "mean"):
+            raise ShardingTypeError(f"unreduced rule for reduce_{name} is not implemented")
+        result = rules.reduce_dims(t, dims, keepdim)
+        final = placements_of(view, result.dims, result.unreduced)
+        reduced = {axis for d in (dims or range(len(t.shape))) for axis in t.dims[d]}
+        natural = tuple(Partial(_REDUCE_OPS[name]) if axis in reduced else placement
+                        for axis, placement in zip(view.mesh_dim_names or (), final))
+        return OpPlan((), natural, shape=result.shape, final=final)
+    return planned(make)
+
+
+@_compat.constant_when_traced
+def reshape_plan(view: DeviceMesh, layout: Layout, shape: tuple[int, ...]) -> OpPlan:
+    def make() -> OpPlan:
+        assert layout is not None
+        axes = sized_axes(view)
+        t = type_of(view, *layout)
+        before, result = rules.reshape(t, shape, axes)
+        sizes = dict(axes)
+        local = []
+        for size, entry in zip(result.shape, result.dims):
+            parts = math.prod(sizes[axis] for axis in entry)
+            if size % parts:
+                raise ShardingTypeError(
+                    f"reshaping {rules.str_type(t, axes)} to {shape}: dim of size {size} does "
+                    f"not divide by its axes' {parts}; reshard first (meshstate.reshard)"
+                )
+            local.append(size // parts)
+        return OpPlan((placements_of(view, before, t.unreduced),),
+                     placements_of(view, result.dims, result.unreduced), tuple(local))
+    return planned(make)
+
+
+@_compat.constant_when_traced
+def shape_plan(kind: str, view: DeviceMesh, layouts: tuple[Layout, ...], arguments: tuple[Any, ...]) -> OpPlan:
+    def make() -> OpPlan:
+        axes = sized_axes(view)
+        types = [type_of(view, *layout) for layout in layouts if layout is not None]
+        if kind == "permute":
+            result = rules.permute(types[0], arguments)
+        elif kind == "unsqueeze":
+            result = rules.unsqueeze(types[0], arguments[0])
+        elif kind == "cat":
+            result = rules.concatenate(types, arguments[0], axes)
+        else:
+            result = rules.take(types[0], arguments, axes)
+        if kind in ("permute", "unsqueeze"):
+            operand = placements_of(view, types[0].dims, types[0].unreduced)
+            return with_grads(OpPlan((operand,), placements_of(view, result.dims, result.unreduced),
+                                     shape=result.shape))
+        operands: list[tuple[Placement, ...] | None] = []
+        for t in types:
+            cut = arguments[0] % len(t.shape) if kind == "cat" else None
+            unsplit = tuple(() if d == cut or (kind == "take" and _sliced(arguments, d, size))
+                            else e for d, (size, e) in enumerate(zip(t.shape, t.dims)))
+            operands.append(placements_of(view, unsplit, t.unreduced))
+        return OpPlan(tuple(operands), placements_of(view, result.dims, result.unreduced))
+    return planned(make)
+
+
+def _sliced(keys: tuple[Any, ...], dim: int, size: int) -> bool:
+    return dim < len(keys) and keys[dim] is not None and tuple(keys[dim]) != (0, size)
