@@ -1,10 +1,16 @@
 """JAX-style named-axis collectives on 8 gloo ranks, single axes and both tuple orders.
 
 Layout: init_mesh(tp=2, cp=2) on 8 ranks, default order, so dp=2 and
-rank = tp + 2*cp + 4*dp. Expected values are computed here from that formula.
+rank = tp + 2*cp + 4*dp. Expected values are computed here from that formula; JAX 0.12.0.1
+gives the same for every collective over each pair of axes, ``ppermute`` against mesh order
+only with ``jax_raise_on_ppermute_sort_diff`` off (``jax_records/record_idioms.py``, whose
+``idioms.json`` keeps every device's ppermute; by default JAX 0.12 refuses it:
+test_ppermute_against_mesh_order_is_refused_as_jax_0_12_refuses).
 """
 
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +23,8 @@ from meshstate.errors import AxisError, ConfigError, NotInitializedError
 from meshstate.testing import distributed, fake_world
 
 from conftest import in_both_worlds
+
+IDIOMS = json.loads((Path(__file__).parent / "jax_records" / "idioms.json").read_text())
 
 
 def coords(rank):
@@ -67,8 +75,27 @@ def test_tuple_axes_follow_the_tuple_order(axes):
         assert tiled.tolist() == [[sender * 10 + index] for sender in group]
         ring = [(i, (i + 1) % 4) for i in range(4)]
         assert lax.ppermute(torch.tensor([rank]), axes, ring).item() == group[(index - 1) % 4]
+        jaxs = IDIOMS["tuple order"]["-".join(axes)]["sort_diff raises=False"]
+        assert lax.ppermute(torch.tensor([float(rank)]), axes, ring).item() == jaxs[rank]
         assert lax.ppermute(torch.tensor([rank]), axes, [(0, 3)]).item() == (group[0] if index == 3 else 0)
     mesh.destroy()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "JAX 0.12 refuses ppermute over axes against mesh order (jax_raise_on_ppermute_sort_diff, "
+    "on by default: 0.10's sorted answer was wrong); meshstate follows the tuple, as JAX 0.12 "
+    "does only with the flag off"))
+@pytest.mark.parametrize("axes", [("cp", "dp"), ("tp", "cp")])
+def test_ppermute_against_mesh_order_is_refused_as_jax_0_12_refuses(axes):
+    jaxs = IDIOMS["tuple order"]["-".join(axes)]["sort_diff raises=True"]
+    assert jaxs.startswith("RuntimeError: Make sure that the axis_name passed to jax.lax.ppermute")
+    with fake_world(0, 8), meshstate.init_mesh(tp=2, cp=2):
+        with pytest.raises(meshstate.MeshStateError, match=(
+                r"the axis_name passed to .*ppermute is in the same order as the axis_names "
+                r"declared on the mesh")):
+            lax.ppermute(torch.ones(1), axes, [(i, (i + 1) % 4) for i in range(4)])
+        # In mesh order it is JAX's answer.
+        lax.ppermute(torch.ones(1), tuple(reversed(axes)), [(i, (i + 1) % 4) for i in range(4)])
 
 
 @distributed(world_size=8)

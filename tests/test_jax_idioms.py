@@ -1,6 +1,9 @@
 """JAX's spellings work as written: shard_map as a keyword-only decorator, ``axis_name=``,
 ``psum`` of a Python number, and a type mistake that is a ``TypeError``."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -50,7 +53,14 @@ def test_axis_name_is_axes(name):
             CALLS[name](x)
 
 
+IDIOMS = json.loads((Path(__file__).parent / "jax_records" / "idioms.json").read_text())
+
+
 def test_psum_of_a_python_number_is_jaxs():
+    """JAX 0.12.0.1's answers (jax_records/record_idioms.py): ints stay ints, pmean is a float."""
+    jaxs = IDIOMS["psum of numbers"]
+    assert [(v["value"], v["type"]) for v in jaxs.values()] == [
+        (2, "int"), (4, "int"), (20.0, "float"), (3.0, "float")]
     with fake_world(0, 8), meshstate.init_mesh(tp=2, cp=2):
         assert lax.psum(1, "tp") == 2 and lax.psum(1, ("cp", "dp")) == 4
         assert lax.psum(2.5, axis_name="dp-cp-tp") == 20.0
