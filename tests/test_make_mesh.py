@@ -98,11 +98,11 @@ def test_a_mesh_over_part_of_the_world():
 
 
 BAD = [
-    (((2, 2), ("x",)), ConfigError, r"^axis_shapes \(2, 2\) has 2 sizes but axis_names \('x',\) has 1 names$"),
+    (((2, 2), ("x",)), ConfigError, r"^axis_sizes \(2, 2\) has 2 sizes but axis_names \('x',\) has 1 names$"),
     (((2, 2), ("x", "x")), ConfigError, r"^axis_names \('x', 'x'\) names 'x' twice$"),
     (((2, 2), ("x", "a-b")), ConfigError, r"^axis_names: 'a-b' cannot name an axis; .* \('x-y'\)$"),
-    (((2, 0), ("x", "y")), ConfigError, r"^axis_shapes: the size of axis 'y' must be a positive integer, got 0$"),
-    (((2, 8), ("x", "y")), ConfigError, r"^axis_shapes \(2, 8\) hold 16 ranks, more than the world's 8$"),
+    (((2, 0), ("x", "y")), ConfigError, r"^axis_sizes: the size of axis 'y' must be a positive integer, got 0$"),
+    (((2, 8), ("x", "y")), ConfigError, r"^axis_sizes \(2, 8\) hold 16 ranks, more than the world's 8$"),
     (((2, 2), ("x", 3)), ArgumentTypeError, r"^axis_names: 3 is not a string$"),
     (((2, 2), "xy"), ArgumentTypeError, r"^axis_names must be a tuple of axis names"),
     (((2,), ("x",), {"tp": 2}), TypeError, r"^make_mesh\(\) got an unexpected keyword argument 'tp'$"),
@@ -120,9 +120,6 @@ def test_bad_input_is_one_line_before_any_group(arguments, error, message):
     assert "\n" not in str(raised.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "JAX 0.12: make_mesh(axis_sizes, axis_names, axis_types=None, *, devices=None); meshstate's "
-    "first parameter is still 0.10's axis_shapes, and its messages say axis_shapes"))
 def test_make_mesh_spells_its_parameters_as_jax_0_12():
     assert JAXS["parameters"][:2] == ["axis_sizes", "axis_names"]
     with fake_world(0, 8):

@@ -67,12 +67,7 @@ def second_order(function, *inputs):
     return torch.autograd.grad(sum(gradient.sum() for gradient in first), inputs)
 
 
-LEGACY_DIFFERS = ("all_gather_invariant", False)
-"""meshstate's legacy all_gather_invariant keeps JAX 0.10.2's slice backward (test_vma's) while
-the legacy boundary divides the cotangent; JAX 0.12 transposes it as all_gather, whose
-second-order gradient is one process's: test_legacy_all_gather_invariant_is_jax_0_12s."""
-CASES = [(name, check_vma) for name in PROGRAMS for check_vma in (True, False)
-         if (name, check_vma) != LEGACY_DIFFERS]
+CASES = [(name, check_vma) for name in PROGRAMS for check_vma in (True, False)]
 
 
 def check_against_one_process_and_jax(name, check_vma):
@@ -96,11 +91,3 @@ def check_against_one_process_and_jax(name, check_vma):
 def test_a_gradient_of_a_gradient_equals_one_process(name, check_vma):
     check_against_one_process_and_jax(name, check_vma)
 
-
-@pytest.mark.xfail(strict=True, reason=(
-    "JAX 0.12: with check_vma=False all_gather_invariant (all_gather(to='invarying')) "
-    "transposes as all_gather, and the gradient of its gradient is one process's; meshstate "
-    "keeps JAX 0.10.2's slice transpose"))
-@in_both_worlds(4)
-def test_legacy_all_gather_invariant_is_jax_0_12s():
-    check_against_one_process_and_jax(*LEGACY_DIFFERS)

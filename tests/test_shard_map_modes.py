@@ -14,7 +14,7 @@ its out-spec leaves out) and accepted by the legacy one, as in JAX.
 ``"jax"`` says) in both modes; ``jax_records/shard_map_modes.json`` keeps its outputs and
 gradients, which the sharded runs must equal too. Under 0.12 the claim holds for
 ``all_gather_invariant`` as well (JAX 0.10.2 gave 1/(the gathered axes' size) of the
-gradient with ``check_vma=False``, and so does meshstate still: an xfail below).
+gradient with ``check_vma=False``; 0.12 wins, and meshstate follows it).
 """
 
 import json
@@ -47,11 +47,6 @@ class Case:
     typed_refuses: bool = False
     prepare: Callable[..., Any] | None = None
     """Turns the full inputs into the arguments (DTensors, say); default: as they are."""
-    legacy_scale: float = 1.0
-    """meshstate's legacy gradient over the true one (JAX 0.12's is the true one). Only
-    all_gather_invariant's differs: its transpose keeps the rank's slice of a cotangent the
-    boundary has divided among the replicas, 1/(the gathered axes' size) of it with
-    check_vma=False, as JAX 0.10.2 gave: test_legacy_all_gather_invariant_gradient_is_jax_0_12s."""
 
 
 def ring(n):
@@ -89,7 +84,7 @@ CASES = {
         lambda x: x * CONSTANT, P("tp"), P("tp"), ((8, 4),), lambda x: x * CONSTANT),
     "sequence gathered invariant": Case(
         lambda s: lax.all_gather_invariant(s, ("cp", "dp"), tiled=True),
-        P(("cp", "dp")), P(), ((8, 2),), lambda s: s, legacy_scale=1 / 4),
+        P(("cp", "dp")), P(), ((8, 2),), lambda s: s),
     "gathered, still split": Case(
         lambda x: lax.all_gather(x, "tp", tiled=True), P("tp"), P("tp"), ((4,),),
         lambda x: torch.cat([x, x])),
@@ -137,10 +132,10 @@ CASES = {
         ((3,),), lambda v: 3 * v),
     "megatron gather along the last dim": Case(
         lambda x: lax.all_gather_invariant(x, "tp", axis=-1, tiled=True), P(None, "tp"), P(),
-        ((3, 4),), lambda x: x, legacy_scale=1 / 2),
+        ((3, 4),), lambda x: x),
     "stacked gather, invariant": Case(
         lambda x: lax.all_gather_invariant(x, "cp"), P("cp"), P(), ((4,),),
-        lambda x: x.view(2, 2), legacy_scale=1 / 2),
+        lambda x: x.view(2, 2)),
     # Refused by the default mode: the value varies over the axis its out-spec leaves out.
     "all_gather under P()": Case(
         lambda s: lax.all_gather(s, ("cp", "dp"), tiled=True), P(("cp", "dp")), P(), ((8, 2),),
@@ -219,9 +214,8 @@ def test_whole_function_gradients_are_one_process_in_both_modes():
                 where = f"{name}, check_vma={check_vma}"
                 for got, want in zip(outputs, want_outputs):
                     assert close(got, want), f"{where}: output"
-                scale = 1.0 if check_vma else case.legacy_scale
                 for got, want in zip(grads, want_grads):
-                    assert close(got, want * scale), f"{where}: gradient"
+                    assert close(got, want), f"{where}: gradient"
                 jaxs = RECORDS[name]["typed" if check_vma else "legacy"]
                 if "refused" in jaxs:  # uneven rows: JAX refuses every uneven dim
                     assert name == "uneven rows", f"{where}: {jaxs['refused']}"
@@ -229,28 +223,7 @@ def test_whole_function_gradients_are_one_process_in_both_modes():
                 for got, want in zip(outputs, jaxs["outputs"], strict=True):
                     assert close(got, want), f"{where}: JAX's output"
                 for got, want in zip(grads, jaxs["grads"], strict=True):
-                    if scale == 1.0:
-                        assert close(got, want), f"{where}: JAX's gradient"
-    mesh.destroy()
-
-
-LEGACY_SCALED = [name for name, case in CASES.items() if case.legacy_scale != 1.0]
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "JAX 0.12: with check_vma=False all_gather_invariant (all_gather(to='invarying')) "
-    "transposes as all_gather, so the whole gradient is the true one in both modes; meshstate "
-    "keeps JAX 0.10.2's slice transpose and gives 1/(the gathered axes' size) of it"))
-@in_both_worlds(8)
-def test_legacy_all_gather_invariant_gradient_is_jax_0_12s():
-    mesh = meshstate.init_mesh(tp=2, cp=2)
-    assert LEGACY_SCALED == ["sequence gathered invariant", "megatron gather along the last dim",
-                             "stacked gather, invariant"]
-    with mesh:
-        for name in LEGACY_SCALED:
-            _, grads = run(CASES[name], check_vma=False)
-            for got, want in zip(grads, RECORDS[name]["legacy"]["grads"], strict=True):
-                assert close(got, want), name
+                    assert close(got, want), f"{where}: JAX's gradient"
     mesh.destroy()
 
 

@@ -156,25 +156,24 @@ def test_autograd_grad_gives_each_gradient_its_inputs_type(fake_mesh):
     "call, message",
     [
         (lambda x: lax.psum(x, ("cp", "tp")),
-         r"meshstate.psum can only accept axis_name which corresponds to one of varying or "
-         r"invarying state of the input. Got input type: float32\[4\]\{V:tp\}, axes: \('cp', "
+         r"meshstate.psum can only accept axis_name which corresponds to one of varying, "
+         r"unreduced, reduced or invarying state of the input. Got input type: float32\[4\]\{V:tp\}, axes: \('cp', "
          r"'tp'\) and input state: \{'invarying', 'varying'\}"),
         (lambda x: lax.pmean(x, "dp-tp"), r"meshstate.pmean can only accept axis_name.*'dp-tp'"),
         (lambda x: lax.psum_scatter(x, ("tp", "cp"), tiled=True),
          r"meshstate.psum_scatter can only accept axis_name"),
         (lambda x: lax.pvary(x, ("cp", "tp")),
+         r"meshstate.pvary can only accept axis_name which corresponds to one of varying"),
+        (lambda x: lax.pvary(x, "tp"),
          r"meshstate.pvary: x of type float32\[4\]\{V:tp\} already varies over \{tp\}"),
     ],
-    ids=["psum", "pmean", "psum_scatter", "pvary"],
+    ids=["psum", "pmean", "psum_scatter", "pvary", "pvary a varying axis"],
 )
 def test_refused_collectives_name_the_types(fake_mesh, call, message):
     with pytest.raises(VaryingAxesError, match=message):
         types_inside(call, torch.zeros(8))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "JAX 0.12: pmax/pmin over axes a value varies over only some of is refused, as psum is "
-    "(meshstate types pmax(x, ('cp', 'tp')) of a {tp} value as invariant)"))
 @pytest.mark.parametrize("reduction", [lax.pmax, lax.pmin], ids=["pmax", "pmin"])
 def test_a_reduction_over_an_axis_not_varied_is_refused(fake_mesh, reduction):
     jaxs = RECORDS["types"]["each collective"]["pmax mixed"]["refused"]
@@ -188,10 +187,6 @@ def jaxs_words(text):
     return text[text.index("can only accept axis_name"):text.index(" and input state:")]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "JAX 0.12 says 'one of varying, unreduced, reduced or invarying state' (0.10: 'one of "
-    "varying or invarying state'), and refuses pvary (pcast) over a varying axis in the same "
-    "words"))
 @pytest.mark.parametrize(
     "name, call",
     [("psum", lambda x: lax.psum(x, ("cp", "tp"))),
@@ -286,12 +281,6 @@ INVARIANT = {
     "cast up by the product": lambda v, w: v * w,
 }
 
-LEGACY_DIFFERS = {"all_gather_invariant"}
-"""JAX 0.12 gathers all_gather_invariant's cotangent with check_vma=False as all_gather's
-(3 on every device); meshstate keeps JAX 0.10.2's legacy transpose, the device's slice
-(1 on tp 0, 2 on tp 1): test_legacy_all_gather_invariant_gradient_is_jax_0_12s."""
-
-
 def jaxs_gradient(family, name, mode, mesh):
     """This rank's block of JAX's gradient (every device's, laid out over (dp, cp, tp))."""
     every = torch.tensor(RECORDS[family][name][mode], dtype=torch.float64)
@@ -306,26 +295,12 @@ def test_gradients_inside_the_body_are_jaxs(check_vma):
     mesh = meshstate.init_mesh(tp=2, cp=2)
     mode = "typed" if check_vma else "legacy"
     with mesh:
-        for name, op in INSIDE.items():
-            if check_vma or name not in LEGACY_DIFFERS:
-                want = jaxs_gradient("inside", name, mode, mesh)
-                assert close(run_inside(op, check_vma), want), name
+        for name, op in INSIDE.items():  # legacy all_gather_invariant: JAX 0.12's sum (0.10: a slice)
+            want = jaxs_gradient("inside", name, mode, mesh)
+            assert close(run_inside(op, check_vma), want), name
         for name, op in INVARIANT.items():
             want = jaxs_gradient("invariant", name, mode, mesh)
             assert close(run_inside(op, check_vma, in_spec=P()), want), name
-    mesh.destroy()
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "JAX 0.12: with check_vma=False all_gather_invariant (all_gather(to='invarying')) "
-    "transposes as all_gather, summing the cotangent over tp (3); meshstate keeps JAX 0.10.2's "
-    "slice (1 | 2)"))
-@in_both_worlds(4)
-def test_legacy_all_gather_invariant_gradient_is_jax_0_12s():
-    mesh = meshstate.init_mesh(tp=2, cp=2)
-    with mesh:
-        got = run_inside(INSIDE["all_gather_invariant"], check_vma=False)
-        assert close(got, jaxs_gradient("inside", "all_gather_invariant", "legacy", mesh))
     mesh.destroy()
 
 

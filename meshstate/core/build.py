@@ -132,7 +132,7 @@ def build_mesh(
 
 
 def make_mesh(
-    axis_shapes: Sequence[int],
+    axis_sizes: Sequence[int],
     axis_names: Sequence[str],
     *,
     ranks: Sequence[int] | None = None,
@@ -140,9 +140,9 @@ def make_mesh(
 ) -> ParallelMesh | None:
     """A mesh with the caller's axis names: JAX's ``jax.make_mesh``; every rank calls it.
 
-    ``axis_shapes`` and ``axis_names`` run in mesh order, outer first; the last axis
+    ``axis_sizes`` and ``axis_names`` run in mesh order, outer first; the last axis
     varies fastest, as JAX numbers devices. The mesh covers the first
-    ``prod(axis_shapes)`` ranks of the world (JAX's first devices), or ``ranks``;
+    ``prod(axis_sizes)`` ranks of the world (JAX's first devices), or ``ranks``;
     a rank outside it gets ``None``. On it ``P``, every collective (one axis, a
     joint key ``"x-y"``, an axis tuple), ``shard_map``, ``reshard``, ``vma`` and the
     harness work as on :func:`init_mesh`'s mesh; its one DeviceMesh is
@@ -158,7 +158,7 @@ def make_mesh(
     """
     reject_unknown("make_mesh()", arguments, GroupArguments.__annotations__)
     options = BuildOptions.check(cast(BuildArguments, arguments))
-    names, shapes = check_axes(axis_shapes, axis_names)
+    names, shapes = check_axes(axis_sizes, axis_names)
     _init_default_group_from_env(options.backend, options.timeout)
     world_size = dist.get_world_size()
     span = check_ranks(ranks, world_size)
@@ -166,11 +166,11 @@ def make_mesh(
     if span is None and size != world_size:
         if size > world_size:
             raise ConfigError(
-                f"axis_shapes {shapes} hold {size} ranks, more than the world's {world_size}"
+                f"axis_sizes {shapes} hold {size} ranks, more than the world's {world_size}"
             )
         span = range(size)
     if span is not None and len(span) != size:
-        raise ConfigError(f"axis_shapes {shapes} hold {size} ranks, but ranks lists {len(span)}")
+        raise ConfigError(f"axis_sizes {shapes} hold {size} ranks, but ranks lists {len(span)}")
     layout = NamedLayout(
         names, shapes,
         rank_offset=span.start if isinstance(span, range) else 0,

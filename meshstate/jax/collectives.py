@@ -315,7 +315,8 @@ def all_gather_invariant(
     tiled: bool = False,
     mesh: ParallelMesh | None = None,
 ) -> torch.Tensor:
-    """:func:`all_gather`, typed invariant over ``axes``; its backward keeps the caller's slice.
+    """:func:`all_gather`, typed invariant over ``axes``; its backward keeps the caller's slice
+    (inside a ``shard_map(check_vma=False)`` body, sums the copies as :func:`all_gather`'s).
 
     JAX's ``jax.lax.all_gather(x, axes, to="invarying")``; with ``axis=-1,
     tiled=True`` megatron-core's ``gather_from_tensor_model_parallel_region``.
@@ -325,8 +326,10 @@ def all_gather_invariant(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "all_gather_invariant")
     group = _ordered(axes, mesh, "all_gather_invariant")
+    # A check_vma=False body transposes it as all_gather (a sum of the copies), as JAX 0.12.
+    move = all_gather_on if body.legacy else gather_invariant
     return typing.collective(typing.ALL_GATHER_INVARIANT, x, axes, mesh, group,
-                             lambda v, on: gather_invariant(v, on, axis, tiled), (axis,), tiled)
+                             lambda v, on: move(v, on, axis, tiled), (axis,), tiled)
 
 
 def psum_scatter(

@@ -54,8 +54,8 @@ class CollectiveRule:
 
 PSUM = CollectiveRule("psum", "sum", reduces=True, keeps_axes=False)
 PMEAN = CollectiveRule("pmean", "sum", reduces=True, keeps_axes=False)
-PMAX = CollectiveRule("pmax", "extreme", keeps_axes=False)
-PMIN = CollectiveRule("pmin", "extreme", keeps_axes=False)
+PMAX = CollectiveRule("pmax", "extreme", reduces=True, keeps_axes=False)
+PMIN = CollectiveRule("pmin", "extreme", reduces=True, keeps_axes=False)
 ALL_GATHER = CollectiveRule("all_gather", "gather")
 ALL_GATHER_INVARIANT = CollectiveRule("all_gather_invariant", "gather_invariant", keeps_axes=False)
 PSUM_SCATTER = CollectiveRule("psum_scatter", "scatter", reduces=True)
@@ -136,19 +136,26 @@ def _cast_up(
     if varying == names:
         return x, before
     if rule.reduces and varying:
-        raise VaryingAxesError(
-            f"meshstate.{rule.name} can only accept axis_name which corresponds to one of "
-            f"varying or invarying state of the input. Got input type: {type_text(x)}, axes: "
-            f"{axes!r} and input state: {{'invarying', 'varying'}}; pvary the input over "
-            f"{tuple(sorted(names - before))!r} or reduce over {tuple(sorted(varying))!r} alone"
-        )
+        raise _mixed_state(rule.name, x, axes, f"pvary the input over "
+                           f"{tuple(sorted(names - before))!r} or reduce over {tuple(sorted(varying))!r} alone")
     parallel_mesh = current_mesh() if mesh is None else mesh
     return pvary_over(x, names - before, parallel_mesh), before
+
+
+def _mixed_state(name: str, x: torch.Tensor, axes: Axes, instead: str) -> VaryingAxesError:
+    """JAX 0.12's refusal of a collective over axes ``x`` varies over only some of."""
+    return VaryingAxesError(
+        f"meshstate.{name} can only accept axis_name which corresponds to one of varying, "
+        f"unreduced, reduced or invarying state of the input. Got input type: {type_text(x)}, "
+        f"axes: {axes!r} and input state: {{'invarying', 'varying'}}; {instead}"
+    )
 
 
 def _pvary_in_body(x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None) -> torch.Tensor:
     """``pvary`` with JAX's rule inside a typed body: an axis ``x`` varies over is refused."""
     names = axis_names(axes)
+    if names & vma(x) and names - vma(x):
+        raise _mixed_state("pvary", x, axes, f"pvary over {tuple(sorted(names - vma(x)))!r} alone")
     if names & vma(x):
         raise VaryingAxesError(
             f"meshstate.pvary: x of type {type_text(x)} already varies over "

@@ -34,7 +34,7 @@ __all__ = ["NamedLayout"]
 
 @dataclass(frozen=True)
 class NamedLayout(KeyedLayout):
-    """Ranks on the caller's axes: ``axis_names`` and ``axis_shapes`` in mesh order.
+    """Ranks on the caller's axes: ``axis_names`` and ``axis_sizes`` in mesh order.
 
     One view (``dense``, the DeviceMesh of every axis); a key names one axis or
     joins several with ``-`` (a set: ``"y-x"`` is ``"x-y"``). ``rank_offset`` and
@@ -42,15 +42,15 @@ class NamedLayout(KeyedLayout):
     """
 
     axis_names: tuple[str, ...]
-    axis_shapes: tuple[int, ...]
+    axis_sizes: tuple[int, ...]
     rank_offset: int = 0
     ranks: tuple[int, ...] | None = None
     dense: Grid = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        names, shapes = check_axes(self.axis_shapes, self.axis_names)
+        names, shapes = check_axes(self.axis_sizes, self.axis_names)
         object.__setattr__(self, "axis_names", names)
-        object.__setattr__(self, "axis_shapes", shapes)
+        object.__setattr__(self, "axis_sizes", shapes)
         grid = Grid(names[::-1], shapes[::-1], self.rank_offset)
         if self.ranks is not None:
             grid = ListedGrid(grid.axes_fastest_first, grid.sizes, 0, self.ranks)
@@ -104,11 +104,11 @@ class NamedLayout(KeyedLayout):
 
     def describe(self) -> str:
         """The layout for a repr: ``axes=('x', 'y') shape=(2, 4)``."""
-        return f"axes={self.axis_names} shape={self.axis_shapes}"
+        return f"axes={self.axis_names} shape={self.axis_sizes}"
 
     def arguments(self) -> dict[str, object]:
         """What every rank of a build agrees on."""
-        return {"axis_names": list(self.axis_names), "axis_shapes": list(self.axis_shapes)}
+        return {"axis_names": list(self.axis_names), "axis_sizes": list(self.axis_sizes)}
 
     def resolve(self, key: str, view: Grid | None = None) -> tuple[str, Grid, tuple[str, ...]]:
         """Canonical key (mesh order), view and mesh-ordered axes of ``key``.
@@ -156,8 +156,8 @@ class NamedLayout(KeyedLayout):
         return groups
 
 
-def check_axes(axis_shapes: object, axis_names: object) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """``axis_names`` and ``axis_shapes`` checked: as many names as sizes, each name a
+def check_axes(axis_sizes: object, axis_names: object) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``axis_names`` and ``axis_sizes`` checked: as many names as sizes, each name a
     non-empty string without ``-`` (it joins axes in a key) used once, each size a
     positive integer. Example: ``check_axes((2, 4), ("x", "y")) == (("x", "y"), (2, 4))``.
     """
@@ -165,14 +165,14 @@ def check_axes(axis_shapes: object, axis_names: object) -> tuple[tuple[str, ...]
         raise ArgumentTypeError(
             f"axis_names must be a tuple of axis names such as ('x', 'y'), got {axis_names!r}"
         )
-    if isinstance(axis_shapes, (str, bytes)) or not isinstance(axis_shapes, Sequence):
+    if isinstance(axis_sizes, (str, bytes)) or not isinstance(axis_sizes, Sequence):
         raise ArgumentTypeError(
-            f"axis_shapes must be a tuple of axis sizes such as (2, 4), got {axis_shapes!r}"
+            f"axis_sizes must be a tuple of axis sizes such as (2, 4), got {axis_sizes!r}"
         )
-    names, shapes = tuple(axis_names), tuple(axis_shapes)
+    names, shapes = tuple(axis_names), tuple(axis_sizes)
     if len(names) != len(shapes):
         raise ConfigError(
-            f"axis_shapes {shapes} has {len(shapes)} sizes but axis_names {names} has "
+            f"axis_sizes {shapes} has {len(shapes)} sizes but axis_names {names} has "
             f"{len(names)} names"
         )
     if not names:
@@ -194,6 +194,6 @@ def check_axes(axis_shapes: object, axis_names: object) -> tuple[tuple[str, ...]
         except TypeError:
             number = None
         if number is None or number < 1:
-            raise ConfigError(f"axis_shapes: the size of axis {name!r} must be a positive integer, got {size!r}")
+            raise ConfigError(f"axis_sizes: the size of axis {name!r} must be a positive integer, got {size!r}")
         checked.append(number)
     return names, tuple(checked)
