@@ -63,11 +63,11 @@ def group_containing(rank, groups):
 # ---------------------------------------------------------------- enumerations, no process group
 
 
-def order_dims(megatron_grid, dims):
-    """megatron-core's ``_order_dims(dims)``, which 0.19 calls ``_order_dims_for(dim_names, dims)``."""
-    if hasattr(megatron_grid, "_order_dims"):
-        return megatron_grid._order_dims(dims)
-    return megatron_grid._order_dims_for(megatron_grid.dim_names, dims)
+def order_dims(grid, dims):
+    """0.16's ``grid._order_dims(dims)``, which 0.19 calls ``_order_dims_for(dim_names, dims)``."""
+    if hasattr(grid, "_order_dims"):
+        return grid._order_dims(dims)
+    return grid._order_dims_for(grid.dim_names, dims)
 
 GRIDS = [
     (SEED_SHAPE, SEED_DIMS, 0),
@@ -88,10 +88,10 @@ def test_enumerations_and_keys_equal_megatron(shape, dim_names, rank_offset, mco
     theirs = mcore.HyperCommGrid(shape, dim_names, rank_offset)
     for dims in every_dim_list(dim_names):
         assert ours._gen_rank_enum(dims) == theirs._gen_rank_enum(dims), dims
-        assert ours._order_dims(dims) == order_dims(theirs, dims), dims
+        assert order_dims(ours, dims) == order_dims(theirs, dims), dims
         assert ours.get_rank_enum(dims) == theirs.get_rank_enum(dims), dims
     for name in dim_names:
-        assert ours._order_dims(name) == order_dims(theirs, name) == ([name], name)
+        assert order_dims(ours, name) == order_dims(theirs, name) == ([name], name)
         assert ours.get_rank_enum(name) == theirs.get_rank_enum(name)
 
 
@@ -114,8 +114,8 @@ def test_documented_examples(world_size_env):
 
     tcd = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
     assert tcd.get_rank_enum(["dp", "tp"]) == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert tcd._order_dims(["tp", "dp"]) == (["dp", "tp"], "dp-tp")
-    assert tcd._order_dims(["dp", "cp", "tp"]) == (["dp", "cp", "tp"], "dp-cp-tp")
+    assert order_dims(tcd, ["tp", "dp"]) == (["dp", "tp"], "dp-tp")
+    assert order_dims(tcd, ["dp", "cp", "tp"]) == (["dp", "cp", "tp"], "dp-cp-tp")
 
     assert HyperCommGrid([2, 2], ["tp", "dp"]).get_rank_enum("dp") == [[0, 2], [1, 3]]
     assert HyperCommGrid([2, 2], ["tp", "dp"], rank_offset=4)._gen_rank_enum(["tp"]) == [
@@ -124,7 +124,7 @@ def test_documented_examples(world_size_env):
     ]
 
     seed = HyperCommGrid(SEED_SHAPE, SEED_DIMS)
-    assert seed._order_dims(["dp", "pp"]) == (["dp", "pp"], "dp-pp")
+    assert order_dims(seed, ["dp", "pp"]) == (["dp", "pp"], "dp-pp")
     dp_groups = seed._gen_rank_enum(["dp"])
     assert len(dp_groups) == 24 and all(len(group) == 5 for group in dp_groups)
     assert dp_groups[0] == [0, 24, 48, 72, 96]
@@ -228,8 +228,10 @@ def test_dim_sets_with_the_same_ranks_share_a_group_when_options_match(no_world_
         assert live_group_count() - before == 3
 
         assert grid.get_pg(["tp", "cp"]) is tp_group and grid.get_pg("tp") is tp_group
-        # The whole world without options is the default group, as meshstate.core.groups makes it.
-        assert grid.create_pg(["tp", "cp", "pp", "dp"]) is dist.group.WORLD
+        # The whole world is a group of its own, as megatron-core's grid makes it.
+        world_group = grid.create_pg(["tp", "cp", "pp", "dp"])
+        assert world_group is not dist.group.WORLD
+        assert dist.get_process_group_ranks(world_group) == list(range(8))
 
 
 # ---------------------------------------------------------------- real collectives on 8 gloo ranks
@@ -330,13 +332,13 @@ def test_world_size_must_be_known(no_world_size_env, monkeypatch):
 
 
 DIM_ERRORS = [
-    ("ep", r"^unknown dim 'ep' in 'ep'; the grid's dims are tp, cp, dp$"),
-    ("tp-cp", r"^unknown dim 'tp-cp' in 'tp-cp'; the grid's dims are tp, cp, dp$"),
-    (["tp", "x"], r"^unknown dim 'x' in \['tp', 'x'\]; the grid's dims are tp, cp, dp$"),
+    ("ep", r"^'ep' is not in view 'base' with dims tp, cp, dp \(asked for 'ep'\)$"),
+    ("tp-cp", r"^'tp-cp' is not in view 'base' with dims tp, cp, dp \(asked for 'tp-cp'\)$"),
+    (["tp", "x"], r"^'x' is not in view 'base' with dims tp, cp, dp \(asked for \['tp', 'x'\]\)$"),
     (["tp", "dp", "tp"], r"^dims \['tp', 'dp', 'tp'\] name 'tp' twice$"),
-    ([], r"^a process group needs at least one dim; the grid's dims are tp, cp, dp$"),
+    ([], r"^a process group needs at least one dim; the dims are tp, cp, dp$"),
 ]
-GRID_METHODS = ["create_pg", "get_pg", "get_rank_enum", "_order_dims", "_gen_rank_enum"]
+GRID_METHODS = ["create_pg", "get_pg", "get_rank_enum", "order_dims", "_gen_rank_enum"]
 
 
 @pytest.mark.parametrize("method", GRID_METHODS)
@@ -344,8 +346,9 @@ GRID_METHODS = ["create_pg", "get_pg", "get_rank_enum", "_order_dims", "_gen_ran
 def test_bad_dims(method, dims, message, world_size_env):
     world_size_env(8)
     grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
+    call = (lambda dims: order_dims(grid, dims)) if method == "order_dims" else getattr(grid, method)
     with pytest.raises(DimError, match=message) as raised:
-        getattr(grid, method)(dims)
+        call(dims)
     # megatron-core raises ValueError for an unknown dim in a list; meshstate's AxisError is a KeyError.
     assert isinstance(raised.value, ValueError) and isinstance(raised.value, AxisError)
 

@@ -9,10 +9,14 @@ backend, in this process.
 """
 
 import warnings
+from datetime import timedelta
+from unittest import mock
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 
+from meshstate.errors import ConfigError
 from meshstate.megatron import parallel_state as ours
 from meshstate.megatron import surface
 from meshstate.megatron.errors import ParallelStateError
@@ -176,3 +180,100 @@ def test_is_gtp_remat_active_reads_the_setup_helpers_groups():
         assert not ProcessGroupCollection.is_gtp_remat_active(groups)
         assert ProcessGroupCollection.is_gtp_remat_active({"gtp_remat_group": dist.group.WORLD})
         ours.destroy_model_parallel()
+
+
+# -- HyperCommGrid as megatron-core 0.19.2 behaves without a process group (its unit tests) --
+
+
+@pytest.fixture
+def grid_pair(monkeypatch):
+    """A function making ours and megatron-core's grid alike, sized by ``WORLD_SIZE=8``
+    without a process group, as megatron-core's unit tests make them."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    return lambda *args, **kwargs: (HyperCommGrid(*args, **kwargs), MegatronGrid(*args, **kwargs))
+
+
+def test_create_pg_creates_through_torchs_new_subgroups_by_enumeration(grid_pair):
+    # No world: the groups are torch's call's to make, so a patch of it is what runs.
+    for grid in grid_pair([2, 2, 2], ["tp", "dp", "pp"], backend="gloo"):
+        grid.register_view("expert", [2, 2, 2], ["expt_tp", "ep", "pp"], shared_dims=["pp"])
+        made = [mock.MagicMock(spec=dist.ProcessGroup) for _ in range(3)]
+        options = object()
+        with mock.patch("torch.distributed.new_subgroups_by_enumeration",
+                        side_effect=[(group, None) for group in made]) as create, \
+                mock.patch("torch.distributed.get_rank", side_effect=AssertionError("get_rank")):
+            assert grid.create_pg(["tp", "dp"], pg_options=options, timeout=timedelta(seconds=9)) is made[0]
+            assert grid.create_pg(["expt_tp", "ep"], view="expert") is made[1]
+            assert grid.create_pg("pp", view="expert") is made[2] is grid.get_pg("pp")
+        calls = create.call_args_list
+        assert [call.args for call in calls] == [
+            ([[0, 1, 2, 3], [4, 5, 6, 7]],), ([[0, 1, 2, 3], [4, 5, 6, 7]],), ([[0, 4], [1, 5], [2, 6], [3, 7]],)]
+        assert calls[0].kwargs["backend"] == "gloo" and calls[0].kwargs["pg_options"] is options
+        assert calls[0].kwargs["timeout"] == timedelta(seconds=9)
+        assert set(grid._pgs) == {"dp-tp", ("expert", ("ep", "expt_tp")), "pp"}
+
+
+def test_create_pg_without_a_world_is_meshstates_error(grid_pair):
+    grid, _ = grid_pair([2], ["tp"])
+    with pytest.raises(ConfigError, match="^torch.distributed is not initialized; call "):
+        grid.create_pg("tp")
+    assert grid._pgs == {}
+
+
+def test_order_dims_for_orders_against_the_dim_names_given(grid_pair):
+    for grid in grid_pair([2, 2, 2], ["tp", "cp", "dp"]):
+        assert grid._order_dims_for(grid.dim_names, "cp") == (["cp"], "cp")
+        assert grid._order_dims_for(grid.dim_names, ["tp", "dp"]) == (["dp", "tp"], "dp-tp")
+        assert grid._order_dims_for(["ep", "edp"], ["ep", "edp"]) == (["edp", "ep"], "edp-ep")
+
+
+# megatron-core 0.19.2's unit tests match these texts.
+REGISTER_VIEW_ERRORS = [
+    (([2, 2, 2], ["ep", "expt_dp"], None), r"len\(shape\).*!= len\(dim_names\)"),
+    (([2, 2, 2], ["ep", "ep", "expt_dp"], None), "duplicate dim_names"),
+    (([4, 2], ["ep", "pp"], ["pp"]), "Shared dim 'pp' .* is not in the base view"),
+    (([4, 2], ["ep", "expt_dp"], ["tp"]), "Shared dim 'tp' .* is not in the view's dim_names"),
+    (([2, 4], ["ep", "tp"], ["tp"]), "Shared dim 'tp' has different membership"),
+]
+
+
+@pytest.mark.parametrize("view, message", REGISTER_VIEW_ERRORS)
+def test_register_view_errors_read_as_megatrons(view, message, grid_pair):
+    for grid in grid_pair([2, 2, 2], ["tp", "cp", "dp"]):
+        with pytest.raises(ValueError, match=message):
+            grid.register_view("expert", view[0], view[1], shared_dims=view[2])
+
+
+def test_a_registered_view_reads_as_megatrons_and_takes_numpy_sizes(grid_pair):
+    for grid in grid_pair([2, 2, 2], ["tp", "dp", "pp"]):
+        shape, dim_names = [np.int64(2), np.int64(2), np.int64(2)], ["expt_tp", "ep", "pp"]
+        assert grid.register_view("expert", shape, dim_names, shared_dims=["pp"]) is None
+        view = grid._views["expert"]
+        assert (view.name, view.shape, view.dim_names, view.shared_dims) == (
+            "expert", [2, 2, 2], dim_names, ["pp"])
+        assert view.shape is not shape and view.dim_names is not dim_names
+        assert grid.get_rank_enum("pp", view="expert") == grid.get_rank_enum("pp")
+
+
+def test_unknown_dims_and_missing_view_groups_name_the_view(grid_pair):
+    for grid in grid_pair([2, 2, 2], ["tp", "dp", "pp"]):
+        grid.register_view("expert", [2, 2, 2], ["expt_tp", "ep", "pp"], shared_dims=["pp"])
+        with pytest.raises(ValueError, match="'ep' is not in view 'base'"):
+            grid.get_rank_enum("ep")
+        with pytest.raises(KeyError, match="for view 'expert' hasn't been created"):
+            grid.get_pg("ep", view="expert")
+        with mock.patch("torch.distributed.new_subgroups_by_enumeration",
+                        return_value=(mock.MagicMock(spec=dist.ProcessGroup), None)):
+            grid.create_pg(["ep", "expt_tp"], view="expert")
+            with pytest.raises(KeyError, match="for view 'expert' has already been created"):
+                grid.create_pg(["expt_tp", "ep"], view="expert")
+
+
+def test_destroy_destroys_each_member_group_once_with_torchs_call(grid_pair):
+    for grid in grid_pair([2, 4], ["tp", "dp"]):
+        member = mock.MagicMock(spec=dist.ProcessGroup)
+        grid._pgs = {"tp": member, "dp": dist.GroupMember.NON_GROUP_MEMBER, "cp": None, "dp-tp": member}
+        with mock.patch("torch.distributed.destroy_process_group") as destroy:
+            grid.destroy()
+        destroy.assert_called_once_with(member)
+        assert grid._pgs == {}

@@ -16,6 +16,10 @@ must join, so there each family of the default backend is created with one
 where the default group is bound to a device and falls back to member-local
 creation for the whole build if the backend's first split raises (a backend
 without comm splitting).
+
+The Megatron façade's ``HyperCommGrid`` creates and destroys its groups as
+megatron-core's does, through torch's ``new_subgroups_by_enumeration`` and
+``destroy_process_group``: :func:`create_enumerated_groups`, :func:`destroy_groups`.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch.distributed as dist
 
@@ -432,3 +436,58 @@ def create_group_family(
         if group is not None:
             owner.by_name[description] = group
     return group
+
+
+def create_enumerated_groups(
+    rank_lists: list[list[int]],
+    *,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> dist.ProcessGroup | None:
+    """Create one process group per rank list, as megatron-core's ``HyperCommGrid`` does:
+    with ``torch.distributed.new_subgroups_by_enumeration``, looked up when called (a
+    patch of it, or a simulation's, is what runs); return the calling rank's group.
+
+    Every rank of the world calls it with the same disjoint ``rank_lists`` and takes
+    part in creating every group (torch's ``new_group``); a rank in none gets ``None``.
+    On torch's fake backend every group is fake, whatever ``backend`` says. Without a
+    default group torch's refusal is raised as ``ConfigError``; the groups live until
+    :func:`destroy_groups` (or ``destroy_process_group()``) ends them.
+
+    Example (4 ranks)::
+
+        tp_group = create_enumerated_groups([[0, 1], [2, 3]], group_desc="tp")
+        # on rank 2: the group of ranks 2 and 3
+    """
+    if dist.is_initialized() and str(dist.get_backend()) == "fake":
+        backend = "fake"
+    try:
+        group, _ = dist.new_subgroups_by_enumeration(  # type: ignore[no-untyped-call, unused-ignore]
+            rank_lists, timeout=timeout, backend=backend, pg_options=pg_options,
+            group_desc=group_desc,
+        )
+    except ValueError as error:
+        if dist.is_initialized():
+            raise
+        raise ConfigError(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group first"
+        ) from error
+    return cast(dist.ProcessGroup | None, group)
+
+
+def destroy_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
+    """Destroy each of ``groups`` the calling rank is a member of, once, with
+    ``torch.distributed.destroy_process_group`` (looked up when called), as megatron-core's
+    ``HyperCommGrid.destroy`` does; what is not a group (``None``, torch's non-member
+    marker) is skipped.
+
+    Example: ``destroy_groups([tp_group, dp_group, tp_group])`` destroys two groups.
+    """
+    destroyed: set[int] = set()
+    for group in groups:
+        if not isinstance(group, dist.ProcessGroup) or id(group) in destroyed:
+            continue
+        destroyed.add(id(group))
+        dist.destroy_process_group(group)

@@ -3,8 +3,9 @@
 ``HyperCommGrid(shape, dim_names)`` names the dims of a grid of ranks, the first
 dim fastest-varying as in a Megatron order string; ``create_pg(dims)`` creates the
 process groups over some of those dims, once per dim set, and ``get_pg(dims)``
-returns them later. The rank arithmetic is :class:`meshstate.layout.layout.Grid`, and
-the groups are created by :func:`meshstate.core.groups.create_group_family`.
+returns them later. The rank arithmetic is :class:`meshstate.layout.layout.Grid`; the
+groups are created and destroyed by :mod:`meshstate.core.groups` through torch's
+``new_subgroups_by_enumeration`` and ``destroy_process_group``, as megatron-core's are.
 
 Example, as rank 5 of 8 (a fake world: torch's fake backend)::
 
@@ -23,6 +24,7 @@ Example, as rank 5 of 8 (a fake world: torch's fake backend)::
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshstate.errors import AxisError, ConfigError, MeshStateError
-from meshstate.core.groups import ProcessGroupSet, create_group_family, require_default_group
+from meshstate.core.groups import create_enumerated_groups, destroy_groups
 from meshstate.layout.layout import Grid
 
 __all__ = ["DimError", "GridSizeError", "GroupKeyError", "HyperCommGrid"]
@@ -77,10 +79,27 @@ class _CreatedGroup:
 
 @dataclass(frozen=True)
 class _View:
-    """A named factorization of the grid's ranks, and the dims it shares with the base."""
+    """A named factorization of the grid's ranks, and the dims it shares with the base.
 
+    Read as megatron-core's ``_RankViewSpec``: ``name``, and ``shape``, ``dim_names``
+    and ``shared_dims`` as new lists.
+    """
+
+    name: str
     grid: Grid
-    shared_dims: tuple[str, ...]
+    shared: tuple[str, ...]
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.grid.sizes)
+
+    @property
+    def dim_names(self) -> list[str]:
+        return list(self.grid.axes_fastest_first)
+
+    @property
+    def shared_dims(self) -> list[str]:
+        return list(self.shared)
 
 
 _BASE_VIEW = "base"
@@ -127,7 +146,7 @@ class HyperCommGrid:
                 f"len(shape) {len(shape)} != len(dim_names) {len(dim_names)}: "
                 f"shape {list(shape)}, dim_names {list(dim_names)}"
             )
-        self._grid = Grid(tuple(dim_names), tuple(shape), rank_offset)
+        self._grid = Grid(tuple(dim_names), _sizes(shape), rank_offset)
         world_size = _world_size()
         if rank_offset + self.size > world_size:
             raise GridSizeError(
@@ -136,11 +155,10 @@ class HyperCommGrid:
                 f"{rank_offset + self.size - 1}, the world has ranks 0..{world_size - 1}"
             )
         self.backend = backend
-        self._views = {_BASE_VIEW: _View(self._grid, ())}
+        self._views = {_BASE_VIEW: _View(_BASE_VIEW, self._grid, ())}
         # Base groups by their key ("dp-tp"); a view's own by (view, dims in its order).
         self._pgs: dict[str | tuple[str, tuple[str, ...]], dist.ProcessGroup | None] = {}
         self._created: list[_CreatedGroup] = []
-        self._owned = ProcessGroupSet(by_name={})
 
     @property
     def shape(self) -> list[int]:
@@ -181,33 +199,38 @@ class HyperCommGrid:
         """
         if name in self._views:
             raise ConfigError(f"View {name!r} is already registered")
-        if len(shape) != len(dim_names) or len(set(dim_names)) != len(dim_names):
-            raise ConfigError(f"View {name!r}: shape {list(shape)} and dim_names {list(dim_names)} "
-                              "must have one size per distinct name")
-        if any(isinstance(size, bool) or not isinstance(size, int) or size <= 0 for size in shape):
+        if len(shape) != len(dim_names):
+            raise ConfigError(f"View {name!r}: len(shape) {len(shape)} != len(dim_names) "
+                              f"{len(dim_names)}: shape {list(shape)}, dim_names {list(dim_names)}")
+        if len(set(dim_names)) != len(dim_names):
+            raise ConfigError(f"View {name!r} has duplicate dim_names: {list(dim_names)}")
+        if any(not _is_int(size) or size <= 0 for size in shape):
             raise ConfigError(f"View {name!r} shape must be positive ints, got {list(shape)}")
-        grid = Grid(tuple(dim_names), tuple(shape), self.rank_offset)
+        grid = Grid(tuple(dim_names), _sizes(shape), self.rank_offset)
         if grid.world_size != self.size:
             raise ConfigError(f"View {name!r} shape {list(shape)} has size {grid.world_size}, "
                               f"but the grid size is {self.size}")
-        shared = tuple(shared_dims or ())
-        for dims in [*([dim] for dim in shared), *([list(shared)] if len(shared) > 1 else [])]:
+        shared = list(shared_dims or ())
+        if len(set(shared)) != len(shared):
+            raise ConfigError(f"View {name!r} has duplicate shared_dims: {shared}")
+        for dims in [*([dim] for dim in shared), *([shared] if len(shared) > 1 else [])]:
             self._check_shared(name, grid, dims)
-        self._views[name] = _View(grid, shared)
+        self._views[name] = _View(name, grid, tuple(shared))
 
     def _check_shared(self, name: str, grid: Grid, dims: list[str]) -> None:
         """Refuse shared ``dims`` missing from a view or enumerated differently there."""
-        if len(set(dims)) != len(dims):
-            raise ConfigError(f"View {name!r} has duplicate shared_dims: {dims}")
-        for view_name, view_grid in ((_BASE_VIEW, self._grid), (name, grid)):
-            missing = [dim for dim in dims if dim not in view_grid.axes_fastest_first]
-            if missing:
-                raise ConfigError(f"Shared dim {missing[0]!r} of view {name!r} is not in view "
-                                  f"{view_name!r}, dims {list(view_grid.axes_fastest_first)}")
+        for dim in dims:
+            if dim not in self._grid.axes_fastest_first:
+                raise ConfigError(f"Shared dim {dim!r} of view {name!r} is not in the base view "
+                                  f"{self.dim_names}")
+            if dim not in grid.axes_fastest_first:
+                raise ConfigError(f"Shared dim {dim!r} of view {name!r} is not in the view's "
+                                  f"dim_names {list(grid.axes_fastest_first)}")
         base = self._grid.groups(self._grid.mesh_order(dims)).tolist()
         view = grid.groups(grid.mesh_order(dims)).tolist()
         if base != view:
-            raise ConfigError(f"Shared dims {dims} have different membership across views: base "
+            shared = f"Shared dim {dims[0]!r} has" if len(dims) == 1 else f"Shared dims {dims} have"
+            raise ConfigError(f"{shared} different membership across views: base "
                               f"enumeration {base} != view {name!r} enumeration {view}")
 
     def create_pg(
@@ -224,14 +247,15 @@ class HyperCommGrid:
 
         Every rank of the world calls it, in the same order as the other ranks;
         a rank outside the grid gets ``None``. The groups are kept under the key
-        of :meth:`_order_dims` (``["tp", "dp"]`` and ``["dp", "tp"]`` are one
+        of :meth:`_order_dims_for` (``["tp", "dp"]`` and ``["dp", "tp"]`` are one
         key), and a key is created once: asking again raises
         :class:`GroupKeyError` (a ``KeyError``), since the options of the first
         call cannot be compared. Dim sets with the same groups (they differ only
         by size-1 dims, or a view's) asked for with the same ``timeout`` and the
         same ``pg_options`` object share one process group, named by the first
-        call's ``group_desc``. Groups are made as
-        :func:`~meshstate.core.groups.create_group_family` makes them, and
+        call's ``group_desc``. Groups are made by
+        :func:`~meshstate.core.groups.create_enumerated_groups` (torch's
+        ``new_subgroups_by_enumeration``, as megatron-core makes them), and
         :meth:`destroy` ends them.
 
         Args:
@@ -248,19 +272,20 @@ class HyperCommGrid:
         key, grid, ordered = self._key(dims, view)
         if key in self._pgs:
             raise GroupKeyError(
-                f"Process group for dims {_named(key)!r} has already been created on this grid; "
+                f"Process group for dims {_named(key)} has already been created on this grid; "
                 f"create_pg runs once per dim set (the options of the first call cannot be "
-                f"compared), use get_pg({ordered}) to get it"
+                f"compared), use get_pg({_call(ordered, key)}) to get it"
             )
-        self._check_world()
+        if dist.is_initialized():
+            self._check_world()
         family = grid.groups(ordered).tolist()
         same = (done for done in self._created
                 if done.family == family and done.timeout == timeout and done.pg_options is pg_options)
         created = next(same, None)
         if created is None:
-            group = create_group_family(
-                family, description=group_desc or _named(key), backend=self.backend,
-                timeout=timeout, pg_options=pg_options, owner=self._owned,
+            group = create_enumerated_groups(
+                family, backend=self.backend, timeout=timeout, pg_options=pg_options,
+                group_desc=group_desc or _description(key),
             )
             created = _CreatedGroup(family, timeout, pg_options, group)
             self._created.append(created)
@@ -279,19 +304,19 @@ class HyperCommGrid:
         key, _, ordered = self._key(dims, view)
         if key not in self._pgs:
             raise GroupKeyError(
-                f"Process group for dims {_named(key)!r} hasn't been created; "
-                f"call create_pg({ordered}) first"
+                f"Process group for dims {_named(key)} hasn't been created; "
+                f"call create_pg({_call(ordered, key)}) first"
             )
         return self._pgs[key]
 
     def destroy(self) -> None:
-        """Destroy every process group this grid created; :meth:`create_pg` may then
-        create them again.
+        """Destroy the process groups of this grid that the calling rank is in, each once;
+        :meth:`create_pg` may then create them again.
 
         Example: ``grid.create_pg("tp"); grid.destroy(); grid.get_pg("tp")`` raises
         :class:`GroupKeyError`.
         """
-        self._owned.destroy()
+        destroy_groups(self._pgs.values())
         self._pgs.clear()
         self._created.clear()
 
@@ -310,8 +335,9 @@ class HyperCommGrid:
         Example: ``HyperCommGrid([2, 2], ["tp", "dp"]).get_rank_enum("dp")`` is
         ``[[0, 2], [1, 3]]``.
         """
-        grid = self._view(view).grid
-        groups: list[list[int]] = grid.groups(grid.mesh_order(self._checked(dims, grid))).tolist()
+        spec = self._view(view)
+        ordered, _ = self._order_dims_for(spec.dim_names, dims)
+        groups: list[list[int]] = spec.grid.groups(ordered).tolist()
         return groups
 
     def _gen_rank_enum(self, dims: str | Sequence[str]) -> list[list[int]]:
@@ -325,16 +351,19 @@ class HyperCommGrid:
         is ``[[0, 2, 1, 3], [4, 6, 5, 7]]``; with ``["b", "a"]`` it is
         ``[[0, 1, 2, 3], [4, 5, 6, 7]]``.
         """
-        groups: list[list[int]] = self._grid.groups(self._checked(dims, self._grid)).tolist()
+        groups: list[list[int]] = self._grid.groups(self._checked(dims, self.dim_names)).tolist()
         return groups
 
-    def _order_dims(self, dims: str | Sequence[str]) -> tuple[list[str], str]:
+    def _order_dims_for(
+        self, dim_names: Sequence[str], dims: str | Sequence[str]
+    ) -> tuple[list[str], str]:
         """``dims`` in reversed ``dim_names`` order, and the key they are kept under.
 
-        Example: with ``dim_names=["tp", "cp", "dp"]``, ``_order_dims(["tp", "dp"])``
-        is ``(["dp", "tp"], "dp-tp")``.
+        Example: ``_order_dims_for(["tp", "cp", "dp"], ["tp", "dp"])`` is
+        ``(["dp", "tp"], "dp-tp")``.
         """
-        ordered = list(self._grid.mesh_order(self._checked(dims, self._grid)))
+        names = self._checked(dims, dim_names)
+        ordered = [name for name in reversed(dim_names) if name in names]
         return ordered, "-".join(ordered)
 
     def _key(
@@ -343,11 +372,11 @@ class HyperCommGrid:
         """The key ``dims`` of ``view`` are kept under, the grid enumerating them, and
         ``dims`` in its mesh order: a view's dims that are all shared are the base's."""
         spec = self._view(view)
-        ordered = list(spec.grid.mesh_order(self._checked(dims, spec.grid)))
-        if spec.grid is self._grid or all(dim in spec.shared_dims for dim in ordered):
-            base_ordered, key = self._order_dims(ordered)
+        ordered, _ = self._order_dims_for(spec.dim_names, dims)
+        if spec.grid is self._grid or all(dim in spec.shared for dim in ordered):
+            base_ordered, key = self._order_dims_for(self.dim_names, ordered)
             return key, self._grid, base_ordered
-        return (str(view), tuple(ordered)), spec.grid, ordered
+        return (spec.name, tuple(ordered)), spec.grid, ordered
 
     def _view(self, view: str | None) -> _View:
         spec = self._views.get(_BASE_VIEW if view is None else view)
@@ -355,20 +384,23 @@ class HyperCommGrid:
             raise GroupKeyError(f"View {view!r} is not registered. Registered views: {sorted(self._views)}")
         return spec
 
-    def _checked(self, dims: str | Sequence[str], grid: Grid) -> tuple[str, ...]:
+    def _checked(self, dims: str | Sequence[str], dim_names: Sequence[str]) -> tuple[str, ...]:
+        """``dims`` as a tuple, each a distinct name of ``dim_names`` (a view's)."""
         names = (dims,) if isinstance(dims, str) else tuple(dims)
-        valid = ", ".join(grid.axes_fastest_first)
+        valid = ", ".join(dim_names)
         for name in names:
-            if name not in grid.axes_fastest_first:
-                raise DimError(f"unknown dim {name!r} in {dims!r}; the grid's dims are {valid}")
+            if name not in dim_names:
+                view = next((spec.name for spec in self._views.values()
+                             if spec.grid.axes_fastest_first == tuple(dim_names)), None)
+                where = f"view {view!r}" if view is not None else f"dim_names {list(dim_names)}"
+                raise DimError(f"{name!r} is not in {where} with dims {valid} (asked for {dims!r})")
             if names.count(name) > 1:
                 raise DimError(f"dims {list(names)} name {name!r} twice")
         if not names:
-            raise DimError(f"a process group needs at least one dim; the grid's dims are {valid}")
+            raise DimError(f"a process group needs at least one dim; the dims are {valid}")
         return names
 
     def _check_world(self) -> None:
-        require_default_group(ConfigError)
         world_size = dist.get_world_size()
         if self.rank_offset + self.size > world_size:
             raise ConfigError(
@@ -378,8 +410,29 @@ class HyperCommGrid:
 
 
 def _named(key: str | tuple[str, tuple[str, ...]]) -> str:
-    """A group key as written in messages and descriptions: ``dp-tp``, or ``moe:ep-edp``."""
+    """A group key as messages write it: ``'dp-tp'``, or ``'ep-edp' for view 'moe'``."""
+    return repr(key) if isinstance(key, str) else f"{'-'.join(key[1])!r} for view {key[0]!r}"
+
+
+def _description(key: str | tuple[str, tuple[str, ...]]) -> str:
+    """A group key as the groups' description: ``dp-tp``, or ``moe:ep-edp``."""
     return key if isinstance(key, str) else f"{key[0]}:{'-'.join(key[1])}"
+
+
+def _call(ordered: list[str], key: str | tuple[str, tuple[str, ...]]) -> str:
+    """The arguments that ask for ``key`` again: ``['dp', 'tp']``, or ``['ep'], view='moe'``."""
+    return repr(ordered) if isinstance(key, str) else f"{ordered!r}, view={key[0]!r}"
+
+
+def _is_int(size: object) -> bool:
+    """An integer of any kind (numpy's too, as megatron-core takes them), not a bool."""
+    return isinstance(size, numbers.Integral) and not isinstance(size, bool)
+
+
+def _sizes(shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` as Python ints where its sizes are integers of another kind (numpy's);
+    anything else is left for :class:`Grid` to refuse."""
+    return tuple(int(size) if _is_int(size) else size for size in shape)
 
 
 def _world_size() -> int:

@@ -233,9 +233,15 @@ def _follow_0_16() -> None:
     def get_rank_enum(self: HyperCommGrid, dims: str | Sequence[str]) -> list[list[int]]:
         return newest_enum(self, dims)
 
+    def _order_dims(self: HyperCommGrid, dims: str | Sequence[str]) -> tuple[list[str], str]:
+        """0.16's: ``dims`` in reversed ``dim_names`` order, and their key (0.19's
+        ``_order_dims_for(dim_names, dims)``, which the grid keeps)."""
+        return self._order_dims_for(self.dim_names, dims)
+
     for method in (create_pg, get_pg, get_rank_enum):
         method.__doc__ = getattr(HyperCommGrid, method.__name__).__doc__
         setattr(HyperCommGrid, method.__name__, method)
+    HyperCommGrid._order_dims = _order_dims  # type: ignore[attr-defined]
     for name in GRID_METHODS_ADDED_IN_0_19:
         delattr(HyperCommGrid, name)
     _follow_0_16_collection()
