@@ -74,17 +74,17 @@ def test_tuple_axes_follow_the_tuple_order(axes):
         tiled = lax.all_to_all(outgoing.view(1, 4), axes, split_axis=1, concat_axis=0, tiled=True)
         assert tiled.tolist() == [[sender * 10 + index] for sender in group]
         ring = [(i, (i + 1) % 4) for i in range(4)]
-        assert lax.ppermute(torch.tensor([rank]), axes, ring).item() == group[(index - 1) % 4]
-        jaxs = IDIOMS["tuple order"]["-".join(axes)]["sort_diff raises=False"]
-        assert lax.ppermute(torch.tensor([float(rank)]), axes, ring).item() == jaxs[rank]
-        assert lax.ppermute(torch.tensor([rank]), axes, [(0, 3)]).item() == (group[0] if index == 3 else 0)
+        jaxs = IDIOMS["tuple order"]["-".join(axes)]
+        with meshstate.raise_on_ppermute_sort_diff(False):  # JAX 0.12 with its check off
+            assert lax.ppermute(torch.tensor([rank]), axes, ring).item() == group[(index - 1) % 4]
+            assert lax.ppermute(torch.tensor([float(rank)]), axes, ring).item() == jaxs["sort_diff raises=False"][rank]
+            assert lax.ppermute(torch.tensor([rank]), axes, [(0, 3)]).item() == (group[0] if index == 3 else 0)
+        if not isinstance(jaxs["sort_diff raises=True"], list):  # against mesh order: refused
+            with pytest.raises(meshstate.ConfigError, match="in the same order as the axis_names"):
+                lax.ppermute(torch.tensor([rank]), axes, ring)
     mesh.destroy()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "JAX 0.12 refuses ppermute over axes against mesh order (jax_raise_on_ppermute_sort_diff, "
-    "on by default: 0.10's sorted answer was wrong); meshstate follows the tuple, as JAX 0.12 "
-    "does only with the flag off"))
 @pytest.mark.parametrize("axes", [("cp", "dp"), ("tp", "cp")])
 def test_ppermute_against_mesh_order_is_refused_as_jax_0_12_refuses(axes):
     jaxs = IDIOMS["tuple order"]["-".join(axes)]["sort_diff raises=True"]
@@ -131,7 +131,8 @@ def test_collectives_are_differentiable_as_their_transposes():
         assert z.grad.item() == rank + 1  # psum's backward is the identity (JAX's default)
         w = torch.ones(1, requires_grad=True)
         ring = [(i, (i + 1) % 4) for i in range(4)]
-        (lax.ppermute(w, axes, ring) * (lax.axis_index(axes) + 1)).sum().backward()
+        with meshstate.raise_on_ppermute_sort_diff(False):  # ("cp", "dp") is against mesh order
+            (lax.ppermute(w, axes, ring) * (lax.axis_index(axes) + 1)).sum().backward()
         # my value went to index+1, which weighs it by index+2
         assert w.grad.item() == (lax.axis_index(axes) + 1) % 4 + 1
         with pytest.raises(ConfigError, match="pmax is not differentiable"):

@@ -88,7 +88,8 @@ def fake_mesh():
 @pytest.mark.parametrize("name", [name for name in COLLECTIVES if name != "ppermute one way"])
 def test_each_collective_traces_as_one_graph(fake_mesh, name, axes):
     x = torch.randn(2 * lax.axis_size(axes), 3, requires_grad=True)
-    assert explained(lambda v: every_collective(v, axes, [name])[name] * 2, x) == (1, 0)
+    with meshstate.raise_on_ppermute_sort_diff(False):  # ppermute over a tuple against mesh order
+        assert explained(lambda v: every_collective(v, axes, [name])[name] * 2, x) == (1, 0)
 
 
 @pytest.mark.parametrize("name", [name for name in COLLECTIVES if name != "ppermute one way"])
@@ -200,7 +201,9 @@ def assert_same(eager, compiled):
 def test_compiled_collectives_equal_eager_values_and_gradients():
     mesh = meshstate.init_mesh(tp=2, cp=2)
     rank = dist.get_rank()
-    with mesh:  # one compiled function over every axis set (one trace, not one per set)
+    # one compiled function over every axis set (one trace, not one per set); ppermute over a
+    # tuple against mesh order reads perm in the tuple's order (JAX 0.12 with its check off)
+    with mesh, meshstate.raise_on_ppermute_sort_diff(False):
         inputs = [torch.arange(2.0 * lax.axis_size(axes) * 3).view(-1, 3) * (rank + 1) for axes in AXES]
 
         def over_every_axis_set(*xs):

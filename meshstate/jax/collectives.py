@@ -50,13 +50,15 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)`` so dp=2)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any, TypeVar, overload
 
 import torch
 
-from meshstate.errors import ArgumentTypeError
+from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.one_rank import tracing_for_every_rank
 from meshstate.core.ordered import OrderedGroup, index_when_run
@@ -90,6 +92,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "pvary",
+    "raise_on_ppermute_sort_diff",
 ]
 
 
@@ -404,8 +407,43 @@ def ppermute(
     if perm is None:
         raise ArgumentTypeError("ppermute() missing its argument 'perm'")
     group = _ordered(axes, mesh, "ppermute")
+    if not isinstance(axes, str) and len(axes) > 1 and _ppermute_order.refuses:
+        _refuse_against_mesh_order(axes, current_mesh() if mesh is None else mesh)
     pairs = check_perm(perm, len(group.ranks))
     return typing.collective(typing.PPERMUTE, x, axes, mesh, group,
                              lambda v, on: permute(v, on, pairs))
+
+
+class _PpermuteOrder(threading.local):
+    refuses = True
+
+
+_ppermute_order = _PpermuteOrder()
+
+
+@contextlib.contextmanager
+def raise_on_ppermute_sort_diff(refuse: bool) -> Iterator[None]:
+    """JAX's ``jax.raise_on_ppermute_sort_diff``: with ``False``, :func:`ppermute` over a
+    tuple of axes against mesh order reads ``perm`` in the tuple's order (as JAX 0.12 with
+    the check off) instead of refusing it; in this thread, until the block ends.
+
+    Example: ``with raise_on_ppermute_sort_diff(False): ppermute(x, ("tp", "cp"), perm)``.
+    """
+    before, _ppermute_order.refuses = _ppermute_order.refuses, refuse
+    try:
+        yield
+    finally:
+        _ppermute_order.refuses = before
+
+
+def _refuse_against_mesh_order(axes: Sequence[str], mesh: ParallelMesh) -> None:
+    grid, named = mesh.layout.resolve_base(tuple(axes))
+    if grid.mesh_order(named) != tuple(named):
+        raise ConfigError(
+            f"ppermute over {tuple(axes)!r}: make sure that the axis_name passed to "
+            f"meshstate.ppermute is in the same order as the axis_names declared on the mesh "
+            f"({grid.mesh_order(named)!r}), as JAX 0.12 checks; to allow another order, "
+            "use `with meshstate.raise_on_ppermute_sort_diff(False):`"
+        )
 
 
