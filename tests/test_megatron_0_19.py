@@ -277,3 +277,22 @@ def test_destroy_destroys_each_member_group_once_with_torchs_call(grid_pair):
             grid.destroy()
         destroy.assert_called_once_with(member)
         assert grid._pgs == {}
+
+
+def _a_grid_reduces_over_its_groups():
+    import torch
+
+    grid = HyperCommGrid([2, 2], ["tp", "dp"])
+    summed = torch.ones(1) * dist.get_rank()
+    dist.all_reduce(summed, group=grid.create_pg("tp"))
+    grid.destroy()
+    assert torch.equal(summed, torch.tensor([1.0, 1.0, 5.0, 5.0])[dist.get_rank()].view(1))  # 0+1, 2+3
+
+
+def test_a_grid_makes_its_groups_through_torch_in_threads_and_simulated_too():
+    """create_pg through torch's new_subgroups_by_enumeration, in the one-process worlds."""
+    from meshstate.testing import simulated_world, threaded_world
+
+    for world in (threaded_world(4), simulated_world(4)):
+        with world:
+            world.run(_a_grid_reduces_over_its_groups)
