@@ -194,7 +194,7 @@ def _worker_main(
     )
     store = torch_internals.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     results.send((0, rank, ("ok", _dumps(None))))  # task 0: started
-    while (task := tasks.recv()) is not None:
+    while (task := _next_task(tasks)) is not None:
         task_id, payload = task
         try:
             function, args, kwargs, timeout = ForkingPickler.loads(payload)
@@ -221,6 +221,15 @@ def _worker_main(
         sys.stderr.flush()
         results.send((task_id, rank, outcome))
         release_side_by_side(groups)
+
+
+def _next_task(tasks: Connection) -> Any:
+    """The next task, or ``None`` when the world ends: told so, or its pipe closed (the
+    parent stopped, by Ctrl-C say, between two tasks: nothing to report)."""
+    try:
+        return tasks.recv()
+    except EOFError:
+        return None
 
 
 def _wait_for_every_rank(store: torch_internals.PrefixStore, key: str, world_size: int) -> None:
