@@ -269,3 +269,21 @@ def test_the_simulated_world_refuses_a_checkpoint_by_name():
 
     with simulated_world(2) as world, pytest.raises(Exception, match="meshstate.checkpoint.save"):
         world.run(body)
+
+
+def test_megatron_layers_say_how_their_parameters_lie():
+    """The attributes megatron-core's layers set on a parameter (its own helper sets them
+    here) are the spec: partition dim 0 or 1 over tp; an expert's over etp."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from meshstate.checkpoint import megatron_specs
+
+    model = torch.nn.ModuleDict({"fc1": torch.nn.Linear(4, 8), "fc2": torch.nn.Linear(8, 4),
+                                 "expert": torch.nn.Linear(4, 8), "norm": torch.nn.LayerNorm(4)})
+    for name, dim in (("fc1", 0), ("fc2", 1), ("expert", 0)):
+        set_tensor_model_parallel_attributes(model[name].weight, True, dim, 1)
+    model["expert"].weight.allreduce = False
+    assert megatron_specs(model, "model.") == {
+        "model.fc1.weight": P("tp", None), "model.fc2.weight": P(None, "tp"),
+        "model.expert.weight": P("etp", None)}
+    assert Layout(megatron_specs(model)).spec_of("fc2.weight.exp_avg") == P(None, "tp")

@@ -7,7 +7,7 @@ does the files. See docs/reference.md, "Checkpoints across layouts".
 """
 
 from meshstate.checkpoint.errors import CheckpointError
-from meshstate.checkpoint.layout import Layout
+from meshstate.checkpoint.layout import Layout, megatron_specs
 from meshstate.checkpoint.saving import Transfer, load, save
 
-__all__ = ["CheckpointError", "Layout", "Transfer", "load", "save"]
+__all__ = ["CheckpointError", "Layout", "Transfer", "load", "megatron_specs", "save"]

@@ -110,6 +110,26 @@ class Layout:
         return ".".join(segments)
 
 
+def megatron_specs(module: Any, prefix: str = "") -> dict[str, P]:
+    """The spec of each tensor-parallel parameter of ``module``, as megatron-core's layers
+    declare it on the parameter (``tensor_model_parallel``, ``partition_dim``): split over
+    ``tp``, or ``etp`` for an expert's (``allreduce=False``); keys as ``state_dict()`` names
+    them after ``prefix``. For :class:`Layout`'s ``specs``.
+
+    Example: ``megatron_specs(model, "model.")`` ->
+    ``{"model.decoder.layers.0.mlp.linear_fc1.weight": P("tp", None), ...}``.
+    """
+    specs = {}
+    for name, parameter in module.named_parameters():
+        if not getattr(parameter, "tensor_model_parallel", False):
+            continue
+        axis = "tp" if getattr(parameter, "allreduce", True) else "etp"
+        dims: list[str | None] = [None] * parameter.dim()
+        dims[parameter.partition_dim] = axis
+        specs[prefix + name] = P(*dims)
+    return specs
+
+
 def global_shape(local_shape: Iterable[int], spec: P, sizes: Mapping[str, int]) -> tuple[int, ...]:
     """The whole tensor's shape of a local block laid out by ``spec`` over axes of
     ``sizes`` (each split dim is the block's times its axes' sizes).
