@@ -282,13 +282,15 @@ def test_9_one_failure_with_per_rank_assertion_detail_is_shown_once():
         assert f"rank {rank}: assert {rank} < 0" in message
 
 
-def sleep_a_second():
-    time.sleep(1.2)
+def sleep_past_half():
+    time.sleep(3.5)
 
 
 def test_9_a_run_halfway_to_its_timeout_says_so(capfd):
-    local_world(4).run(sleep_a_second, timeout=timedelta(seconds=2))
-    assert ("meshstate.testing: sleep_a_second has run half its 2 s timeout; ranks 0-3 not "
+    # Half of 6 s is said at 3 s; each rank is done at 3.5 s, well before 6 s on a loaded machine
+    # (at 1.2 s of 2 s, a busy CI machine once let a rank pass the timeout).
+    local_world(4).run(sleep_past_half, timeout=timedelta(seconds=6))
+    assert ("meshstate.testing: sleep_past_half has run half its 6 s timeout; ranks 0-3 not "
             "finished\n") in capfd.readouterr().err
 
 
