@@ -226,9 +226,11 @@ class LocalWorld:
             outcomes = self._collect(name, task_id, timeout)
             self._relay.drain()
             missing = [rank for rank in range(self.world_size) if rank not in outcomes]
+            stacks = self._stacks([rank for rank in missing if self._workers[rank].is_alive()])
+            # Read after the stacks: a worker whose pipe closed may exit while they are asked.
             exits = {rank: self._workers[rank].exitcode for rank in missing
                      if not self._workers[rank].is_alive()}
-            stacks = self._stacks([rank for rank in missing if rank not in exits])
+            stacks = {rank: stack for rank, stack in stacks.items() if rank not in exits}
         except BaseException:  # interrupted: the workers are mid-task
             self._kill()
             raise
