@@ -163,14 +163,18 @@ def _dtensor(entry: _Entry, mesh: ParallelMesh, local: torch.Tensor) -> torch.Te
     split = entry.spec.axes
     if not split:
         return local
-    view = mesh.root_of(mesh.layout.view_of(split, f"the checkpoint entry {entry.key!r}"))
-    names = tuple(axis for axis in view.mesh_dim_names or () if axis in split)
-    device_mesh = mesh[names]
-    shape = global_shape(local.shape, entry.spec, {axis: mesh.size(axis) for axis in names})
+    device_mesh = mesh[_split_axes(entry, mesh)]
+    shape = global_shape(local.shape, entry.spec, {axis: mesh.size(axis) for axis in split})
     return DTensor.from_local(
         local, device_mesh, to_placements(entry.spec, device_mesh), shape=torch.Size(shape),
         stride=contiguous_strides(shape), run_check=False,
     )
+
+
+def _split_axes(entry: _Entry, mesh: ParallelMesh) -> tuple[str, ...]:
+    """The axes ``entry``'s spec splits, in its view's order (a DeviceMesh's dims)."""
+    view = mesh.root_of(mesh.layout.view_of(entry.spec.axes, f"the checkpoint entry {entry.key!r}"))
+    return tuple(axis for axis in view.mesh_dim_names or () if axis in entry.spec.axes)
 
 
 def _saved(entry: _Entry, mesh: ParallelMesh) -> Any:
@@ -200,7 +204,8 @@ def _require_covered(entries: list[_Entry], mesh: ParallelMesh, metadata: Any) -
             problems.append(f"{entry.saved_key} (this rank's {entry.key}) is not in the checkpoint"
                             + _numbered_hint(entry.saved_key, saved))
         elif isinstance(entry.value, torch.Tensor):
-            shape = _dtensor(entry, mesh, entry.value).shape
+            shape = global_shape(entry.value.shape, entry.spec,
+                                 {axis: mesh.size(axis) for axis in entry.spec.axes})
             size = getattr(found, "size", None)
             if size is None:
                 problems.append(f"{entry.saved_key} is a plain value in the checkpoint, not a tensor")
