@@ -313,3 +313,19 @@ def test_every_layout_argument_is_a_field_of_mesh_config_and_init_mesh_takes_no_
         mesh = meshstate.init_mesh(**MeshConfig(8, order="tp-dp-pp", tp=2, pp=2).arguments())
         assert (mesh.size("tp"), mesh.size("dp"), mesh.config.order) == (2, 2, "tp-dp-pp")
         mesh.destroy()
+
+
+def test_the_mesh_gains_no_attribute_after_init_and_its_roots_share_one_rank_map():
+    # An attribute added after __init__ (a cached_property's answer, say) turns CPython's
+    # instance layout into a plain dict and every query read 40% slower from then on.
+    with fake_world(3, 16):
+        mesh = meshstate.init_mesh(tp=2, cp=2, ep=2)
+        attributes = set(vars(mesh))
+        dense, expert, hsdp = mesh.dense, mesh.expert, mesh.hsdp
+        mesh["tp"], mesh["dp-cp"], mesh.ordered(("cp", "dp"))
+        assert set(vars(mesh)) == attributes
+        assert mesh.root_meshes() == [dense, expert, hsdp]
+        assert expert._rank_map is dense._rank_map and hsdp._rank_map is dense._rank_map
+        assert mesh.dense is dense
+        mesh.destroy()
+        assert set(vars(mesh)) == attributes and mesh.root_meshes() == []

@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from functools import cached_property
 from typing import Any
 
 import torch.distributed as dist
@@ -37,11 +36,6 @@ from meshstate.core.current import (
     current, first_caller_outside_meshstate, forget_mesh, this_ranks_meshes, track_mesh,
 )
 from meshstate.core.views import DeviceMeshOnly, build_root_mesh, flattened_mesh, sliced_mesh
-
-
-
-_ROOTS = ("dense", "expert", "hsdp")
-"""The names of the root DeviceMeshes, made on first use."""
 
 
 class ParallelMesh:
@@ -142,6 +136,7 @@ class ParallelMesh:
         """The four tables, read-only: each spelling of each key whose group holds the
         calling rank -> its answer (``tables.rank["dp-cp"]`` is ``mesh.rank("dp-cp")``)."""
         self._device_meshes: dict[str | tuple[str, ...], DeviceMesh] = {}
+        self._roots: dict[str, DeviceMesh] = {}  # "dense", "expert", "hsdp" -> made on first use
         self.store: dict[Hashable, Any] = {}
         """What the layers above compute from this mesh (shard_map and reshard plans, the
         Megatron façade's facts), by a key of their own; ``destroy()`` calls ``forget``
@@ -172,36 +167,42 @@ class ParallelMesh:
         self.check_alive()
         return self._process_groups
 
-    @cached_property
+    @property
     def dense(self) -> DeviceMesh:
         """The dense DeviceMesh (dims pp, dp, cp, tp for the default order), made on first use.
 
         torch builds a DeviceMesh from a rank grid of the whole world, so this
         costs O(world) once; the groups, getters and tables never need it.
         """
-        dense = build_root_mesh(self, self.layout.dense)
-        if "expert" in self.__dict__:
-            _compat.share_rank_map(dense, self.expert)
-        return dense
+        return self._roots.get("dense") or self._made_root("dense")
 
-    @cached_property
+    @property
     def expert(self) -> DeviceMesh:
         """The expert DeviceMesh (dims pp, edp, ep, etp for the default order), made on first use."""
-        expert = build_root_mesh(self, self.layout.expert)
-        if "dense" in self.__dict__:
-            _compat.share_rank_map(expert, self.dense)
-        return expert
+        return self._roots.get("expert") or self._made_root("expert")
 
-    @cached_property
+    @property
     def hsdp(self) -> DeviceMesh:
         """The HSDP DeviceMesh (dims pp, dp_replicate, dp_shard, cp, tp for the default
         order, torchtitan's world mesh), made on first use; ``mesh["dp_replicate",
         "dp_shard"]`` slices it for FSDP2's HSDP.
         """
-        hsdp = build_root_mesh(self, self.layout.hsdp)
-        if "dense" in self.__dict__:
-            _compat.share_rank_map(hsdp, self.dense)
-        return hsdp
+        return self._roots.get("hsdp") or self._made_root("hsdp")
+
+    def _made_root(self, name: str) -> DeviceMesh:
+        """Build the root DeviceMesh of the view ``name``, holding the rank map of a root
+        made before it where the maps are equal (one world-sized map, not three).
+
+        Kept in a table made at init: an attribute added to the mesh later would cost
+        every query its fast attribute read (CPython's instance layout).
+        """
+        self.check_alive()
+        root = build_root_mesh(self, getattr(self.layout, name))
+        for made in self._roots.values():
+            _compat.share_rank_map(root, made)
+            break
+        self._roots[name] = root
+        return root
 
     def root_of(self, grid: Grid) -> DeviceMesh:
         """The root DeviceMesh of one of the layout's views: ``dense``, ``expert`` or ``hsdp``."""
@@ -367,10 +368,10 @@ class ParallelMesh:
         DeviceMesh cannot hold them in another, so ``mesh["cp", "dp"]`` raises
         and points to ``P(("cp", "dp"))``. The same request returns the same object.
         """
-        cached = self._device_meshes.get(key)  # the request as made: one dict lookup
-        if cached is not None:
-            return cached
-        self.check_alive()
+        try:
+            return self._device_meshes[key]  # the request as made: one dict lookup
+        except KeyError:
+            self.check_alive()
         names = (key,) if isinstance(key, str) else tuple(key)
         if len(names) == 1 and isinstance(names[0], str) and "-" in names[0]:
             mesh = flattened_mesh(self, names[0])
@@ -391,7 +392,7 @@ class ParallelMesh:
 
     def root_meshes(self) -> list[DeviceMesh]:
         """The root DeviceMeshes (dense, expert, HSDP) made so far."""
-        return [self.__dict__[name] for name in _ROOTS if name in self.__dict__]
+        return list(self._roots.values())
 
     def keep_view(self, key: tuple[str, ...], view: DeviceMesh) -> None:
         """Keep ``view`` as the answer to the request ``key`` until ``destroy()``."""
@@ -413,8 +414,7 @@ class ParallelMesh:
         self.destroyed_at = first_caller_outside_meshstate()
         if current.set_mesh is self:  # no longer this thread's mesh; a `with` block still names it
             current.set_mesh = None
-        roots = [name for name in _ROOTS if name in self.__dict__]
-        if self._device_meshes or roots:
+        if self._device_meshes or self._roots:
             _compat.forget_sharding_decisions()
         self._device_meshes.clear()
         self._ordered_groups.clear()
@@ -424,8 +424,7 @@ class ParallelMesh:
             if forget is not None:  # what a façade keeps here dies with the mesh, saying where
                 forget(destroyed)
         self.store.clear()
-        for name in roots:
-            del self.__dict__[name]
+        self._roots.clear()
         for table in (*self._tables(), self._own_group_of, self._own_ranks_of):
             table.clear()
         self._process_groups.destroy()  # last: it holds the groups' last references then
