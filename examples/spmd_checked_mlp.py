@@ -2,7 +2,7 @@
 
 torchtitan checks a training step's types with spmd_types' strict checker
 (``spmd_types.checker.typecheck(strict_mode="strict")``). meshstate's collectives
-carry spmd_types' types there (``meshstate.jax.spmd_checker``): ``pvary`` is
+carry spmd_types' types there (``meshstate.jax.types.spmd_checker``): ``pvary`` is
 ``convert(I -> R)``, ``psum`` ``all_reduce(-> I)``. The block is Megatron's
 column- then row-parallel pair, ``gelu(x @ up) @ down``, on
 ``ParallelDims(dp_shard=2, tp=2)``: the batch split over dp, ``up`` by columns and

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from meshstate.jax.collectives import all_gather, all_gather_invariant, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary, raise_on_ppermute_sort_diff
-    from meshstate.jax.vma import VaryingAxesError
-    from meshstate.jax.typing import vma
+    from meshstate.jax.typing import VaryingAxesError, vma
     from meshstate.core.adopt import adopt
     from meshstate.core.one_rank import compile_on_one_rank
     from meshstate.layout.config import DEFAULT_ORDER, MeshConfig
@@ -44,8 +43,7 @@ if TYPE_CHECKING:
 # optional packages (the benchmark imports megatron-core) are never loaded by it.
 _HOME: dict[str, str] = {
     **dict.fromkeys(('all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'raise_on_ppermute_sort_diff'), "meshstate.jax.collectives"),
-    **dict.fromkeys(('VaryingAxesError',), "meshstate.jax.vma"),
-    **dict.fromkeys(('vma',), "meshstate.jax.typing"),
+    **dict.fromkeys(('VaryingAxesError', 'vma'), "meshstate.jax.typing"),
     **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
     **dict.fromkeys(('compile_on_one_rank',), "meshstate.core.one_rank"),
     **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.layout.config"),

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import meshstate
 from meshstate import P, shard_map
 from meshstate.jax import collectives as lax
-from meshstate.jax.vma import type_text
+from meshstate.jax.types.vma import type_text
 
 from conftest import close, compiled_whole, in_both_worlds, in_processes_and_threads
 

@@ -21,7 +21,7 @@ import meshstate
 from meshstate import P, reshard, shard_map
 from meshstate.testing.torch_internals import live_groups
 from meshstate.errors import AxisError
-from meshstate.jax.vma import VaryingAxesError
+from meshstate.jax.types.vma import VaryingAxesError
 from meshstate.jax import collectives as lax
 from meshstate.jax.sharding import NamedSharding, distribute
 from meshstate.testing import distributed

@@ -25,7 +25,7 @@ from meshstate import P, VaryingAxesError, shard_map, vma
 from meshstate.errors import ConfigError
 from meshstate.jax import collectives as lax
 from meshstate.jax import torch_calls
-from meshstate.jax.spmd_checker import CheckedCall, TypedCollective
+from meshstate.jax.types.spmd_checker import CheckedCall, TypedCollective
 from conftest import in_both_worlds
 
 V, I, R = spmd.V, spmd.I, spmd.R

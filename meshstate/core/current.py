@@ -12,17 +12,17 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 
-if TYPE_CHECKING:
-    from meshstate.core.mesh import ParallelMesh
+MeshT = TypeVar("MeshT")
+"""The mesh class (:class:`~meshstate.core.mesh.ParallelMesh`, which imports this module)."""
 
 
-class CurrentMeshes(threading.local):
+class CurrentMeshes(threading.local, Generic[MeshT]):
     """The calling thread's current meshes: what set_mesh() set, under the meshes of the
     `with mesh:` blocks entered. Per thread, as JAX's mesh context is; a thread-local
     rather than a ContextVar because torch.compile traces (and guards on) a thread-local
@@ -30,11 +30,12 @@ class CurrentMeshes(threading.local):
     """
 
     def __init__(self) -> None:
-        self.set_mesh: ParallelMesh | None = None
-        self.entered: tuple[ParallelMesh, ...] = ()
+        self.set_mesh: MeshT | None = None
+        self.entered: tuple[MeshT, ...] = ()
 
 
-current = CurrentMeshes()
+current: CurrentMeshes[Any] = CurrentMeshes()
+"""Typed as meshes of :class:`~meshstate.core.mesh.ParallelMesh` where that module reads it."""
 
 
 class Destroyable(Protocol):

@@ -33,9 +33,13 @@ from meshstate.core.world import outside_simulation, process_rank, simulated_ran
 from meshstate.core.ordered import OrderedGroup, axis_tuple
 from meshstate.core.facts import MeshTables, TableView
 from meshstate.core.current import (
-    current, first_caller_outside_meshstate, forget_mesh, this_ranks_meshes, track_mesh,
+    CurrentMeshes, current as _current, first_caller_outside_meshstate, forget_mesh,
+    this_ranks_meshes, track_mesh,
 )
 from meshstate.core.views import DeviceMeshOnly, build_root_mesh, flattened_mesh, sliced_mesh
+
+current: CurrentMeshes[ParallelMesh] = _current
+"""The calling thread's current meshes (set_mesh's, then the `with mesh:` blocks')."""
 
 
 class ParallelMesh:

@@ -25,7 +25,7 @@ one process would (megatron-core's ``reduce_from_`` / ``copy_to_tensor_model_par
 ``all_gather_invariant``'s keeps the rank's own slice, ``ppermute``'s is the
 inverse permutation, ``all_to_all``'s the swapped one; ``pmax`` and ``pmin``
 refuse tensors that require grad. Inside a ``shard_map`` body each collective
-also follows JAX's type rule (see :mod:`meshstate.jax.vma`); inside a
+also follows JAX's type rule (see :mod:`meshstate.jax.types.vma`); inside a
 ``shard_map(check_vma=False)`` body ``psum``, ``pmean`` and ``pvary`` have
 JAX's legacy transposes (``psum``'s backward a ``psum``, ``pvary``'s the identity).
 While torchtitan's type checker runs, each is also typed as its table says
@@ -77,7 +77,6 @@ from meshstate.jax.torch_calls import (
     sum_over,
     summed_gradient,
 )
-from meshstate.jax.vma import body
 
 __all__ = [
     "all_gather",
@@ -138,7 +137,7 @@ def axis_index(
         axes = _spelled(axes, axis_name, "axis_index")
     group = _ordered(axes, mesh, "axis_index")
     every_rank = tracing_for_every_rank()
-    if body.types is None:
+    if typing.body.types is None:
         return index_when_run(group) if every_rank else group.index
 
     def index(device: torch.device) -> torch.Tensor:
@@ -210,11 +209,11 @@ def pmean(
 
 
 def _summed(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
-    return sum_over(x, group, "psum")
+    return sum_over(x, group, "psum", typing.body.legacy)
 
 
 def _mean(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
-    return sum_over(x, group, "pmean") / len(group.ranks)
+    return sum_over(x, group, "pmean", typing.body.legacy) / len(group.ranks)
 
 
 def pmax(
@@ -274,7 +273,7 @@ def pvary(
     group = _ordered(axes, mesh, "pvary")
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
-    if body.legacy:
+    if typing.body.legacy:
         return x
     return typing.collective(typing.PVARY, x, axes, mesh, group, _varying)
 
@@ -330,7 +329,7 @@ def all_gather_invariant(
         axes = _spelled(axes, axis_name, "all_gather_invariant")
     group = _ordered(axes, mesh, "all_gather_invariant")
     # A check_vma=False body transposes it as all_gather (a sum of the copies), as JAX 0.12.
-    move = all_gather_on if body.legacy else gather_invariant
+    move = all_gather_on if typing.body.legacy else gather_invariant
     return typing.collective(typing.ALL_GATHER_INVARIANT, x, axes, mesh, group,
                              lambda v, on: move(v, on, axis, tiled), (axis,), tiled)
 

@@ -7,7 +7,7 @@ no ``mesh=``), and returns DTensors laid out by the out-specs. The specs pick
 the view: dense axes (tp, cp, dp, pp) or expert axes (etp, ep, edp, pp).
 
 ``check_vma=True`` (the default, JAX's) types every value inside ``f`` with
-the mesh axes it may vary over (:mod:`meshstate.jax.vma`): arguments vary over
+the mesh axes it may vary over (:mod:`meshstate.jax.types.vma`): arguments vary over
 their in-spec's axes, ops join their operands' axes (casting the less varying
 up with ``pvary``, or refusing the mix with ``auto_pvary=False``), and each
 collective follows JAX's rule. An out-spec that leaves out an axis its result
@@ -55,12 +55,10 @@ from meshstate.jax.plan import Leaves, Plan, plan_on, share_grad
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
 from meshstate.jax.typing import (
-    checker_on, checker_paused, checker_types_block, pvary_over, refuse_legacy_under_checker, vma,
+    NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, checker_on, checker_paused,
+    checker_types_block, every_op_typed, pvary_over, refuse_legacy_under_checker, typed, vma,
 )
 from meshstate.jax.torch_calls import summed_gradient
-from meshstate.jax.vma import (
-    NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, every_op_typed, typed,
-)
 
 __all__ = ["reshard", "shard_map"]
 
@@ -131,7 +129,7 @@ def shard_map(
             expert axes (on every rank, before anything is sent).
         VaryingAxesError: with ``check_vma``, a result varies over an axis its
             out-spec leaves out (JAX's ``ValueError``), or ``f`` mixes types
-            the rules refuse (see :mod:`meshstate.jax.vma`).
+            the rules refuse (see :mod:`meshstate.jax.types.vma`).
     """
     if f is None:
         return partial(shard_map, in_specs=in_specs, out_specs=out_specs, mesh=mesh,

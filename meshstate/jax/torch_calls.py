@@ -27,7 +27,6 @@ from meshstate.core.one_rank import refuse_for_every_rank, tracing_for_every_ran
 from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup, index_when_run
 from meshstate.core.world import each_rank
-from meshstate.jax.vma import body
 
 
 def use_functional(x: object, name: str) -> bool:
@@ -247,13 +246,16 @@ def _exchange_pieces(
     return [*sends, *receives, int((source, index) in pairs)]
 
 
-def sum_over(x: torch.Tensor, group: OrderedGroup, name: str) -> torch.Tensor:
-    """``x`` summed over ``group``: backward the identity, or a sum in a legacy body."""
+def sum_over(
+    x: torch.Tensor, group: OrderedGroup, name: str, legacy: bool = False
+) -> torch.Tensor:
+    """``x`` summed over ``group``: backward the identity, or a sum with ``legacy`` (in a
+    ``shard_map(check_vma=False)`` body: JAX's legacy transpose)."""
     if not use_functional(x, name):
         result: torch.Tensor = x.clone()
         _compat.all_reduce(result, group.group)
         return result
-    if recorded(x) and not body.legacy:
+    if recorded(x) and not legacy:
         return _sum_with_identity_gradient(x, group.group_name)
     return _compat.traced_all_reduce(x, "sum", group.group_name)
 

@@ -2,8 +2,8 @@
 
 A collective, ``axis_index`` and ``shard_map`` run in one of four modes: plain code (the
 data move alone, the fast path), inside a typed ``shard_map`` body (JAX's types,
-:mod:`meshstate.jax.vma`), under torchtitan's spmd_types checker (its adapter,
-:mod:`meshstate.jax.spmd_checker`), or both. This module asks which, once per call, and is
+:mod:`meshstate.jax.types.vma`), under torchtitan's spmd_types checker (its adapter,
+:mod:`meshstate.jax.types.spmd_checker`), or both. This module asks which, once per call, and is
 the one place that puts the two type systems together; each collective is described once
 here (:class:`CollectiveRule`), and its data move is :mod:`meshstate.jax.torch_calls`'.
 
@@ -27,13 +27,20 @@ from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.errors import ArgumentTypeError, ConfigError
-from meshstate.jax import spmd_checker
+from meshstate.jax.types import spmd_checker
 from meshstate.jax.torch_calls import Axes, ordered_group, recorded, summed_gradient
-from meshstate.jax.vma import (
-    NO_AXES, VaryingAxesError, axes_text, body, plug_outside_types, type_text, typed, vma,
+from meshstate.jax.types.vma import (
+    NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, every_op_typed, plug_outside_types,
+    type_text, typed, vma,
 )
 
-__all__ = ["CollectiveRule", "collective", "vma"]
+__all__ = [
+    # the seam's own
+    "CollectiveRule", "collective",
+    # JAX's types (meshstate.jax.types.vma), which the layers above reach through the seam
+    "NO_AXES", "VaryingAxesError", "VaryingTypes", "axes_text", "body", "every_op_typed",
+    "type_text", "typed", "vma",
+]
 
 Move = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
 """A collective's data move on one rank: its input and its group."""

@@ -1,10 +1,11 @@
 """megatron-core's ``get_*`` and ``is_*`` functions, answered by the mesh served.
 
-Every getter is one attribute read of ``_facts``, the served mesh's
-:class:`~meshstate.megatron.facts.ServedFacts` (``_facts.tp_rank``, Python's
-fastest read, for what the mesh answers; megatron-core's answer, read from the
-tables, for the rest; ``_facts.maybe`` answers ``None`` where megatron-core's
-``check_initialized=False`` does). Before init they answer as megatron-core
+Each getter reads ``_facts``, the served mesh's
+:class:`~meshstate.megatron.facts.ServedFacts`: a getter without arguments is one
+attribute read (``_facts.tp_rank``, Python's fastest read, for what the mesh answers;
+megatron-core's answer, read from the tables, for the rest; ``_facts.maybe`` answers
+``None`` where megatron-core's ``check_initialized=False`` does); one with arguments
+(a virtual stage, a rank to place) computes its answer from such reads. Before init they answer as megatron-core
 does, under the ``set_*`` overrides; once the mesh is destroyed they raise, so
 no answer outlives its mesh. No getter calls into ``torch.distributed``, except
 the answers megatron-core gives as 0 before it is initialized

@@ -119,10 +119,13 @@ def get_data_parallel_group(
     partial_data_parallel: bool = False,
     independent_all_gather: bool = False,
 ) -> ProcessGroup:
-    """0.16's: ``independent_all_gather`` gives the separate data+context all-gather group."""
-    if with_context_parallel and independent_all_gather and not partial_data_parallel:
-        return getters._facts.dp_cp_all_gather_group
-    return getters.get_data_parallel_group(with_context_parallel, partial_data_parallel=partial_data_parallel)
+    """0.16's: ``independent_all_gather`` gives the separate data+context all-gather group.
+    The plain questions read the facts here: a second call would cost twice megatron-core's."""
+    if partial_data_parallel:
+        return getters.get_data_parallel_group(with_context_parallel, partial_data_parallel=True)
+    if not with_context_parallel:
+        return getters._facts.dp_group
+    return getters._facts.dp_cp_all_gather_group if independent_all_gather else getters._facts.dp_cp_group
 
 
 def has_separate_all_gather_group() -> bool:
@@ -134,15 +137,18 @@ def get_data_parallel_world_size(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> int:
     """0.16's: size of the caller's data-parallel group (0 without torch.distributed)."""
-    return getters.get_data_parallel_world_size(
-        with_context_parallel, partial_data_parallel=partial_data_parallel)
+    if partial_data_parallel:
+        return getters.get_data_parallel_world_size(with_context_parallel, partial_data_parallel=True)
+    return getters._facts.dp_cp_size if with_context_parallel else getters._facts.dp_size
 
 
 def get_data_parallel_rank(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> int:
     """0.16's: the caller's rank in its data-parallel group (0 without torch.distributed)."""
-    return getters.get_data_parallel_rank(with_context_parallel, partial_data_parallel=partial_data_parallel)
+    if partial_data_parallel:
+        return getters.get_data_parallel_rank(with_context_parallel, partial_data_parallel=True)
+    return getters._facts.dp_cp_rank if with_context_parallel else getters._facts.dp_rank
 
 
 @checked_getter

@@ -24,7 +24,7 @@ from meshstate.jax.explicit.rules import ArrayType, ShardingTypeError
 from meshstate.jax.explicit.runs import NOT_FAST, run_fast, state, suspended
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
-from meshstate.jax.vma import every_op_typed
+from meshstate.jax.typing import every_op_typed
 
 @dataclass(frozen=True)
 class ExplicitType:

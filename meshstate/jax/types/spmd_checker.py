@@ -49,7 +49,7 @@ from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh, live_meshes
 from meshstate.core.ordered import OrderedGroup
 from meshstate.errors import ConfigError, MeshStateError
-from meshstate.jax.vma import NO_AXES, own_type, typed
+from meshstate.jax.types.vma import NO_AXES, own_type, typed
 
 RunOn = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
 """A collective's work on one rank: its input and its group."""
