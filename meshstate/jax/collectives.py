@@ -61,7 +61,7 @@ import torch
 from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.one_rank import tracing_for_every_rank
-from meshstate.core.ordered import OrderedGroup, index_when_run
+from meshstate.core.ordered import OrderedGroup, index_when_run, ordered_group
 from meshstate.jax import typing
 from meshstate.jax.torch_calls import (
     Axes,
@@ -69,7 +69,6 @@ from meshstate.jax.torch_calls import (
     check_perm,
     exchange,
     gather_invariant,
-    ordered_group,
     permute,
     recorded,
     reduce,

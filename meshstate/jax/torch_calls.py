@@ -24,7 +24,6 @@ import torch.distributed as dist
 from meshstate.core import compat as _compat
 from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.core.one_rank import refuse_for_every_rank, tracing_for_every_rank
-from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup, index_when_run
 from meshstate.core.world import each_rank
 
@@ -456,12 +455,3 @@ def _checked_perm(perm: tuple[tuple[int, int], ...], size: int) -> tuple[tuple[i
 
 Axes = str | tuple[str, ...]
 """One axis, a joint key (mesh order) or a tuple of axes of one view, the first major."""
-
-
-@_compat.constant_when_traced
-def ordered_group(mesh: ParallelMesh, axes: Axes) -> OrderedGroup:
-    """``mesh.ordered(axes)``. To ``torch.compile`` a constant, made while tracing (a
-    first use creates its group there, outside the graph) and guarded by the mesh's
-    identity, so a compiled call under another mesh traces again."""
-    return mesh.ordered(axes)
-

@@ -25,10 +25,10 @@ import torch
 
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh
-from meshstate.core.ordered import OrderedGroup
+from meshstate.core.ordered import OrderedGroup, ordered_group
 from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.jax.types import spmd_checker
-from meshstate.jax.torch_calls import Axes, ordered_group, recorded, summed_gradient
+from meshstate.jax.torch_calls import Axes, recorded, summed_gradient
 from meshstate.jax.types.vma import (
     NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, every_op_typed, plug_outside_types,
     type_text, typed, vma,
