@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from meshstate.megatron.hyper_comm_grid import HyperCommGrid
     from meshstate.layout.layout import GROUP_KINDS, Chunks, DerivedGroup, Grid, Instances, Level, ParallelLayout, Pick
     from meshstate.core.build import init_mesh, make_mesh
-    from meshstate.core.mesh import ParallelMesh, current_mesh, set_mesh
+    from meshstate.core.mesh import ParallelMesh, current_mesh, get_mesh, set_mesh
     from meshstate.core.ordered import OrderedGroup
     from meshstate.layout.hybrid_grid import HybridGrid
     from meshstate.core.hybrid_mesh import HybridMesh, init_hybrid_mesh
@@ -53,7 +53,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('HyperCommGrid',), "meshstate.megatron.hyper_comm_grid"),
     **dict.fromkeys(('GROUP_KINDS', 'Chunks', 'DerivedGroup', 'Grid', 'Instances', 'Level', 'ParallelLayout', 'Pick'), "meshstate.layout.layout"),
     **dict.fromkeys(('init_mesh', 'make_mesh'), "meshstate.core.build"),
-    **dict.fromkeys(('ParallelMesh', 'current_mesh', 'set_mesh'), "meshstate.core.mesh"),
+    **dict.fromkeys(('ParallelMesh', 'current_mesh', 'get_mesh', 'set_mesh'), "meshstate.core.mesh"),
     **dict.fromkeys(('OrderedGroup',), "meshstate.core.ordered"),
     **dict.fromkeys(('HybridGrid',), "meshstate.layout.hybrid_grid"),
     **dict.fromkeys(('HybridMesh', 'init_hybrid_mesh'), "meshstate.core.hybrid_mesh"),
@@ -83,4 +83,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['ArgumentTypeError', 'AxisError', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'compile_on_one_rank', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'raise_on_ppermute_sort_diff', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']
+__all__ = ['ArgumentTypeError', 'AxisError', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'compile_on_one_rank', 'current_mesh', 'distribute', 'get_mesh', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'raise_on_ppermute_sort_diff', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']

@@ -286,9 +286,15 @@ def test_set_mesh_sets_at_once_and_as_a_with_block_restores_the_previous_mesh():
         with meshstate.set_mesh(None):
             with pytest.raises(meshstate.NotInitializedError, match="no current mesh"):
                 meshstate.current_mesh()
-        assert meshstate.current_mesh() is first
+            assert meshstate.get_mesh() is None  # JAX's get_mesh(): an empty mesh there
+            with second:
+                assert meshstate.get_mesh() is second
+        assert meshstate.current_mesh() is first and meshstate.get_mesh() is first
         meshstate.set_mesh(None)
-        first.destroy()
+        with first:  # destroyed inside its `with` block: named, never answered
+            first.destroy()
+            with pytest.raises(meshstate.NotInitializedError, match="destroyed"):
+                meshstate.get_mesh()
         second.destroy()
 
 

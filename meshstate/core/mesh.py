@@ -562,6 +562,15 @@ class MeshSetting:
         current.set_mesh = self.previous
 
 
+def get_mesh() -> ParallelMesh | None:
+    """JAX's ``jax.get_mesh()``: the current mesh (as :func:`current_mesh`), or ``None``
+    where none is set (JAX answers an empty mesh there, which meshstate has not).
+
+    Example: ``with mesh: assert get_mesh() is mesh``; ``get_mesh()`` outside is ``None``.
+    """
+    return current_mesh() if current.entered or current.set_mesh is not None else None
+
+
 def current_mesh() -> ParallelMesh:
     """The innermost mesh of a ``with mesh:`` block, else the one :func:`set_mesh` set.
 

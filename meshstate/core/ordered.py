@@ -11,9 +11,7 @@ Example, on rank 2 of 8 with ``init_mesh(tp=2, cp=2)`` (so dp=2)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -83,20 +81,6 @@ def axis_tuple(axes: object) -> tuple[str, ...]:
     if isinstance(axes, (tuple, list)) and all(isinstance(axis, str) for axis in axes):
         return tuple(axes)
     raise ArgumentTypeError(f"axes must be an axis name or a tuple of axis names, got {axes!r}")
-
-
-class GroupsByAxes(Protocol):
-    """What makes ordered groups: a :class:`~meshstate.core.mesh.ParallelMesh`."""
-
-    def ordered(self, axes: str | Sequence[str]) -> OrderedGroup: ...
-
-
-@_compat.constant_when_traced
-def ordered_group(mesh: GroupsByAxes, axes: str | tuple[str, ...]) -> OrderedGroup:
-    """``mesh.ordered(axes)``. To ``torch.compile`` a constant, made while tracing (a
-    first use creates its group there, outside the graph) and guarded by the mesh's
-    identity, so a compiled call under another mesh traces again."""
-    return mesh.ordered(axes)
 
 
 def index_when_run(group: OrderedGroup) -> torch.Tensor:

@@ -61,7 +61,7 @@ import torch
 from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.core.one_rank import tracing_for_every_rank
-from meshstate.core.ordered import OrderedGroup, index_when_run, ordered_group
+from meshstate.core.ordered import OrderedGroup, index_when_run
 from meshstate.jax import typing
 from meshstate.jax.torch_calls import (
     Axes,
@@ -118,8 +118,8 @@ def _spelled(axes: Axes | None, axis_name: Axes | None, name: str) -> Axes:
 
 def _ordered(axes: Axes, mesh: ParallelMesh | None, name: str) -> OrderedGroup:
     if mesh is None:
-        return ordered_group(current_mesh(), axes)
-    return ordered_group(require_parallel_mesh(mesh, f"{name}(mesh=...)"), axes)
+        return typing.ordered_group(current_mesh(), axes)
+    return typing.ordered_group(require_parallel_mesh(mesh, f"{name}(mesh=...)"), axes)
 
 
 def axis_index(

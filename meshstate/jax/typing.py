@@ -25,7 +25,7 @@ import torch
 
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh
-from meshstate.core.ordered import OrderedGroup, ordered_group
+from meshstate.core.ordered import OrderedGroup
 from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.jax.types import spmd_checker
 from meshstate.jax.torch_calls import Axes, recorded, summed_gradient
@@ -36,7 +36,7 @@ from meshstate.jax.types.vma import (
 
 __all__ = [
     # the seam's own
-    "CollectiveRule", "collective",
+    "CollectiveRule", "collective", "ordered_group",
     # JAX's types (meshstate.jax.types.vma), which the layers above reach through the seam
     "NO_AXES", "VaryingAxesError", "VaryingTypes", "axes_text", "body", "every_op_typed",
     "type_text", "typed", "vma",
@@ -70,6 +70,14 @@ ALL_TO_ALL = CollectiveRule("all_to_all", "exchange")
 PPERMUTE = CollectiveRule("ppermute", "permute")
 PVARY = CollectiveRule("pvary", "convert")
 """The cast itself: inside a typed body it refuses an axis the value varies over already."""
+
+@_compat.constant_when_traced
+def ordered_group(mesh: ParallelMesh, axes: Axes) -> OrderedGroup:
+    """``mesh.ordered(axes)``, the group a call runs on. To ``torch.compile`` a constant,
+    made while tracing (a first use creates its group there, outside the graph) and
+    guarded by the mesh's identity, so a compiled call under another mesh traces again."""
+    return mesh.ordered(axes)
+
 
 @_compat.constant_when_traced
 def axis_names(axes: Axes) -> frozenset[str]:
