@@ -144,6 +144,24 @@ def global_shape(local_shape: Iterable[int], spec: P, sizes: Mapping[str, int]) 
     return tuple(shape)
 
 
+def global_offsets(
+    local_shape: Iterable[int], spec: P, coordinate: Mapping[str, int], sizes: Mapping[str, int],
+) -> tuple[int, ...]:
+    """Where a local block laid out by ``spec`` starts in the whole tensor, on the rank at
+    ``coordinate``: along each split dim, the block's index over its axes (the first axis
+    major) times its size.
+
+    Example: ``global_offsets((4, 6), P(("cp", "tp"), None), {"cp": 1, "tp": 1},
+    {"cp": 2, "tp": 2}) == (12, 0)`` (block 1 * 2 + 1 = 3 of 4 rows each)."""
+    offsets = [0] * len(tuple(local_shape))
+    for dim, (size, entry) in enumerate(zip(local_shape, spec.dims)):
+        index = 0
+        for axis in (entry,) if isinstance(entry, str) else tuple(entry or ()):
+            index = index * sizes[axis] + coordinate[axis]
+        offsets[dim] = index * size
+    return tuple(offsets)
+
+
 def ranges_text(numbers: Iterable[int]) -> str:
     """Numbers as short ranges: ``{0, 1, 2, 5}`` -> ``"0-2, 5"``."""
     ordered = sorted(set(numbers))

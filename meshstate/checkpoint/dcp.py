@@ -1,0 +1,108 @@
+"""The entries through torch's ``torch.distributed.checkpoint`` (DCP), the default backend.
+
+Each tensor entry becomes a DTensor over the axes its spec splits (the view's
+sub-mesh of just those axes, so replicas along the other axes are one entry)
+under its whole-model key; DCP writes each entry once and reads, at any other
+layout, the pieces each rank's new blocks cover.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
+
+from meshstate.checkpoint.entries import Entry, Transfer
+from meshstate.core.mesh import ParallelMesh
+from meshstate.jax.plan import contiguous_strides
+from meshstate.jax.sharding import to_placements
+
+
+def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
+    """Write ``entries`` (every rank's, replicas too: DCP keeps one of each) at ``path``."""
+    planner = _CountingSavePlanner()
+    dcp_save({entry.saved_key: _dtensor(entry, mesh, entry.value.detach()) if entry.is_tensor
+              else entry.value for entry in entries}, checkpoint_id=path, planner=planner)
+    return Transfer(planner.bytes, planner.entries)
+
+
+def saved_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
+    """Each saved key's whole shape; ``None`` for a plain value."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {key: tuple(found.size) if isinstance(found, TensorStorageMetadata) else None
+            for key, found in saved.items()}
+
+
+def load(entries: list[Entry], path: str, mesh: ParallelMesh) -> tuple[dict[str, Any], Transfer]:
+    """Read the blocks and values of ``entries`` (those this rank reads) from ``path``: by
+    saved key, each tensor this rank's block of it."""
+    targets = {entry.saved_key: _dtensor(entry, mesh, torch.empty_like(
+        entry.value, memory_format=torch.contiguous_format)) if entry.is_tensor else entry.value
+        for entry in entries}
+    planner = _CountingLoadPlanner()
+    dcp_load(targets, checkpoint_id=path, planner=planner)
+    read = {key: value.to_local() if isinstance(value, DTensor) else value
+            for key, value in targets.items()}
+    return read, Transfer(planner.bytes, planner.entries)
+
+
+def _dtensor(entry: Entry, mesh: ParallelMesh, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as the DTensor over the axes its spec splits (itself if it splits none)."""
+    if not entry.spec.axes:
+        return local
+    device_mesh = mesh[_split_axes(entry, mesh)]
+    shape = entry.whole_shape(mesh)
+    return DTensor.from_local(
+        local, device_mesh, to_placements(entry.spec, device_mesh), shape=torch.Size(shape),
+        stride=contiguous_strides(shape), run_check=False,
+    )
+
+
+def _split_axes(entry: Entry, mesh: ParallelMesh) -> tuple[str, ...]:
+    """The axes ``entry``'s spec splits, in its view's order (a DeviceMesh's dims)."""
+    view = mesh.root_of(mesh.layout.view_of(entry.spec.axes, f"the checkpoint entry {entry.key!r}"))
+    return tuple(axis for axis in view.mesh_dim_names or () if axis in entry.spec.axes)
+
+
+class _CountingSavePlanner(DefaultSavePlanner):
+    """DCP's planner, counting the tensor bytes this rank writes once plans are final."""
+
+    bytes = 0
+    entries = 0
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        plan = super().finish_plan(new_plan)
+        keys = set()
+        for item in plan.items:
+            if item.tensor_data is not None:
+                self.bytes += item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
+                keys.add(item.index.fqn)
+        self.entries = len(keys)
+        return plan
+
+
+class _CountingLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, counting the tensor bytes this rank reads."""
+
+    bytes = 0
+    entries = 0
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        keys = set()
+        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        for item in plan.items:
+            found = saved[item.storage_index.fqn]
+            properties = getattr(found, "properties", None)
+            if properties is not None:
+                self.bytes += torch.Size(item.lengths).numel() * properties.dtype.itemsize
+                keys.add(item.storage_index.fqn)
+        self.entries = len(keys)
+        return plan
+

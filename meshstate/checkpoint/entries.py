@@ -1,0 +1,69 @@
+"""One entry of a checkpoint as every backend sees it: a rank's value, its whole-model key,
+where its block lies and which ranks hold the same block.
+
+:mod:`meshstate.checkpoint.saving` makes the entries; the backends
+(:mod:`~meshstate.checkpoint.dcp`, :mod:`~meshstate.checkpoint.checkpointing`) write
+and read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshstate.checkpoint.layout import global_offsets, global_shape
+from meshstate.core.mesh import ParallelMesh
+from meshstate.jax.sharding import P
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What this rank moved: tensor bytes written (save) or read from storage (load),
+    and the entries they belong to."""
+
+    bytes: int
+    entries: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One value of a rank's state, as a checkpoint holds it."""
+
+    key: str
+    """The key in the caller's state (dotted through nested dicts)."""
+    saved_key: str
+    """The whole model's key: numbered items moved by the ranks before this one."""
+    value: Any
+    spec: P
+    replica_axes: tuple[str, ...]
+    """The axes (of size > 1) along which other ranks hold this same block or value."""
+
+    def whole_shape(self, mesh: ParallelMesh) -> tuple[int, ...]:
+        """The whole tensor's shape (the entry is a tensor)."""
+        return global_shape(self.value.shape, self.spec,
+                            {axis: mesh.size(axis) for axis in self.spec.axes})
+
+    def block_offsets(self, mesh: ParallelMesh) -> tuple[int, ...]:
+        """Where this rank's block starts in the whole tensor (the entry is a tensor)."""
+        axes = self.spec.axes
+        return global_offsets(self.value.shape, self.spec, {axis: mesh.rank(axis) for axis in axes},
+                              {axis: mesh.size(axis) for axis in axes})
+
+    def replicas(self, mesh: ParallelMesh) -> tuple[int, ...]:
+        """The ranks that hold this same block or value, the one that writes and reads it
+        first: ``(0, 4)`` on ranks 0 and 4 for a tensor replicated over a dp of 2 at tp=4."""
+        if not self.replica_axes:
+            return (dist.get_rank(),)
+        return mesh.ordered(self.replica_axes).ranks
+
+    def is_first_replica(self, mesh: ParallelMesh) -> bool:
+        """Whether this rank writes the entry and reads it from storage (the others of its
+        replica group receive it by broadcast)."""
+        return not self.replica_axes or mesh.ordered(self.replica_axes).index == 0
+
+    @property
+    def is_tensor(self) -> bool:
+        return isinstance(self.value, torch.Tensor)
