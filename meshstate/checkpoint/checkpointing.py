@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshstate.checkpoint.entries import Entry, Transfer
+from meshstate.checkpoint.entries import Entry, GapCheck, Transfer, agree_on_gaps
 from meshstate.checkpoint.errors import CheckpointError
 from meshstate.core.mesh import ParallelMesh
 
@@ -184,10 +184,14 @@ def saved_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
             for path, groups in item.nested_path_to_metadata.items()}
 
 
-def load(entries: list[Entry], path: str, mesh: ParallelMesh) -> tuple[dict[str, Any], Transfer]:
-    """Read the blocks and values of ``entries`` (those this rank reads) from ``path``."""
-    targets = _Payload({entry.saved_key: torch.empty_like(entry.value, memory_format=torch.contiguous_format)
-                        if entry.is_tensor else entry.value for entry in entries},
+def load(
+    entries: list[Entry], path: str, mesh: ParallelMesh, gaps: GapCheck,
+) -> tuple[dict[str, Any], Transfer]:
+    """Read the blocks and values of ``entries`` (those this rank reads) from ``path``,
+    once every rank has found no ``gaps``."""
+    agree_on_gaps(gaps(saved_shapes(path)))
+    targets = _Payload({entry.saved_key: entry.block() if entry.is_tensor else entry.value
+                        for entry in entries},
                        {entry.saved_key: ShardMetadata.of(entry, mesh) for entry in entries})
     reader = CheckpointReader(_rank_info(), _storage())
     loader = CheckpointLoader(reader, _GatheringMetadataManager(_rank_info()))

@@ -11,14 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from meshstate.checkpoint.entries import Entry, Transfer
+from meshstate.checkpoint.entries import Entry, GapCheck, Transfer
+from meshstate.checkpoint.errors import Gaps, refusal
 from meshstate.core.mesh import ParallelMesh
 from meshstate.jax.plan import contiguous_strides
 from meshstate.jax.sharding import to_placements
@@ -32,24 +33,32 @@ def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
     return Transfer(planner.bytes, planner.entries)
 
 
-def saved_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
-    """Each saved key's whole shape; ``None`` for a plain value."""
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
-    return {key: tuple(found.size) if isinstance(found, TensorStorageMetadata) else None
-            for key, found in saved.items()}
-
-
-def load(entries: list[Entry], path: str, mesh: ParallelMesh) -> tuple[dict[str, Any], Transfer]:
+def load(
+    entries: list[Entry], path: str, mesh: ParallelMesh, gaps: GapCheck,
+) -> tuple[dict[str, Any], Transfer]:
     """Read the blocks and values of ``entries`` (those this rank reads) from ``path``: by
-    saved key, each tensor this rank's block of it."""
-    targets = {entry.saved_key: _dtensor(entry, mesh, torch.empty_like(
-        entry.value, memory_format=torch.contiguous_format)) if entry.is_tensor else entry.value
-        for entry in entries}
-    planner = _CountingLoadPlanner()
-    dcp_load(targets, checkpoint_id=path, planner=planner)
+    saved key, each tensor this rank's block of it. ``gaps`` runs in DCP's planning step,
+    whose gather of every rank's plan (or failure) comes before any read."""
+    targets = {entry.saved_key: _dtensor(entry, mesh, entry.block()) if entry.is_tensor else entry.value
+               for entry in entries}
+    planner = _CountingLoadPlanner(gaps)
+    try:
+        dcp_load(targets, checkpoint_id=path, planner=planner)
+    except CheckpointException as error:
+        found = {rank: failure[0].problems for rank, failure in error.failures.items()
+                 if isinstance(failure[0], Gaps)}
+        if found:
+            raise refusal(found) from None
+        raise
     read = {key: value.to_local() if isinstance(value, DTensor) else value
             for key, value in targets.items()}
     return read, Transfer(planner.bytes, planner.entries)
+
+
+def saved_shapes(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
+    """Each saved key's whole shape in DCP's ``metadata``; ``None`` for a plain value."""
+    return {key: tuple(found.size) if isinstance(found, TensorStorageMetadata) else None
+            for key, found in metadata.state_dict_metadata.items()}
 
 
 def _dtensor(entry: Entry, mesh: ParallelMesh, local: torch.Tensor) -> torch.Tensor:
@@ -88,10 +97,22 @@ class _CountingSavePlanner(DefaultSavePlanner):
 
 
 class _CountingLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, counting the tensor bytes this rank reads."""
+    """DCP's planner, checking that the checkpoint covers this rank's entries (``gaps``)
+    and counting the tensor bytes this rank reads."""
 
     bytes = 0
     entries = 0
+
+    def __init__(self, gaps: GapCheck) -> None:
+        super().__init__()
+        self.gaps = gaps
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        problems = self.gaps(saved_shapes(metadata) if metadata is not None else {})
+        if problems:
+            raise Gaps(problems)
 
     def create_local_plan(self) -> Any:
         plan = super().create_local_plan()
@@ -105,4 +126,3 @@ class _CountingLoadPlanner(DefaultLoadPlanner):
                 keys.add(item.storage_index.fqn)
         self.entries = len(keys)
         return plan
-

@@ -8,15 +8,35 @@ and read them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from meshstate.checkpoint.errors import refusal
 from meshstate.checkpoint.layout import global_offsets, global_shape
 from meshstate.core.mesh import ParallelMesh
 from meshstate.jax.sharding import P
+
+
+GapCheck = Callable[[Mapping[str, "tuple[int, ...] | None"]], list[str]]
+"""Given each saved key's whole shape (``None``: a plain value), what this rank's entries
+need that a checkpoint lacks, a line each. A backend's ``load`` calls it on every rank
+before it reads anything, and raises :func:`~meshstate.checkpoint.errors.refusal` on
+every rank if any rank found gaps."""
+
+
+def agree_on_gaps(problems: list[str]) -> None:
+    """Raise the refusal on every rank if any rank's ``problems`` is not empty (one small
+    all-reduce when all is well; the messages gathered only if not)."""
+    count = torch.tensor([len(problems)])
+    dist.all_reduce(count)
+    if count.item():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, problems)
+        raise refusal({rank: found for rank, found in enumerate(every) if found})
 
 
 @dataclass(frozen=True)
@@ -67,3 +87,11 @@ class Entry:
     @property
     def is_tensor(self) -> bool:
         return isinstance(self.value, torch.Tensor)
+
+    def block(self) -> torch.Tensor:
+        """Where this rank's block is read or received: the state's own tensor where it is
+        contiguous (read in place, as DCP reads a model's), else a new contiguous one that
+        the load copies into it."""
+        if self.value.is_contiguous():
+            return self.value.detach()  # type: ignore[no-any-return]
+        return torch.empty_like(self.value, memory_format=torch.contiguous_format)

@@ -7,8 +7,9 @@ reads the entries: torch's DCP (``backend="dcp"``, :mod:`meshstate.checkpoint.dc
 or meta-pytorch's torch-checkpointing (``backend="torch-checkpointing"``, the
 ``meshstate[checkpointing]`` extra, :mod:`meshstate.checkpoint.checkpointing`).
 Each replicated entry is written once; on load, one rank of each replica group
-reads it and broadcasts it over the group; nothing is copied into the state
-until every rank has read what it needs.
+reads it and broadcasts it over the group. Every rank checks first that the
+checkpoint covers its entries; then the blocks are read, and received, straight
+into the state's contiguous tensors, as DCP reads a model's.
 """
 
 from __future__ import annotations
@@ -68,16 +69,15 @@ def load(
     replaced. ``backend`` must be the one that saved. Every rank first checks that
     the checkpoint covers its entries (a missing key or numbered range, a whole
     shape that differs: a :class:`CheckpointError` on every rank, naming them,
-    before anything is read). A replicated entry is read by one rank of its
+    before anything is read; through DCP, in its own planning step). A replicated entry is read by one rank of its
     replica group and broadcast to the others. Returns this rank's tensor bytes
     read from storage.
     """
     files = _backend(backend)
     mesh = _mesh(mesh, "load")
     entries = _entries(state, layout, mesh)
-    _require_covered(entries, mesh, files.saved_shapes(os.fspath(path)))
     read, transfer = files.load([entry for entry in entries if entry.is_first_replica(mesh)],
-                                os.fspath(path), mesh)
+                                os.fspath(path), mesh, lambda saved: _gaps(entries, mesh, saved))
     loaded = {entry.key: _shared(entry, read.get(entry.saved_key), mesh) for entry in entries}
     _put(state, loaded)
     return transfer  # type: ignore[no-any-return]
@@ -101,7 +101,7 @@ def _shared(entry: Entry, value: Any, mesh: ParallelMesh) -> Any:
         return value
     group = mesh.ordered(entry.replica_axes)
     if entry.is_tensor:
-        block = value if value is not None else torch.empty_like(entry.value)
+        block = value if value is not None else entry.block()
         dist.broadcast(block, group=group.group, group_src=group.group_rank_at[0])
         return block
     carried = [value]
@@ -150,10 +150,10 @@ def _offsets(counts: Mapping[Numbering, int], mesh: ParallelMesh) -> dict[Number
     return offsets
 
 
-def _require_covered(
+def _gaps(
     entries: list[Entry], mesh: ParallelMesh, saved: Mapping[str, tuple[int, ...] | None],
-) -> None:
-    """Refuse, on every rank, a checkpoint that lacks an entry some rank needs; ``saved``
+) -> list[str]:
+    """What this rank's entries need that the checkpoint lacks, a line each; ``saved``
     holds each saved key's whole shape (``None``: a plain value)."""
     problems = []
     for entry in entries:
@@ -167,15 +167,7 @@ def _require_covered(
             elif tuple(size) != tuple(shape):
                 problems.append(f"{entry.saved_key}: the checkpoint's whole shape is "
                                 f"{tuple(size)}, this layout's is {tuple(shape)}")
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, problems[:3] + ([f"and {len(problems) - 3} more"] if len(problems) > 3 else []))
-    found_on = [(rank, listed) for rank, listed in enumerate(every) if listed]
-    if found_on:
-        rank, listed = found_on[0]
-        raise CheckpointError(
-            f"the checkpoint does not cover this layout (rank {rank} of {len(found_on)} ranks "
-            f"that found gaps): " + "; ".join(listed) + "; nothing was loaded"
-        )
+    return problems
 
 
 def _numbered_hint(key: str, saved: Mapping[str, Any]) -> str:
@@ -211,7 +203,14 @@ def _put(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
                 break
             node = node[name]
         if isinstance(node[name], torch.Tensor):
-            with torch.no_grad():
-                node[name].copy_(value)
+            if not _same_view(node[name], value):  # a block read or received in place is there
+                with torch.no_grad():
+                    node[name].copy_(value)
         else:
             node[name] = value
+
+
+def _same_view(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``other`` is ``tensor``'s own memory, seen the same way."""
+    return (tensor.data_ptr() == other.data_ptr() and tensor.shape == other.shape
+            and tensor.stride() == other.stride() and tensor.dtype == other.dtype)
