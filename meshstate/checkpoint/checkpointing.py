@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshstate.checkpoint.entries import Entry, GapCheck, Transfer, agree_on_gaps
+from meshstate.checkpoint.entries import Entry, GapCheck, Transfer, agree_on_gaps, refuse_strays
 from meshstate.checkpoint.errors import CheckpointError
 from meshstate.core.mesh import ParallelMesh
 
@@ -152,10 +152,12 @@ def overlap(
 
 
 def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
-    """Write, on this rank, the entries it is the first of the replica group for."""
+    """Write, on this rank, the entries it is the first of the replica group for, once
+    every block is known to be held by exactly its replica group."""
     if os.path.isdir(path) and os.listdir(path):
         raise CheckpointError(f"{path} holds files already; torch-checkpointing commits a "
                               "checkpoint onto an absent or empty directory only")
+    refuse_strays(entries, mesh)
     mine = [entry for entry in entries if entry.is_first_replica(mesh)]
     payload = _Payload({entry.saved_key: entry.value.detach() if entry.is_tensor else entry.value
                         for entry in mine}, {entry.saved_key: ShardMetadata.of(entry, mesh) for entry in mine})

@@ -8,6 +8,7 @@ layout, the pieces each rank's new blocks cover.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,18 +19,23 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from meshstate.checkpoint.entries import Entry, GapCheck, Transfer
-from meshstate.checkpoint.errors import Gaps, refusal
+from meshstate.checkpoint.entries import Entry, GapCheck, Transfer, holdings
+from meshstate.checkpoint.errors import CheckpointError, Gaps, refusal
+from meshstate.checkpoint.layout import Holding, first_stray
 from meshstate.core.mesh import ParallelMesh
 from meshstate.jax.plan import contiguous_strides
 from meshstate.jax.sharding import to_placements
 
 
 def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
-    """Write ``entries`` (every rank's, replicas too: DCP keeps one of each) at ``path``."""
-    planner = _CountingSavePlanner()
-    dcp_save({entry.saved_key: _dtensor(entry, mesh, entry.value.detach()) if entry.is_tensor
-              else entry.value for entry in entries}, checkpoint_id=path, planner=planner)
+    """Write ``entries`` (every rank's, replicas too: DCP keeps one of each) at ``path``,
+    once DCP's planning step has found every block held by exactly its replica group."""
+    planner = _CountingSavePlanner(holdings(entries, mesh))
+    try:
+        dcp_save({entry.saved_key: _dtensor(entry, mesh, entry.value.detach()) if entry.is_tensor
+                  else entry.value for entry in entries}, checkpoint_id=path, planner=planner)
+    except CheckpointException as error:
+        raise _ours(error) from None
     return Transfer(planner.bytes, planner.entries)
 
 
@@ -45,11 +51,7 @@ def load(
     try:
         dcp_load(targets, checkpoint_id=path, planner=planner)
     except CheckpointException as error:
-        found = {rank: failure[0].problems for rank, failure in error.failures.items()
-                 if isinstance(failure[0], Gaps)}
-        if found:
-            raise refusal(found) from None
-        raise
+        raise _ours(error) from None
     read = {key: value.to_local() if isinstance(value, DTensor) else value
             for key, value in targets.items()}
     return read, Transfer(planner.bytes, planner.entries)
@@ -59,6 +61,17 @@ def saved_shapes(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
     """Each saved key's whole shape in DCP's ``metadata``; ``None`` for a plain value."""
     return {key: tuple(found.size) if isinstance(found, TensorStorageMetadata) else None
             for key, found in metadata.state_dict_metadata.items()}
+
+
+def _ours(error: CheckpointException) -> BaseException:
+    """The refusal DCP carried to every rank from its planning step (meshstate's
+    :class:`CheckpointError`), else DCP's own exception."""
+    gaps = {rank: failure[0].problems for rank, failure in error.failures.items()
+            if isinstance(failure[0], Gaps)}
+    if gaps:
+        return refusal(gaps)
+    ours = [failure[0] for failure in error.failures.values() if isinstance(failure[0], CheckpointError)]
+    return CheckpointError(str(ours[0])) if ours else error
 
 
 def _dtensor(entry: Entry, mesh: ParallelMesh, local: torch.Tensor) -> torch.Tensor:
@@ -80,10 +93,27 @@ def _split_axes(entry: Entry, mesh: ParallelMesh) -> tuple[str, ...]:
 
 
 class _CountingSavePlanner(DefaultSavePlanner):
-    """DCP's planner, counting the tensor bytes this rank writes once plans are final."""
+    """DCP's planner, carrying what this rank holds to the coordinator's global plan (which
+    refuses a block held by other ranks than its replica group) and counting the tensor
+    bytes this rank writes once plans are final."""
 
     bytes = 0
     entries = 0
+
+    def __init__(self, held: dict[str, Holding]) -> None:
+        super().__init__()
+        self.held = held
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, planner_data=(plan.planner_data, self.held))
+
+    def create_global_plan(self, all_plans: Any) -> Any:
+        stray = first_stray([plan.planner_data[1] for plan in all_plans])
+        if stray is not None:
+            raise CheckpointError(stray)
+        return super().create_global_plan(
+            [dataclasses.replace(plan, planner_data=plan.planner_data[0]) for plan in all_plans])
 
     def finish_plan(self, new_plan: Any) -> Any:
         plan = super().finish_plan(new_plan)

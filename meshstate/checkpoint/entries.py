@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshstate.checkpoint.errors import refusal
-from meshstate.checkpoint.layout import global_offsets, global_shape
+from meshstate.checkpoint.errors import CheckpointError, refusal
+from meshstate.checkpoint.layout import Holding, first_stray, global_offsets, global_shape
 from meshstate.core.mesh import ParallelMesh
 from meshstate.jax.sharding import P
 
@@ -37,6 +37,23 @@ def agree_on_gaps(problems: list[str]) -> None:
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, problems)
         raise refusal({rank: found for rank, found in enumerate(every) if found})
+
+
+def holdings(entries: list["Entry"], mesh: ParallelMesh) -> dict[str, Holding]:
+    """What this rank holds, for :func:`~meshstate.checkpoint.layout.first_stray`."""
+    return {entry.saved_key: (entry.block_offsets(mesh) if entry.is_tensor else (), entry.replicas(mesh))
+            for entry in entries}
+
+
+def refuse_strays(entries: list["Entry"], mesh: ParallelMesh) -> None:
+    """Raise, on every rank, if some saved key's block is held by other ranks than exactly
+    its replica group (gathered on rank 0, its verdict broadcast)."""
+    every: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(holdings(entries, mesh), every, dst=0)
+    verdict = [first_stray(every) if every is not None else None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,40 @@ def global_offsets(
             index = index * sizes[axis] + coordinate[axis]
         offsets[dim] = index * size
     return tuple(offsets)
+
+
+Holding = tuple[tuple[int, ...], tuple[int, ...]]
+"""What a rank says of one saved key: its block's offsets (``()`` for a plain value) and
+the ranks of its replica group."""
+
+
+def first_stray(held: Sequence[Mapping[str, Holding]]) -> str | None:
+    """The first saved key whose block is held by ranks other than exactly its replica
+    group, as one line naming the key and the ranks; ``None`` if every key's holders are
+    its replica group. ``held[rank]`` is what that rank holds.
+
+    Example: ranks 0 and 1 both hold ``embed``'s block at ``(0,)``, but each says its
+    replica group is itself: ``first_stray([{"embed": ((0,), (0,))}, {"embed": ((0,), (1,))}])``
+    -> ``"embed: its block at (0,) is held by ranks 0-1, but rank 0's replica group is rank 0; ..."``.
+    """
+    holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for rank, keys in enumerate(held):
+        for key, (offsets, _) in keys.items():
+            holders.setdefault((key, offsets), []).append(rank)
+    for (key, offsets), ranks in holders.items():
+        for rank in ranks:
+            group = held[rank][key][1]
+            if set(group) != set(ranks):
+                return (f"{key}: its block at {offsets} is held by {_ranks_text(ranks)}, but rank {rank}'s "
+                        f"replica group is {_ranks_text(group)}; a key must be held by exactly "
+                        "its replica group (number items that differ along an axis in Layout.numbered, "
+                        "give every rank the same spec); nothing was written")
+    return None
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    listed = sorted(set(ranks))
+    return f"{'rank' if len(listed) == 1 else 'ranks'} {ranges_text(listed)}"
 
 
 def ranges_text(numbers: Iterable[int]) -> str:
