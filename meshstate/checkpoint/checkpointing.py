@@ -107,28 +107,41 @@ class MeshResharder(Resharder):
         self, source_path: Path, item_key: str, target_metadata: dict[NestedPath, ShardingMetadata],
         source_metadata: DistributedItemMetadata, target: Any, storage: Storage,
     ) -> list[NestedPath]:
-        by_writer: dict[int, list[tuple[str, tuple[slice, ...] | None, tuple[slice, ...]]]] = {}
-        unhandled: list[NestedPath] = []
-        for path, wanted in target_metadata.items():
-            groups = source_metadata.nested_path_to_metadata.get(path, [])
-            saved = [group.sharding_metadata for group in groups
-                     if isinstance(group.sharding_metadata, ShardMetadata)]
-            if not saved or not isinstance(wanted, ShardMetadata):
-                unhandled.append(path)
-                continue
-            for block in saved if wanted.shape is not None else saved[:1]:
-                piece = overlap(wanted, block)
-                if piece is not None:
-                    by_writer.setdefault(block.ranks[0], []).append((str(path[0]), *piece))
-        for writer, pieces in sorted(by_writer.items()):
+        pieces, unhandled = _pieces_by_writer(target_metadata, source_metadata)
+        for writer, wanted in sorted(pieces.items()):
             written = torch.load(source_metadata.get_file_path(writer, source_path, item_key),
                                  map_location="cpu", mmap=True, weights_only=False)
-            for key, into, out_of in pieces:
+            for key, into, out_of in wanted:
                 if into is None:
                     target[key] = written[key]
                 else:
                     target[key][into].copy_(written[key][out_of])
         return unhandled
+
+
+Piece = tuple[str, "tuple[slice, ...] | None", "tuple[slice, ...]"]
+"""A saved key, the slices of the wanted block it fills (``None``: a plain value) and those
+of the saved block it comes from."""
+
+
+def _pieces_by_writer(
+    target_metadata: Mapping[NestedPath, ShardingMetadata], source_metadata: DistributedItemMetadata,
+) -> tuple[dict[int, list[Piece]], list[NestedPath]]:
+    """The pieces of each wanted block, by the rank whose file holds them; and the paths
+    the checkpoint has no meshstate record of."""
+    pieces: dict[int, list[Piece]] = {}
+    unhandled: list[NestedPath] = []
+    for path, wanted in target_metadata.items():
+        groups = source_metadata.nested_path_to_metadata.get(path, [])
+        saved = [group.sharding_metadata for group in groups if isinstance(group.sharding_metadata, ShardMetadata)]
+        if not saved or not isinstance(wanted, ShardMetadata):
+            unhandled.append(path)
+            continue
+        for block in saved if wanted.shape is not None else saved[:1]:
+            piece = overlap(wanted, block)
+            if piece is not None:
+                pieces.setdefault(block.ranks[0], []).append((str(path[0]), *piece))
+    return pieces, unhandled
 
 
 def overlap(
