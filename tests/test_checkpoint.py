@@ -267,21 +267,31 @@ def test_a_checkpoint_that_does_not_cover_the_layout_is_refused_before_anything_
 def test_a_block_held_by_other_ranks_than_its_replica_group_is_refused_before_anything_is_written(backend):
     """A key only the last stage holds (its replica group spans the stages), and a block
     two tp ranks hold under different specs: refused on every rank, naming the key and
-    the ranks; no file is written."""
+    the ranks, and no file is written; loaded into such a state, refused before anything
+    is read."""
     directory = shared_directory()
     mesh, parameters, _ = run_at(LAYOUTS["tp2 pp2 ep2"], SPECS)
     if mesh.rank("pp") == 1:
         parameters["final_norm"] = torch.ones(HIDDEN, dtype=torch.float64)
     with pytest.raises(CheckpointError, match=r"^model\.final_norm: its block at \(0,\) is held by "
                        r"ranks (2-3, 6-7|4-7), but rank \d's replica group is ranks 0-7; a key must "
-                       r"be held by exactly its replica group .*; nothing was written$"):
+                       r"be held by exactly its replica group .*\); nothing was written$"):
         save({"model": parameters}, os.path.join(directory, "a"), Layout(SPECS, NUMBERED), mesh, backend)
     parameters.pop("final_norm", None)
     specs = {**SPECS, "*.embed": P("dp") if mesh.rank("tp") == 0 else P()}
     with pytest.raises(CheckpointError, match=r"^model\.embed: its block at \(0, 0\) is held by ranks "):
         save({"model": parameters}, os.path.join(directory, "b"), Layout(specs, NUMBERED), mesh, backend)
-    mesh.destroy()
     assert [files for _, _, files in os.walk(directory) if files] == []  # DCP makes the folders only
+
+    whole = {**parameters, "final_norm": torch.ones(HIDDEN, dtype=torch.float64)}
+    save({"model": whole}, os.path.join(directory, "c"), Layout(SPECS, NUMBERED), mesh, backend)
+    if mesh.rank("pp") == 0:
+        del whole["final_norm"]
+    emptied = {key: torch.zeros_like(value) for key, value in whole.items()}
+    with pytest.raises(CheckpointError, match=r"^model\.final_norm: its block .*; nothing was loaded$"):
+        load({"model": emptied}, os.path.join(directory, "c"), Layout(SPECS, NUMBERED), mesh, backend)
+    assert all(not value.any() for value in emptied.values())
+    mesh.destroy()
 
 
 def test_a_layout_names_what_it_cannot_use():

@@ -21,7 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshstate.checkpoint.entries import Entry, GapCheck, Transfer, agree_on_gaps, refuse_strays
+from meshstate.checkpoint.entries import (
+    Entry,
+    GapCheck,
+    Transfer,
+    agree_on_gaps,
+    holdings,
+    refuse_strays,
+)
+from meshstate.checkpoint.layout import Holding
 from meshstate.checkpoint.errors import CheckpointError
 from meshstate.core.mesh import ParallelMesh
 
@@ -170,7 +178,7 @@ def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
     if os.path.isdir(path) and os.listdir(path):
         raise CheckpointError(f"{path} holds files already; torch-checkpointing commits a "
                               "checkpoint onto an absent or empty directory only")
-    refuse_strays(entries, mesh)
+    refuse_strays(holdings(entries, mesh), "nothing was written")
     mine = [entry for entry in entries if entry.is_first_replica(mesh)]
     payload = _Payload({entry.saved_key: entry.value.detach() if entry.is_tensor else entry.value
                         for entry in mine}, {entry.saved_key: ShardMetadata.of(entry, mesh) for entry in mine})
@@ -200,10 +208,12 @@ def saved_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
 
 
 def load(
-    entries: list[Entry], path: str, mesh: ParallelMesh, gaps: GapCheck,
+    entries: list[Entry], path: str, mesh: ParallelMesh, gaps: GapCheck, held: Mapping[str, Holding],
 ) -> tuple[dict[str, Any], Transfer]:
     """Read the blocks and values of ``entries`` (those this rank reads) from ``path``,
-    once every rank has found no ``gaps``."""
+    once every rank has found no ``gaps`` and every block is ``held`` by exactly its
+    replica group."""
+    refuse_strays(held, "nothing was loaded")
     agree_on_gaps(gaps(saved_shapes(path)))
     targets = _Payload({entry.saved_key: entry.block() if entry.is_tensor else entry.value
                         for entry in entries},

@@ -9,6 +9,7 @@ layout, the pieces each rank's new blocks cover.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,14 +41,15 @@ def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
 
 
 def load(
-    entries: list[Entry], path: str, mesh: ParallelMesh, gaps: GapCheck,
+    entries: list[Entry], path: str, mesh: ParallelMesh, gaps: GapCheck, held: Mapping[str, Holding],
 ) -> tuple[dict[str, Any], Transfer]:
     """Read the blocks and values of ``entries`` (those this rank reads) from ``path``: by
-    saved key, each tensor this rank's block of it. ``gaps`` runs in DCP's planning step,
-    whose gather of every rank's plan (or failure) comes before any read."""
+    saved key, each tensor this rank's block of it. ``gaps`` runs, and ``held`` (what this
+    rank holds, read or not) is checked, in DCP's planning step, whose gather of every
+    rank's plan (or failure) comes before any read."""
     targets = {entry.saved_key: _dtensor(entry, mesh, entry.block()) if entry.is_tensor else entry.value
                for entry in entries}
-    planner = _CountingLoadPlanner(gaps)
+    planner = _CountingLoadPlanner(gaps, held)
     try:
         dcp_load(targets, checkpoint_id=path, planner=planner)
     except CheckpointException as error:
@@ -72,6 +74,17 @@ def _ours(error: CheckpointException) -> BaseException:
         return refusal(gaps)
     ours = [failure[0] for failure in error.failures.values() if isinstance(failure[0], CheckpointError)]
     return CheckpointError(str(ours[0])) if ours else error
+
+
+def _unless_stray(plans: list[Any], undone: str) -> list[Any]:
+    """The local plans with what each rank holds taken off them (their ``planner_data``
+    carries it, beside DCP's own), after checking that every block is held by exactly its
+    replica group; else a :class:`CheckpointError` ending in ``undone``, which DCP carries
+    to every rank."""
+    stray = first_stray([plan.planner_data[1] for plan in plans])
+    if stray is not None:
+        raise CheckpointError(f"{stray}; {undone}")
+    return [dataclasses.replace(plan, planner_data=plan.planner_data[0]) for plan in plans]
 
 
 def _dtensor(entry: Entry, mesh: ParallelMesh, local: torch.Tensor) -> torch.Tensor:
@@ -109,11 +122,7 @@ class _CountingSavePlanner(DefaultSavePlanner):
         return dataclasses.replace(plan, planner_data=(plan.planner_data, self.held))
 
     def create_global_plan(self, all_plans: Any) -> Any:
-        stray = first_stray([plan.planner_data[1] for plan in all_plans])
-        if stray is not None:
-            raise CheckpointError(stray)
-        return super().create_global_plan(
-            [dataclasses.replace(plan, planner_data=plan.planner_data[0]) for plan in all_plans])
+        return super().create_global_plan(_unless_stray(all_plans, "nothing was written"))
 
     def finish_plan(self, new_plan: Any) -> Any:
         plan = super().finish_plan(new_plan)
@@ -133,9 +142,9 @@ class _CountingLoadPlanner(DefaultLoadPlanner):
     bytes = 0
     entries = 0
 
-    def __init__(self, gaps: GapCheck) -> None:
+    def __init__(self, gaps: GapCheck, held: Mapping[str, Holding]) -> None:
         super().__init__()
-        self.gaps = gaps
+        self.gaps, self.held = gaps, held
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
@@ -143,6 +152,9 @@ class _CountingLoadPlanner(DefaultLoadPlanner):
         problems = self.gaps(saved_shapes(metadata) if metadata is not None else {})
         if problems:
             raise Gaps(problems)
+
+    def create_global_plan(self, global_plan: Any) -> Any:
+        return super().create_global_plan(_unless_stray(global_plan, "nothing was loaded"))
 
     def create_local_plan(self) -> Any:
         plan = super().create_local_plan()
@@ -155,4 +167,4 @@ class _CountingLoadPlanner(DefaultLoadPlanner):
                 self.bytes += torch.Size(item.lengths).numel() * properties.dtype.itemsize
                 keys.add(item.storage_index.fqn)
         self.entries = len(keys)
-        return plan
+        return dataclasses.replace(plan, planner_data=(plan.planner_data, self.held))

@@ -45,15 +45,16 @@ def holdings(entries: list["Entry"], mesh: ParallelMesh) -> dict[str, Holding]:
             for entry in entries}
 
 
-def refuse_strays(entries: list["Entry"], mesh: ParallelMesh) -> None:
+def refuse_strays(held: Mapping[str, Holding], undone: str) -> None:
     """Raise, on every rank, if some saved key's block is held by other ranks than exactly
-    its replica group (gathered on rank 0, its verdict broadcast)."""
+    its replica group (gathered on rank 0, its verdict broadcast); the message ends with
+    ``undone``: ``"nothing was written"``."""
     every: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(holdings(entries, mesh), every, dst=0)
+    dist.gather_object(dict(held), every, dst=0)
     verdict = [first_stray(every) if every is not None else None]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
-        raise CheckpointError(verdict[0])
+        raise CheckpointError(f"{verdict[0]}; {undone}")
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,8 @@ def first_stray(held: Sequence[Mapping[str, Holding]]) -> str | None:
 
     Example: ranks 0 and 1 both hold ``embed``'s block at ``(0,)``, but each says its
     replica group is itself: ``first_stray([{"embed": ((0,), (0,))}, {"embed": ((0,), (1,))}])``
-    -> ``"embed: its block at (0,) is held by ranks 0-1, but rank 0's replica group is rank 0; ..."``.
+    -> ``"embed: its block at (0,) is held by ranks 0-1, but rank 0's replica group is rank 0; ..."``
+    (the caller says what was not done).
     """
     holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for rank, keys in enumerate(held):
@@ -187,7 +188,7 @@ def first_stray(held: Sequence[Mapping[str, Holding]]) -> str | None:
                 return (f"{key}: its block at {offsets} is held by {_ranks_text(ranks)}, but rank {rank}'s "
                         f"replica group is {_ranks_text(group)}; a key must be held by exactly "
                         "its replica group (number items that differ along an axis in Layout.numbered, "
-                        "give every rank the same spec); nothing was written")
+                        "give every rank the same spec)")
     return None
 
 

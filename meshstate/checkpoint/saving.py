@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshstate.checkpoint import dcp
-from meshstate.checkpoint.entries import Entry, Transfer
+from meshstate.checkpoint.entries import Entry, Transfer, holdings
 from meshstate.checkpoint.errors import CheckpointError
 from meshstate.checkpoint.layout import Layout, Numbering, flatten, ranges_text
 from meshstate.core.mesh import ParallelMesh, current_mesh
@@ -69,7 +69,8 @@ def load(
     replaced. ``backend`` must be the one that saved. Every rank first checks that
     the checkpoint covers its entries (a missing key or numbered range, a whole
     shape that differs: a :class:`CheckpointError` on every rank, naming them,
-    before anything is read; through DCP, in its own planning step). A replicated entry is read by one rank of its
+    before anything is read; through DCP, in its own planning step), and that each
+    block is held by exactly its replica group, as :func:`save` does. A replicated entry is read by one rank of its
     replica group and broadcast to the others. Returns this rank's tensor bytes
     read from storage.
     """
@@ -77,7 +78,8 @@ def load(
     mesh = _mesh(mesh, "load")
     entries = _entries(state, layout, mesh)
     read, transfer = files.load([entry for entry in entries if entry.is_first_replica(mesh)],
-                                os.fspath(path), mesh, lambda saved: _gaps(entries, mesh, saved))
+                                os.fspath(path), mesh, lambda saved: _gaps(entries, mesh, saved),
+                                holdings(entries, mesh))
     loaded = {entry.key: _shared(entry, read.get(entry.saved_key), mesh) for entry in entries}
     _put(state, loaded)
     return transfer  # type: ignore[no-any-return]
