@@ -1,10 +1,12 @@
 """meshstate bench's logic at a small world: counts, table and JSON schema (no timing asserts)."""
 
+import importlib.util
 import json
 import sys
 
 import pytest
 
+from meshstate.tools.bench import checkpoints as bench_checkpoints
 from meshstate.tools.bench import compiled as bench_compile
 from meshstate.tools.bench import explicit as bench_explicit
 from meshstate.tools.bench import harness as bench_harness
@@ -57,7 +59,7 @@ def test_table_and_json(report):
     assert set(decoded) == {
         "machine", "config", "rows", "process_config", "process_rows", "axis_set_rows",
         "harness_rows", "runtime_rows", "query_rows", "explicit_rows", "simulated_check_rows",
-        "compile_rows",
+        "compile_rows", "checkpoint_rows",
         "notes"}
     assert [(r["world_size"], r["axes"], r["declared"]) for r in decoded["axis_set_rows"]] == [
         (4, list(bench_processes.UNDECLARED_AXES), bench_processes.DECLARED_KEY)]
@@ -80,7 +82,7 @@ def test_cli_bench_json_and_bad_input(capsys):
                  "--etp", "1", "--repeat", "1", "--processes", "0", "--without-megatron",
                  "--without-torchtitan", "--without-runtime", "--harness-tests", "0",
                  "--simulated-checks", "0", "--simulated-pipeline", "0", "--compile-ranks", "0",
-                 "--json"]) == 0
+                 "--checkpoint-ranks", "0", "--json"]) == 0
     decoded = json.loads(capsys.readouterr().out)
     assert [row["approach"] for row in decoded["rows"]] == [
         bench_init.INIT_MESH, bench_init.PARALLEL_STATE, bench_init.DEVICE_MESH]
@@ -97,6 +99,10 @@ def test_cli_bench_json_and_bad_input(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "meshstate bench: error: compiled step (tp=2 cp=2 pp=2): world size 12 is not divisible "
         "by tp*cp*pp = 2*2*2 = 8"]
+    assert main(["bench", "--world-sizes", "1024", "--checkpoint-ranks", "3"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "meshstate bench: error: checkpoint (tp=2): world size 3 is not divisible "
+        "by tp*cp*pp = 2*1*1 = 2"]
 
 
 def test_the_compile_table_puts_both_ways_side_by_side():
@@ -106,6 +112,24 @@ def test_the_compile_table_puts_both_ways_side_by_side():
         "  ranks  every rank graphs  one rank graphs speed-up",
         "      8       24.0s      8      6.0s      1     4.0x",
     ]
+
+
+def test_checkpoint_rows_put_meshstate_beside_dcp_on_the_same_bytes():
+    """Each writer saves and loads the same blocks (DCP's own of the DTensors first); the
+    table gives MB/s each way and each writer's seconds over DCP's."""
+    messages = []
+    rows = bench_checkpoints.measure_checkpoints([4], messages.append, layers=1, repeats=1)
+    writers = [bench_checkpoints.DCP, bench_checkpoints.MESHSTATE_DCP]
+    if importlib.util.find_spec("torch_checkpointing") is not None:
+        writers.append(bench_checkpoints.MESHSTATE_CHECKPOINTING)
+    assert [(row.world_size, row.writer) for row in rows] == [(4, writer) for writer in writers]
+    assert {row.megabytes for row in rows} == {4 * 2 * 512 * 512 * 4 / 1e6}
+    assert all(row.save_seconds > 0 and row.load_seconds > 0 for row in rows)
+    assert messages == ["4 local ranks: checkpoint save and load, DCP and meshstate.checkpoint"]
+    table = bench_checkpoints.format_checkpoints(rows).splitlines()
+    assert table[0].startswith("checkpoint save and load (tp=2, dp inferred; float32 blocks of 512x512")
+    assert table[1].split() == ["ranks", "writer", "MB", "save", "MB/s", "load", "MB/s", "save", "load"]
+    assert table[2].split()[-2:] == ["1.00x", "1.00x"] and len(table) == 2 + len(writers)
 
 
 def test_megatron_counts_as_absent_when_no_megatron_package_is_installed(monkeypatch):

@@ -6,9 +6,11 @@ A model of every kind of plain shard (a Megatron-style column/row-parallel pair,
 is trained two steps at one layout, saved, loaded at another, and trained three more:
 every rank's shards, moments and step equal the slices of one process's whole model
 bit for bit after the load and after the steps. Each pair runs on 8 gloo processes
-and on 8 threads of one process.
+and on 8 threads of one process, through torch's DCP and through torch-checkpointing
+(skipped where that optional package is absent).
 """
 
+import importlib.util
 import os
 import tempfile
 
@@ -23,6 +25,13 @@ from meshstate.checkpoint import CheckpointError, Layout, load, save
 from conftest import in_both_worlds
 
 LAYERS, EXPERTS, HIDDEN, FFN = 4, 8, 8, 16
+
+BACKENDS = pytest.mark.parametrize("backend", [
+    "dcp",
+    pytest.param("torch-checkpointing", marks=pytest.mark.skipif(
+        importlib.util.find_spec("torch_checkpointing") is None,
+        reason="torch-checkpointing is not installed (pip install 'meshstate[checkpointing]')")),
+])
 
 SPECS = {
     "*.up.weight": P("tp", None),            # Megatron's ColumnParallelLinear: partition dim 0
@@ -176,21 +185,22 @@ def specs_of(name):
     return HSDP_SPECS if name == "hsdp" else SPECS
 
 
+@BACKENDS
 @pytest.mark.parametrize("pairs", [PAIRS[:7], PAIRS[7:]], ids=["one axis", "experts, several, hsdp"])
 @in_both_worlds(8, ("processes", "threads"))
-def test_every_kind_of_shard_moves_between_layouts(pairs):
+def test_every_kind_of_shard_moves_between_layouts(pairs, backend):
     directory = shared_directory()
     after_two, after_five = trained(2), trained(5)
     for number, (saved_at, loaded_at) in enumerate(pairs):
         path = os.path.join(directory, str(number))
         mesh, parameters, optimizer = run_at(LAYOUTS[saved_at], specs_of(saved_at))
         train(parameters, optimizer, 2)
-        save(state_of(parameters, optimizer), path, Layout(specs_of(saved_at), NUMBERED), mesh)
+        save(state_of(parameters, optimizer), path, Layout(specs_of(saved_at), NUMBERED), mesh, backend)
         mesh.destroy()
 
         mesh, parameters, optimizer = run_at(LAYOUTS[loaded_at], specs_of(loaded_at))
         state = state_of(parameters, optimizer)
-        load(state, path, Layout(specs_of(loaded_at), NUMBERED), mesh)
+        load(state, path, Layout(specs_of(loaded_at), NUMBERED), mesh, backend)
         assert_slices_of(state, after_two, mesh, specs_of(loaded_at))
         train(parameters, optimizer, 3)
         assert_slices_of(state_of(parameters, optimizer), after_five, mesh, specs_of(loaded_at))
@@ -202,31 +212,37 @@ def unique_bytes(state):
     return sum(value.numel() * value.element_size() for part in state.values() for value in part.values())
 
 
+@BACKENDS
 @in_both_worlds(8, ("processes", "threads"))
-def test_each_entry_is_written_once_and_read_once_per_replica_group():
+def test_each_entry_is_written_once_and_read_once_per_replica_group(backend):
     """Summed over ranks, the tensor bytes written and the bytes read equal the whole
     model's, at the same layout and at another: a replicated entry (the AdamW steps, the
     table over tp) is written by one rank of its replica group and read by one, which
-    broadcasts it (torchtitan#4035)."""
+    broadcasts it (torchtitan#4035). Through torch-checkpointing, each rank's file holds
+    the bytes it says it wrote."""
     directory, whole = shared_directory(), unique_bytes(trained(0))
     for number, (saved_at, loaded_at) in enumerate([("tp2 pp2 ep2", "tp2 pp2 ep2"), ("ep4", "cp2")]):
         path = os.path.join(directory, str(number))
         mesh, parameters, optimizer = run_at(LAYOUTS[saved_at], SPECS)
-        written = save(state_of(parameters, optimizer), path, Layout(SPECS, NUMBERED), mesh)
+        written = save(state_of(parameters, optimizer), path, Layout(SPECS, NUMBERED), mesh, backend)
         mesh.destroy()
+        if backend == "torch-checkpointing":  # each rank's file holds what it wrote, nothing more
+            mine = torch.load(os.path.join(path, f"meshstate_{dist.get_rank()}.pt"), weights_only=True)
+            assert sum(value.numel() * value.element_size() for value in mine.values()) == written.bytes
         mesh, parameters, optimizer = run_at(LAYOUTS[loaded_at], SPECS)
-        read = load(state_of(parameters, optimizer), path, Layout(SPECS, NUMBERED), mesh)
+        read = load(state_of(parameters, optimizer), path, Layout(SPECS, NUMBERED), mesh, backend)
         mesh.destroy()
         totals = torch.tensor([written.bytes, read.bytes])
         dist.all_reduce(totals)
         assert totals.tolist() == [whole, whole], (saved_at, loaded_at, totals.tolist(), whole)
 
 
+@BACKENDS
 @in_both_worlds(8, ("processes", "threads"))
-def test_a_checkpoint_that_does_not_cover_the_layout_is_refused_before_anything_loads():
+def test_a_checkpoint_that_does_not_cover_the_layout_is_refused_before_anything_loads(backend):
     directory = shared_directory()
     mesh, parameters, optimizer = run_at(LAYOUTS["ep4"], SPECS)
-    save({"model": parameters}, directory, Layout(SPECS, NUMBERED), mesh)
+    save({"model": parameters}, directory, Layout(SPECS, NUMBERED), mesh, backend)
     mesh.destroy()
 
     mesh = meshstate.init_mesh(tp=2, ep=4, etp=2)
@@ -234,7 +250,7 @@ def test_a_checkpoint_that_does_not_cover_the_layout_is_refused_before_anything_
              for layer in range(LAYERS) for expert in range(4)}  # 16 experts: 4 a rank
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.experts\.(8|12)\.w1 .* is not in the "
                        r"checkpoint \(it has model\.layers\.0\.experts 0-7\).*nothing was loaded"):
-        load({"model": wider}, directory, Layout(SPECS, NUMBERED), mesh)
+        load({"model": wider}, directory, Layout(SPECS, NUMBERED), mesh, backend)
     assert all(not value.any() for value in wider.values())
     mesh.destroy()
 
@@ -242,7 +258,39 @@ def test_a_checkpoint_that_does_not_cover_the_layout_is_refused_before_anything_
     parameters["embed"] = torch.zeros(4, 4, dtype=torch.float64)
     with pytest.raises(CheckpointError, match=r"model\.embed: the checkpoint's whole shape is "
                        r"\(16, 8\), this layout's is \(16, 4\)"):
-        load({"model": parameters}, directory, Layout(SPECS, NUMBERED), mesh)
+        load({"model": parameters}, directory, Layout(SPECS, NUMBERED), mesh, backend)
+    mesh.destroy()
+
+
+@BACKENDS
+@in_both_worlds(8, ("processes", "threads"))
+def test_a_block_held_by_other_ranks_than_its_replica_group_is_refused_before_anything_is_written(backend):
+    """A key only the last stage holds (its replica group spans the stages), and a block
+    two tp ranks hold under different specs: refused on every rank, naming the key and
+    the ranks, and no file is written; loaded into such a state, refused before anything
+    is read."""
+    directory = shared_directory()
+    mesh, parameters, _ = run_at(LAYOUTS["tp2 pp2 ep2"], SPECS)
+    if mesh.rank("pp") == 1:
+        parameters["final_norm"] = torch.ones(HIDDEN, dtype=torch.float64)
+    with pytest.raises(CheckpointError, match=r"^model\.final_norm: its block at \(0,\) is held by "
+                       r"ranks (2-3, 6-7|4-7), but rank \d's replica group is ranks 0-7; a key must "
+                       r"be held by exactly its replica group .*\); nothing was written$"):
+        save({"model": parameters}, os.path.join(directory, "a"), Layout(SPECS, NUMBERED), mesh, backend)
+    parameters.pop("final_norm", None)
+    specs = {**SPECS, "*.embed": P("dp") if mesh.rank("tp") == 0 else P()}
+    with pytest.raises(CheckpointError, match=r"^model\.embed: its block at \(0, 0\) is held by ranks "):
+        save({"model": parameters}, os.path.join(directory, "b"), Layout(specs, NUMBERED), mesh, backend)
+    assert [files for _, _, files in os.walk(directory) if files] == []  # DCP makes the folders only
+
+    whole = {**parameters, "final_norm": torch.ones(HIDDEN, dtype=torch.float64)}
+    save({"model": whole}, os.path.join(directory, "c"), Layout(SPECS, NUMBERED), mesh, backend)
+    if mesh.rank("pp") == 0:
+        del whole["final_norm"]
+    emptied = {key: torch.zeros_like(value) for key, value in whole.items()}
+    with pytest.raises(CheckpointError, match=r"^model\.final_norm: its block .*; nothing was loaded$"):
+        load({"model": emptied}, os.path.join(directory, "c"), Layout(SPECS, NUMBERED), mesh, backend)
+    assert all(not value.any() for value in emptied.values())
     mesh.destroy()
 
 
@@ -255,6 +303,22 @@ def test_a_layout_names_what_it_cannot_use():
         layout.counts(["layers.0.w", "layers.1.w", "layers.3.w"])
     assert layout.global_key("optim.layers.1.w.exp_avg", {("layers", "pp"): 2}) == "optim.layers.3.w.exp_avg"
     assert Layout({"*.w": P("tp")}).spec_of("optim.layers.1.w.exp_avg") == P("tp")
+
+
+def test_a_backend_is_named_and_the_optional_one_names_its_extra(monkeypatch):
+    import sys
+
+    with pytest.raises(CheckpointError, match=r"^backend must be one of 'dcp', 'torch-checkpointing', "
+                       r"got 'orbax'$"):
+        save({}, "/nonexistent", backend="orbax")
+    for name in [name for name in sys.modules if name.startswith("torch_checkpointing.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torch_checkpointing", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "meshstate.checkpoint.checkpointing", raising=False)
+    monkeypatch.delattr(meshstate.checkpoint, "checkpointing", raising=False)
+    with pytest.raises(CheckpointError, match=r"^backend='torch-checkpointing' needs the torch-checkpointing "
+                       r"package: pip install 'meshstate\[checkpointing\]'$"):
+        load({}, "/nonexistent", backend="torch-checkpointing")
 
 
 def test_the_simulated_world_refuses_a_checkpoint_by_name():

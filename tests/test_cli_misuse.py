@@ -262,7 +262,8 @@ def test_head_reads_part_of_the_json_quietly():
 BENCH_SMALL = ["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
                "--repeat", "1", "--processes", "0", "--without-megatron", "--without-torchtitan",
                "--harness-tests", "0", "--without-runtime", "--simulated-checks", "0",
-               "--simulated-pipeline", "0", "--compile-ranks", "0", "--json"]
+               "--simulated-pipeline", "0", "--compile-ranks", "0", "--checkpoint-ranks", "0",
+               "--json"]
 
 
 def test_bench_progress_only_when_asked_or_on_a_terminal(capsys):
@@ -281,8 +282,8 @@ def test_bench_measures_worlds_of_one_and_two_ranks(capsys):
                                 "--pp", "1", "--ep", "1", "--etp", "1", "--repeat", "1",
                                 "--processes", "0", "--harness-tests", "0", "--simulated-checks", "0",
                                 "--simulated-pipeline", "0", "--compile-ranks", "0",
-                                "--without-megatron", "--without-torchtitan", "--without-runtime",
-                                "--json")
+                                "--checkpoint-ranks", "0", "--without-megatron", "--without-torchtitan",
+                                "--without-runtime", "--json")
     assert (status, err) == (0, "")
     assert {row["world_size"] for row in json.loads(out)["rows"]} == {1, 2}
 

@@ -305,7 +305,7 @@ def test_a_wrong_pp_group_fails_the_pp_send_and_recv() -> None:
 BENCH = ["bench", "--world-sizes", "16", "--tp", "2", "--cp", "1", "--pp", "2", "--ep", "2",
          "--etp", "1", "--repeat", "1", "--processes", "0", "--without-megatron",
          "--without-torchtitan", "--without-runtime", "--harness-tests", "0", "--compile-ranks", "0",
-         "--json"]
+         "--checkpoint-ranks", "0", "--json"]
 
 
 def test_bench_times_a_1f1b_step_simulated_in_stages(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +142,59 @@ def global_shape(local_shape: Iterable[int], spec: P, sizes: Mapping[str, int]) 
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
         shape[dim] *= math.prod(sizes[axis] for axis in axes)
     return tuple(shape)
+
+
+def global_offsets(
+    local_shape: Iterable[int], spec: P, coordinate: Mapping[str, int], sizes: Mapping[str, int],
+) -> tuple[int, ...]:
+    """Where a local block laid out by ``spec`` starts in the whole tensor, on the rank at
+    ``coordinate``: along each split dim, the block's index over its axes (the first axis
+    major) times its size.
+
+    Example: ``global_offsets((4, 6), P(("cp", "tp"), None), {"cp": 1, "tp": 1},
+    {"cp": 2, "tp": 2}) == (12, 0)`` (block 1 * 2 + 1 = 3 of 4 rows each)."""
+    offsets = [0] * len(tuple(local_shape))
+    for dim, (size, entry) in enumerate(zip(local_shape, spec.dims)):
+        index = 0
+        for axis in (entry,) if isinstance(entry, str) else tuple(entry or ()):
+            index = index * sizes[axis] + coordinate[axis]
+        offsets[dim] = index * size
+    return tuple(offsets)
+
+
+Holding = tuple[tuple[int, ...], tuple[int, ...]]
+"""What a rank says of one saved key: its block's offsets (``()`` for a plain value) and
+the ranks of its replica group."""
+
+
+def first_stray(held: Sequence[Mapping[str, Holding]]) -> str | None:
+    """The first saved key whose block is held by ranks other than exactly its replica
+    group, as one line naming the key and the ranks; ``None`` if every key's holders are
+    its replica group. ``held[rank]`` is what that rank holds.
+
+    Example: ranks 0 and 1 both hold ``embed``'s block at ``(0,)``, but each says its
+    replica group is itself: ``first_stray([{"embed": ((0,), (0,))}, {"embed": ((0,), (1,))}])``
+    -> ``"embed: its block at (0,) is held by ranks 0-1, but rank 0's replica group is rank 0; ..."``
+    (the caller says what was not done).
+    """
+    holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for rank, keys in enumerate(held):
+        for key, (offsets, _) in keys.items():
+            holders.setdefault((key, offsets), []).append(rank)
+    for (key, offsets), ranks in holders.items():
+        for rank in ranks:
+            group = held[rank][key][1]
+            if set(group) != set(ranks):
+                return (f"{key}: its block at {offsets} is held by {_ranks_text(ranks)}, but rank {rank}'s "
+                        f"replica group is {_ranks_text(group)}; a key must be held by exactly "
+                        "its replica group (number items that differ along an axis in Layout.numbered, "
+                        "give every rank the same spec)")
+    return None
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    listed = sorted(set(ranks))
+    return f"{'rank' if len(listed) == 1 else 'ranks'} {ranges_text(listed)}"
 
 
 def ranges_text(numbers: Iterable[int]) -> str:

@@ -1,126 +1,122 @@
-"""Save a state dict of plain shards under one layout, load it under another, with DCP.
+"""Save a state dict of plain shards under one layout, load it under another.
 
-Each local tensor becomes a DTensor over the axes its spec splits (the view's
-sub-mesh of just those axes, so replicas along the other axes are one entry),
-under its whole-model key (numbered items moved by the items of the ranks before
-them); torch's ``torch.distributed.checkpoint`` (DCP) writes each entry once and
-reads, at any other layout, the pieces each rank's new shards cover. On load, one
-rank of each replica group reads a replicated entry and broadcasts it over the
-group; nothing is copied into the state until every rank has read what it needs.
+Each local tensor is an :class:`~meshstate.checkpoint.entries.Entry` under its
+whole-model key (numbered items moved by the items of the ranks before them),
+its block's place in the whole tensor known from its spec. A backend writes and
+reads the entries: torch's DCP (``backend="dcp"``, :mod:`meshstate.checkpoint.dcp`)
+or meta-pytorch's torch-checkpointing (``backend="torch-checkpointing"``, the
+``meshstate[checkpointing]`` extra, :mod:`meshstate.checkpoint.checkpointing`).
+Each replicated entry is written once; on load, one rank of each replica group
+reads it and broadcasts it over the group. Every rank checks first that the
+checkpoint covers its entries; then the blocks are read, and received, straight
+into the state's contiguous tensors, as DCP reads a model's.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
+from meshstate.checkpoint import dcp
+from meshstate.checkpoint.entries import Entry, Transfer, holdings
 from meshstate.checkpoint.errors import CheckpointError
-from meshstate.checkpoint.layout import Layout, Numbering, flatten, global_shape, ranges_text
+from meshstate.checkpoint.layout import Layout, Numbering, flatten, ranges_text
 from meshstate.core.mesh import ParallelMesh, current_mesh
 from meshstate.core.world import refuse_simulation
-from meshstate.jax.plan import contiguous_strides
-from meshstate.jax.sharding import P, to_placements
+from meshstate.jax.sharding import P
 
-
-@dataclass(frozen=True)
-class Transfer:
-    """What this rank moved: tensor bytes written (save) or read from storage (load),
-    and the entries they belong to."""
-
-    bytes: int
-    entries: int
-
-
-@dataclass(frozen=True)
-class _Entry:
-    key: str
-    """The key in the caller's state (dotted through nested dicts)."""
-    saved_key: str
-    """The whole model's key: numbered items moved by the ranks before this one."""
-    value: Any
-    spec: P
-    replica_axes: tuple[str, ...]
-    """The axes (of size > 1) along which other ranks hold this same entry."""
+BACKENDS = ("dcp", "torch-checkpointing")
+"""What writes the files: torch's DCP, or meta-pytorch's torch-checkpointing (an extra)."""
 
 
 def save(
     state: Mapping[str, Any], path: str | os.PathLike[str], layout: Layout = Layout(),
-    mesh: ParallelMesh | None = None,
+    mesh: ParallelMesh | None = None, backend: str = "dcp",
 ) -> Transfer:
     """Save ``state`` (nested dicts of tensors and plain values, each rank's own shards)
     at ``path`` so that any layout of the same model can load it.
 
     Every rank of the mesh calls it. ``layout`` says how each local tensor lies;
-    ``mesh`` is the current mesh by default. Returns this rank's tensor bytes
-    written: a replicated entry is written by one rank of its replica group.
+    ``mesh`` is the current mesh by default; ``backend`` is ``"dcp"`` or
+    ``"torch-checkpointing"``. Returns this rank's tensor bytes written: a
+    replicated entry is written by one rank of its replica group.
 
     Example::
 
         layout = Layout(specs={"*.up": P(None, "tp"), "*.down": P("tp", None)})
         meshstate.checkpoint.save({"model": model.state_dict()}, "ckpt/step100", layout)
     """
+    files = _backend(backend)
     mesh = _mesh(mesh, "save")
     entries = _entries(state, layout, mesh)
-    planner = _CountingSavePlanner()
-    dcp_save({entry.saved_key: _saved(entry, mesh) for entry in entries},
-             checkpoint_id=os.fspath(path), planner=planner)
-    return Transfer(planner.bytes, planner.entries)
+    return files.save(entries, os.fspath(path), mesh)  # type: ignore[no-any-return]
 
 
 def load(
     state: MutableMapping[str, Any], path: str | os.PathLike[str], layout: Layout = Layout(),
-    mesh: ParallelMesh | None = None,
+    mesh: ParallelMesh | None = None, backend: str = "dcp",
 ) -> Transfer:
     """Load the checkpoint at ``path`` into ``state``, this layout's shards, in place.
 
     ``state`` has the structure :func:`save` was given (tensors of this layout's
     local shapes, plain values); its tensors are overwritten and its plain values
-    replaced. Every rank first checks that the checkpoint covers its entries (a
-    missing key or numbered range, a whole shape that differs: a
-    :class:`CheckpointError` on every rank, naming them, before anything is read).
-    A replicated entry is read by one rank of its replica group and broadcast to
-    the others. Returns this rank's tensor bytes read from storage.
+    replaced. ``backend`` must be the one that saved. Every rank first checks that
+    the checkpoint covers its entries (a missing key or numbered range, a whole
+    shape that differs: a :class:`CheckpointError` on every rank, naming them,
+    before anything is read; through DCP, in its own planning step), and that each
+    block is held by exactly its replica group, as :func:`save` does. A replicated entry is read by one rank of its
+    replica group and broadcast to the others. Returns this rank's tensor bytes
+    read from storage.
     """
+    files = _backend(backend)
     mesh = _mesh(mesh, "load")
     entries = _entries(state, layout, mesh)
-    _require_covered(entries, mesh, FileSystemReader(os.fspath(path)).read_metadata())
-    readers = {entry.key: _reads(entry, mesh) for entry in entries}
-    targets = {entry.saved_key: _target(entry, mesh) for entry in entries if readers[entry.key]}
-    planner = _CountingLoadPlanner()
-    dcp_load(targets, checkpoint_id=os.fspath(path), planner=planner)
-    loaded: dict[str, Any] = {}
-    for entry in entries:  # the same order on every rank of a replica group
-        value = targets.get(entry.saved_key)
-        if isinstance(entry.value, torch.Tensor):
-            block = value.to_local() if isinstance(value, DTensor) else value
-            if block is None:
-                block = torch.empty_like(entry.value)
-            if entry.replica_axes:
-                group = mesh.ordered(entry.replica_axes)
-                dist.broadcast(block, group=group.group, group_src=group.group_rank_at[0])
-            loaded[entry.key] = block
-        else:
-            loaded[entry.key] = value
+    read, transfer = files.load([entry for entry in entries if entry.is_first_replica(mesh)],
+                                os.fspath(path), mesh, lambda saved: _gaps(entries, mesh, saved),
+                                holdings(entries, mesh))
+    loaded = {entry.key: _shared(entry, read.get(entry.saved_key), mesh) for entry in entries}
     _put(state, loaded)
-    return Transfer(planner.bytes, planner.entries)
+    return transfer  # type: ignore[no-any-return]
+
+
+def _backend(name: str) -> ModuleType:
+    """The module that writes and reads the files of backend ``name``."""
+    if name == "dcp":
+        return dcp
+    if name == "torch-checkpointing":
+        from meshstate.checkpoint import checkpointing
+
+        return checkpointing
+    raise CheckpointError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+
+
+def _shared(entry: Entry, value: Any, mesh: ParallelMesh) -> Any:
+    """``value`` as read by the first of ``entry``'s replica group, on every rank of it
+    (in the same order on each: the entries' order)."""
+    if not entry.replica_axes:
+        return value
+    group = mesh.ordered(entry.replica_axes)
+    if entry.is_tensor:
+        block = value if value is not None else entry.block()
+        dist.broadcast(block, group=group.group, group_src=group.group_rank_at[0])
+        return block
+    carried = [value]
+    dist.broadcast_object_list(carried, group=group.group, group_src=group.group_rank_at[0])
+    return carried[0]
 
 
 def _mesh(mesh: ParallelMesh | None, what: str) -> ParallelMesh:
-    refuse_simulation(f"meshstate.checkpoint.{what} (torch's DCP writes files per process)")
+    refuse_simulation(f"meshstate.checkpoint.{what} (its backends write files per process)")
     return current_mesh() if mesh is None else mesh
 
 
-def _entries(state: Mapping[str, Any], layout: Layout, mesh: ParallelMesh) -> list[_Entry]:
+def _entries(state: Mapping[str, Any], layout: Layout, mesh: ParallelMesh) -> list[Entry]:
     flat = flatten(state)
     offsets = _offsets(layout.counts(flat), mesh)
     entries = []
@@ -133,14 +129,12 @@ def _entries(state: Mapping[str, Any], layout: Layout, mesh: ParallelMesh) -> li
                 f"{key} is a DTensor, which knows its layout: save it with "
                 "torch.distributed.checkpoint, or its local shard (to_local()) with a spec"
             )
-        replicas: tuple[str, ...] = ()  # plain values: every rank reads its own (bytes)
-        if isinstance(value, torch.Tensor):
-            # Ranks that differ along other axes of the view hold the same entry.
-            axes = frozenset(spec.axes) | layout.numbering_axes(key)
-            view = mesh.layout.view_of(axes or ("dp",), f"the checkpoint entry {key!r}")
-            replicas = tuple(axis for axis in reversed(view.axes_fastest_first)
-                             if axis not in axes and mesh.size(axis) > 1)
-        entries.append(_Entry(key, layout.global_key(key, offsets), value, spec, replicas))
+        # Ranks that differ along other axes of the view hold the same entry.
+        axes = frozenset(spec.axes) | layout.numbering_axes(key)
+        view = mesh.layout.view_of(axes or ("dp",), f"the checkpoint entry {key!r}")
+        replicas = tuple(axis for axis in reversed(view.axes_fastest_first)
+                         if axis not in axes and mesh.size(axis) > 1)
+        entries.append(Entry(key, layout.global_key(key, offsets), value, spec, replicas))
     return entries
 
 
@@ -158,69 +152,24 @@ def _offsets(counts: Mapping[Numbering, int], mesh: ParallelMesh) -> dict[Number
     return offsets
 
 
-def _dtensor(entry: _Entry, mesh: ParallelMesh, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as the DTensor over the axes its spec splits (itself if it splits none)."""
-    split = entry.spec.axes
-    if not split:
-        return local
-    device_mesh = mesh[_split_axes(entry, mesh)]
-    shape = global_shape(local.shape, entry.spec, {axis: mesh.size(axis) for axis in split})
-    return DTensor.from_local(
-        local, device_mesh, to_placements(entry.spec, device_mesh), shape=torch.Size(shape),
-        stride=contiguous_strides(shape), run_check=False,
-    )
-
-
-def _split_axes(entry: _Entry, mesh: ParallelMesh) -> tuple[str, ...]:
-    """The axes ``entry``'s spec splits, in its view's order (a DeviceMesh's dims)."""
-    view = mesh.root_of(mesh.layout.view_of(entry.spec.axes, f"the checkpoint entry {entry.key!r}"))
-    return tuple(axis for axis in view.mesh_dim_names or () if axis in entry.spec.axes)
-
-
-def _saved(entry: _Entry, mesh: ParallelMesh) -> Any:
-    if not isinstance(entry.value, torch.Tensor):
-        return entry.value
-    return _dtensor(entry, mesh, entry.value.detach())
-
-
-def _target(entry: _Entry, mesh: ParallelMesh) -> Any:
-    if not isinstance(entry.value, torch.Tensor):
-        return entry.value
-    return _dtensor(entry, mesh, torch.empty_like(entry.value, memory_format=torch.contiguous_format))
-
-
-def _reads(entry: _Entry, mesh: ParallelMesh) -> bool:
-    """Whether this rank reads ``entry`` from storage: the first of its replica group."""
-    return not entry.replica_axes or mesh.ordered(entry.replica_axes).index == 0
-
-
-def _require_covered(entries: list[_Entry], mesh: ParallelMesh, metadata: Any) -> None:
-    """Refuse, on every rank, a checkpoint that lacks an entry some rank needs."""
-    saved = metadata.state_dict_metadata
+def _gaps(
+    entries: list[Entry], mesh: ParallelMesh, saved: Mapping[str, tuple[int, ...] | None],
+) -> list[str]:
+    """What this rank's entries need that the checkpoint lacks, a line each; ``saved``
+    holds each saved key's whole shape (``None``: a plain value)."""
     problems = []
     for entry in entries:
-        found = saved.get(entry.saved_key)
-        if found is None:
+        if entry.saved_key not in saved:
             problems.append(f"{entry.saved_key} (this rank's {entry.key}) is not in the checkpoint"
                             + _numbered_hint(entry.saved_key, saved))
-        elif isinstance(entry.value, torch.Tensor):
-            shape = global_shape(entry.value.shape, entry.spec,
-                                 {axis: mesh.size(axis) for axis in entry.spec.axes})
-            size = getattr(found, "size", None)
+        elif entry.is_tensor:
+            size, shape = saved[entry.saved_key], entry.whole_shape(mesh)
             if size is None:
                 problems.append(f"{entry.saved_key} is a plain value in the checkpoint, not a tensor")
             elif tuple(size) != tuple(shape):
                 problems.append(f"{entry.saved_key}: the checkpoint's whole shape is "
                                 f"{tuple(size)}, this layout's is {tuple(shape)}")
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, problems[:3] + ([f"and {len(problems) - 3} more"] if len(problems) > 3 else []))
-    found_on = [(rank, listed) for rank, listed in enumerate(every) if listed]
-    if found_on:
-        rank, listed = found_on[0]
-        raise CheckpointError(
-            f"the checkpoint does not cover this layout (rank {rank} of {len(found_on)} ranks "
-            f"that found gaps): " + "; ".join(listed) + "; nothing was loaded"
-        )
+    return problems
 
 
 def _numbered_hint(key: str, saved: Mapping[str, Any]) -> str:
@@ -256,44 +205,14 @@ def _put(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
                 break
             node = node[name]
         if isinstance(node[name], torch.Tensor):
-            with torch.no_grad():
-                node[name].copy_(value)
+            if not _same_view(node[name], value):  # a block read or received in place is there
+                with torch.no_grad():
+                    node[name].copy_(value)
         else:
             node[name] = value
 
 
-class _CountingSavePlanner(DefaultSavePlanner):
-    """DCP's planner, counting the tensor bytes this rank writes once plans are final."""
-
-    bytes = 0
-    entries = 0
-
-    def finish_plan(self, new_plan: Any) -> Any:
-        plan = super().finish_plan(new_plan)
-        keys = set()
-        for item in plan.items:
-            if item.tensor_data is not None:
-                self.bytes += item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
-                keys.add(item.index.fqn)
-        self.entries = len(keys)
-        return plan
-
-
-class _CountingLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, counting the tensor bytes this rank reads."""
-
-    bytes = 0
-    entries = 0
-
-    def create_local_plan(self) -> Any:
-        plan = super().create_local_plan()
-        keys = set()
-        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
-        for item in plan.items:
-            found = saved[item.storage_index.fqn]
-            properties = getattr(found, "properties", None)
-            if properties is not None:
-                self.bytes += torch.Size(item.lengths).numel() * properties.dtype.itemsize
-                keys.add(item.storage_index.fqn)
-        self.entries = len(keys)
-        return plan
+def _same_view(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``other`` is ``tensor``'s own memory, seen the same way."""
+    return (tensor.data_ptr() == other.data_ptr() and tensor.shape == other.shape
+            and tensor.stride() == other.stride() and tensor.dtype == other.dtype)

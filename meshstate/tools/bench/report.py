@@ -14,7 +14,9 @@ Five measurements, each in its own module, in this order:
 - :mod:`~meshstate.tools.bench.harness`: how long a test suite takes to start N ranks;
 - :mod:`~meshstate.tools.bench.simulated`: ``check --simulate`` of whole worlds in one
   process, its time and peak memory, and one 1F1B step of a pipeline simulated stage by
-  stage (a process per stage), against one process's computation.
+  stage (a process per stage), against one process's computation;
+- :mod:`~meshstate.tools.bench.checkpoints`: meshstate.checkpoint's save and load beside
+  DCP's own on the same DTensors, on local gloo ranks.
 
 Example: ``print(format_report(run([1024], dict(tp=8), process_world_sizes=())))``.
 """
@@ -54,6 +56,7 @@ from meshstate.tools.bench.runtime import (
     QueryRow, RuntimeRow, format_queries, format_runtime, measure_queries, measure_runtime,
 )
 from meshstate.tools.bench.settings import (
+    CHECKPOINT_SIZES,
     COMPILE_SIZES,
     MAX_SIMULATED_CHECK,
     MAX_FAKE_WORLD,
@@ -61,6 +64,7 @@ from meshstate.tools.bench.settings import (
     SIMULATED_CHECK_SIZES,
     SIMULATED_PIPELINE_SIZES,
 )
+from meshstate.tools.bench.checkpoints import CheckpointRow, format_checkpoints, measure_checkpoints
 from meshstate.tools.bench.compiled import CompileRow, format_compile, measure_compile
 from meshstate.tools.bench.explicit import ExplicitRow, format_explicit, measure_explicit
 from meshstate.tools.bench.simulated import (
@@ -88,6 +92,7 @@ class Report:
     explicit_rows: list[ExplicitRow] = field(default_factory=list)
     simulated_check_rows: list[SimulatedCheckRow] = field(default_factory=list)
     compile_rows: list[CompileRow] = field(default_factory=list)
+    checkpoint_rows: list[CheckpointRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -107,6 +112,7 @@ def run(
     simulated_checks: Sequence[int] = (),
     simulated_pipeline: int = 0,
     compile_world_sizes: Sequence[int] = (),
+    checkpoint_world_sizes: Sequence[int] = (),
     progress: Callable[[str], object] = lambda message: None,
 ) -> Report:
     """Measure every approach; see the module docstring.
@@ -114,7 +120,8 @@ def run(
     ``simulated_pipeline``, unless 0, is the world a 1F1B step is timed at, simulated
     stage by stage with :data:`SIMULATED_PIPELINE_SIZES`; its row joins the simulated
     checks'. ``compile_world_sizes`` are the local worlds a step is compiled on, every rank
-    compiling and one for all. Every argument is checked before anything is measured; ``progress`` is told
+    compiling and one for all; ``checkpoint_world_sizes`` those a checkpoint is saved and
+    loaded on, by meshstate.checkpoint and by DCP. Every argument is checked before anything is measured; ``progress`` is told
     each world size and approach as it starts.
     """
     process_sizes = process_sizes or dict(PROCESS_SIZES)
@@ -124,6 +131,8 @@ def run(
         _check_layout("simulated 1F1B step", simulated_pipeline, SIMULATED_PIPELINE_SIZES)
     for world_size in compile_world_sizes:
         _check_layout("compiled step", world_size, COMPILE_SIZES)
+    for world_size in checkpoint_world_sizes:
+        _check_layout("checkpoint", world_size, CHECKPOINT_SIZES)
     check_positive_int("repeats", repeats)
     report = Report(machine=machine(), config={"world_sizes": list(world_sizes), **sizes})
     approaches = _peers(with_megatron, with_titan, report.notes)
@@ -144,6 +153,7 @@ def run(
         simulated_checks, SIMULATED_CHECK_SIZES, progress
     )
     report.compile_rows = measure_compile(compile_world_sizes, progress)
+    report.checkpoint_rows = measure_checkpoints(checkpoint_world_sizes, progress, repeats=repeats)
     if simulated_pipeline:
         progress(f"a 1F1B step of {simulated_pipeline} ranks, simulated stage by stage")
         report.simulated_check_rows.append(
@@ -237,6 +247,7 @@ def format_report(report: Report) -> str:
         format_queries(report.query_rows) if report.query_rows else "",
         format_explicit(report.explicit_rows) if report.explicit_rows else "",
         format_compile(report.compile_rows) if report.compile_rows else "",
+        format_checkpoints(report.checkpoint_rows) if report.checkpoint_rows else "",
         _harness_table(report),
         format_simulated_checks(report.simulated_check_rows, SIMULATED_CHECK_SIZES)
         if report.simulated_check_rows else "",

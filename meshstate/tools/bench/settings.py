@@ -24,3 +24,10 @@ SIMULATED_PIPELINE_WORLD = 1024
 """The world ``bench`` times the 1F1B step at unless told otherwise."""
 COMPILE_SIZES: dict[str, Any] = dict(tp=2, cp=2, pp=2)
 """The layout ``bench`` compiles a training step on, every rank and one for all (dp inferred)."""
+CHECKPOINT_SIZES: dict[str, Any] = dict(tp=2)
+"""The layout ``bench`` saves and loads checkpoints on (dp inferred; blocks split over both)."""
+CHECKPOINT_WORLDS = "4"
+"""The local worlds ``bench`` times checkpoints on unless told otherwise."""
+CHECKPOINT_LAYERS, CHECKPOINT_BLOCK = 8, 512
+"""Each rank's blocks: this many layers of two float32 blocks of this many rows and columns
+(8 layers of 512 x 512: 16 MiB a rank)."""

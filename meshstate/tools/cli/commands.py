@@ -226,6 +226,6 @@ def run_bench(args: argparse.Namespace, progress: Progress) -> tuple[int, str]:
         with_titan=not args.without_torchtitan, with_runtime=not args.without_runtime,
         harness_tests=args.harness_tests, simulated_checks=args.simulated_checks,
         simulated_pipeline=args.simulated_pipeline, compile_world_sizes=args.compile_ranks,
-        progress=progress,
+        checkpoint_world_sizes=args.checkpoint_ranks, progress=progress,
     )
     return 0, report.report_json(measured) if args.json else report.format_report(measured)

@@ -21,6 +21,8 @@ from typing import Any, NoReturn, cast
 from meshstate.layout.config import DEFAULT_ORDER, MAX_WORLD_SIZE, MeshArguments, MeshConfig, sizes_text
 from meshstate.errors import ConfigError
 from meshstate.tools.bench.settings import (
+    CHECKPOINT_SIZES,
+    CHECKPOINT_WORLDS,
     COMPILE_SIZES,
     MAX_SIMULATED_CHECK,
     MAX_FAKE_WORLD,
@@ -241,7 +243,8 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "and time every approach, then time init on real local processes and what each "
         "JAX-layer call costs, eager and compiled, beside torch's own (and a typed op of "
         "JAX's Explicit axes beside the same DTensor op), what check "
-        "--simulate costs at whole worlds and a 1F1B step simulated stage by stage. The "
+        "--simulate costs at whole worlds and a 1F1B step simulated stage by stage, and "
+        "meshstate.checkpoint's save and load beside DCP's own. The "
         "layout defaults to a large model's, tp=8 cp=2 ep=8 etp=1 pp=8, unlike plan and "
         "check, whose sizes default to 1.",
     )
@@ -291,6 +294,12 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "--compile-ranks", type=_process_world_sizes, default="8",
         help="local worlds to compile a training step on (" + sizes_text(COMPILE_SIZES)
         + "), every rank compiling and one rank for all (compile_on_one_rank); 0 for none",
+    )
+    bench.add_argument(
+        "--checkpoint-ranks", type=_process_world_sizes, default=CHECKPOINT_WORLDS,
+        help="local worlds to save and load a checkpoint on (" + sizes_text(CHECKPOINT_SIZES)
+        + ", dp inferred) with meshstate.checkpoint and with DCP's own save and load of the "
+        "same DTensors; 0 for none",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     _add_force_flag(bench)

@@ -1,0 +1,170 @@
+"""The entries through torch's ``torch.distributed.checkpoint`` (DCP), the default backend.
+
+Each tensor entry becomes a DTensor over the axes its spec splits (the view's
+sub-mesh of just those axes, so replicas along the other axes are one entry)
+under its whole-model key; DCP writes each entry once and reads, at any other
+layout, the pieces each rank's new blocks cover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
+
+from meshstate.checkpoint.entries import Entry, GapCheck, Transfer, holdings
+from meshstate.checkpoint.errors import CheckpointError, Gaps, refusal
+from meshstate.checkpoint.layout import Holding, first_stray
+from meshstate.core.mesh import ParallelMesh
+from meshstate.jax.plan import contiguous_strides
+from meshstate.jax.sharding import to_placements
+
+
+def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
+    """Write ``entries`` (every rank's, replicas too: DCP keeps one of each) at ``path``,
+    once DCP's planning step has found every block held by exactly its replica group."""
+    planner = _CountingSavePlanner(holdings(entries, mesh))
+    try:
+        dcp_save({entry.saved_key: _dtensor(entry, mesh, entry.value.detach()) if entry.is_tensor
+                  else entry.value for entry in entries}, checkpoint_id=path, planner=planner)
+    except CheckpointException as error:
+        raise _ours(error) from None
+    return Transfer(planner.bytes, planner.entries)
+
+
+def load(
+    entries: list[Entry], path: str, mesh: ParallelMesh, gaps: GapCheck, held: Mapping[str, Holding],
+) -> tuple[dict[str, Any], Transfer]:
+    """Read the blocks and values of ``entries`` (those this rank reads) from ``path``: by
+    saved key, each tensor this rank's block of it. ``gaps`` runs, and ``held`` (what this
+    rank holds, read or not) is checked, in DCP's planning step, whose gather of every
+    rank's plan (or failure) comes before any read."""
+    targets = {entry.saved_key: _dtensor(entry, mesh, entry.block()) if entry.is_tensor else entry.value
+               for entry in entries}
+    planner = _CountingLoadPlanner(gaps, held)
+    try:
+        dcp_load(targets, checkpoint_id=path, planner=planner)
+    except CheckpointException as error:
+        raise _ours(error) from None
+    read = {key: value.to_local() if isinstance(value, DTensor) else value
+            for key, value in targets.items()}
+    return read, Transfer(planner.bytes, planner.entries)
+
+
+def saved_shapes(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
+    """Each saved key's whole shape in DCP's ``metadata``; ``None`` for a plain value."""
+    return {key: tuple(found.size) if isinstance(found, TensorStorageMetadata) else None
+            for key, found in metadata.state_dict_metadata.items()}
+
+
+def _ours(error: CheckpointException) -> BaseException:
+    """The refusal DCP carried to every rank from its planning step (meshstate's
+    :class:`CheckpointError`), else DCP's own exception."""
+    gaps = {rank: failure[0].problems for rank, failure in error.failures.items()
+            if isinstance(failure[0], Gaps)}
+    if gaps:
+        return refusal(gaps)
+    ours = [failure[0] for failure in error.failures.values() if isinstance(failure[0], CheckpointError)]
+    return CheckpointError(str(ours[0])) if ours else error
+
+
+def _unless_stray(plans: list[Any], undone: str) -> list[Any]:
+    """The local plans with what each rank holds taken off them (their ``planner_data``
+    carries it, beside DCP's own), after checking that every block is held by exactly its
+    replica group; else a :class:`CheckpointError` ending in ``undone``, which DCP carries
+    to every rank."""
+    stray = first_stray([plan.planner_data[1] for plan in plans])
+    if stray is not None:
+        raise CheckpointError(f"{stray}; {undone}")
+    return [dataclasses.replace(plan, planner_data=plan.planner_data[0]) for plan in plans]
+
+
+def _dtensor(entry: Entry, mesh: ParallelMesh, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as the DTensor over the axes its spec splits (itself if it splits none)."""
+    if not entry.spec.axes:
+        return local
+    device_mesh = mesh[_split_axes(entry, mesh)]
+    shape = entry.whole_shape(mesh)
+    return DTensor.from_local(
+        local, device_mesh, to_placements(entry.spec, device_mesh), shape=torch.Size(shape),
+        stride=contiguous_strides(shape), run_check=False,
+    )
+
+
+def _split_axes(entry: Entry, mesh: ParallelMesh) -> tuple[str, ...]:
+    """The axes ``entry``'s spec splits, in its view's order (a DeviceMesh's dims)."""
+    view = mesh.root_of(mesh.layout.view_of(entry.spec.axes, f"the checkpoint entry {entry.key!r}"))
+    return tuple(axis for axis in view.mesh_dim_names or () if axis in entry.spec.axes)
+
+
+class _CountingSavePlanner(DefaultSavePlanner):
+    """DCP's planner, carrying what this rank holds to the coordinator's global plan (which
+    refuses a block held by other ranks than its replica group) and counting the tensor
+    bytes this rank writes once plans are final."""
+
+    bytes = 0
+    entries = 0
+
+    def __init__(self, held: dict[str, Holding]) -> None:
+        super().__init__()
+        self.held = held
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, planner_data=(plan.planner_data, self.held))
+
+    def create_global_plan(self, all_plans: Any) -> Any:
+        return super().create_global_plan(_unless_stray(all_plans, "nothing was written"))
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        plan = super().finish_plan(new_plan)
+        keys = set()
+        for item in plan.items:
+            if item.tensor_data is not None:
+                self.bytes += item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
+                keys.add(item.index.fqn)
+        self.entries = len(keys)
+        return plan
+
+
+class _CountingLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, checking that the checkpoint covers this rank's entries (``gaps``)
+    and counting the tensor bytes this rank reads."""
+
+    bytes = 0
+    entries = 0
+
+    def __init__(self, gaps: GapCheck, held: Mapping[str, Holding]) -> None:
+        super().__init__()
+        self.gaps, self.held = gaps, held
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        problems = self.gaps(saved_shapes(metadata) if metadata is not None else {})
+        if problems:
+            raise Gaps(problems)
+
+    def create_global_plan(self, global_plan: Any) -> Any:
+        return super().create_global_plan(_unless_stray(global_plan, "nothing was loaded"))
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        keys = set()
+        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        for item in plan.items:
+            found = saved[item.storage_index.fqn]
+            properties = getattr(found, "properties", None)
+            if properties is not None:
+                self.bytes += torch.Size(item.lengths).numel() * properties.dtype.itemsize
+                keys.add(item.storage_index.fqn)
+        self.entries = len(keys)
+        return dataclasses.replace(plan, planner_data=(plan.planner_data, self.held))

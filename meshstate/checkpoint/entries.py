@@ -1,0 +1,115 @@
+"""One entry of a checkpoint as every backend sees it: a rank's value, its whole-model key,
+where its block lies and which ranks hold the same block.
+
+:mod:`meshstate.checkpoint.saving` makes the entries; the backends
+(:mod:`~meshstate.checkpoint.dcp`, :mod:`~meshstate.checkpoint.checkpointing`) write
+and read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshstate.checkpoint.errors import CheckpointError, refusal
+from meshstate.checkpoint.layout import Holding, first_stray, global_offsets, global_shape
+from meshstate.core.mesh import ParallelMesh
+from meshstate.jax.sharding import P
+
+
+GapCheck = Callable[[Mapping[str, "tuple[int, ...] | None"]], list[str]]
+"""Given each saved key's whole shape (``None``: a plain value), what this rank's entries
+need that a checkpoint lacks, a line each. A backend's ``load`` calls it on every rank
+before it reads anything, and raises :func:`~meshstate.checkpoint.errors.refusal` on
+every rank if any rank found gaps."""
+
+
+def agree_on_gaps(problems: list[str]) -> None:
+    """Raise the refusal on every rank if any rank's ``problems`` is not empty (one small
+    all-reduce when all is well; the messages gathered only if not)."""
+    count = torch.tensor([len(problems)])
+    dist.all_reduce(count)
+    if count.item():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, problems)
+        raise refusal({rank: found for rank, found in enumerate(every) if found})
+
+
+def holdings(entries: list["Entry"], mesh: ParallelMesh) -> dict[str, Holding]:
+    """What this rank holds, for :func:`~meshstate.checkpoint.layout.first_stray`."""
+    return {entry.saved_key: (entry.block_offsets(mesh) if entry.is_tensor else (), entry.replicas(mesh))
+            for entry in entries}
+
+
+def refuse_strays(held: Mapping[str, Holding], undone: str) -> None:
+    """Raise, on every rank, if some saved key's block is held by other ranks than exactly
+    its replica group (gathered on rank 0, its verdict broadcast); the message ends with
+    ``undone``: ``"nothing was written"``."""
+    every: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(dict(held), every, dst=0)
+    verdict = [first_stray(every) if every is not None else None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(f"{verdict[0]}; {undone}")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What this rank moved: tensor bytes written (save) or read from storage (load),
+    and the entries they belong to."""
+
+    bytes: int
+    entries: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One value of a rank's state, as a checkpoint holds it."""
+
+    key: str
+    """The key in the caller's state (dotted through nested dicts)."""
+    saved_key: str
+    """The whole model's key: numbered items moved by the ranks before this one."""
+    value: Any
+    spec: P
+    replica_axes: tuple[str, ...]
+    """The axes (of size > 1) along which other ranks hold this same block or value."""
+
+    def whole_shape(self, mesh: ParallelMesh) -> tuple[int, ...]:
+        """The whole tensor's shape (the entry is a tensor)."""
+        return global_shape(self.value.shape, self.spec,
+                            {axis: mesh.size(axis) for axis in self.spec.axes})
+
+    def block_offsets(self, mesh: ParallelMesh) -> tuple[int, ...]:
+        """Where this rank's block starts in the whole tensor (the entry is a tensor)."""
+        axes = self.spec.axes
+        return global_offsets(self.value.shape, self.spec, {axis: mesh.rank(axis) for axis in axes},
+                              {axis: mesh.size(axis) for axis in axes})
+
+    def replicas(self, mesh: ParallelMesh) -> tuple[int, ...]:
+        """The ranks that hold this same block or value, the one that writes and reads it
+        first: ``(0, 4)`` on ranks 0 and 4 for a tensor replicated over a dp of 2 at tp=4."""
+        if not self.replica_axes:
+            return (dist.get_rank(),)
+        return mesh.ordered(self.replica_axes).ranks
+
+    def is_first_replica(self, mesh: ParallelMesh) -> bool:
+        """Whether this rank writes the entry and reads it from storage (the others of its
+        replica group receive it by broadcast)."""
+        return not self.replica_axes or mesh.ordered(self.replica_axes).index == 0
+
+    @property
+    def is_tensor(self) -> bool:
+        return isinstance(self.value, torch.Tensor)
+
+    def block(self) -> torch.Tensor:
+        """Where this rank's block is read or received: the state's own tensor where it is
+        contiguous (read in place, as DCP reads a model's), else a new contiguous one that
+        the load copies into it."""
+        if self.value.is_contiguous():
+            return self.value.detach()  # type: ignore[no-any-return]
+        return torch.empty_like(self.value, memory_format=torch.contiguous_format)
