@@ -12,7 +12,6 @@ and on 8 threads of one process, through torch's DCP and through torch-checkpoin
 
 import importlib.util
 import os
-import tempfile
 
 import pytest
 import torch
@@ -131,12 +130,6 @@ def trained(steps):
     return state_of(parameters, optimizer)
 
 
-def shared_directory():
-    made = [tempfile.mkdtemp(prefix="meshstate-ckpt-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(made, group_src=0)
-    return made[0]
-
-
 def run_at(sizes, specs):
     mesh = meshstate.init_mesh(**sizes)
     whole = trained(0)["model"]
@@ -188,8 +181,8 @@ def specs_of(name):
 @BACKENDS
 @pytest.mark.parametrize("pairs", [PAIRS[:7], PAIRS[7:]], ids=["one axis", "experts, several, hsdp"])
 @in_both_worlds(8, ("processes", "threads"))
-def test_every_kind_of_shard_moves_between_layouts(pairs, backend):
-    directory = shared_directory()
+def test_every_kind_of_shard_moves_between_layouts(pairs, backend, tmp_path):
+    directory = str(tmp_path)
     after_two, after_five = trained(2), trained(5)
     for number, (saved_at, loaded_at) in enumerate(pairs):
         path = os.path.join(directory, str(number))
@@ -214,13 +207,13 @@ def unique_bytes(state):
 
 @BACKENDS
 @in_both_worlds(8, ("processes", "threads"))
-def test_each_entry_is_written_once_and_read_once_per_replica_group(backend):
+def test_each_entry_is_written_once_and_read_once_per_replica_group(backend, tmp_path):
     """Summed over ranks, the tensor bytes written and the bytes read equal the whole
     model's, at the same layout and at another: a replicated entry (the AdamW steps, the
     table over tp) is written by one rank of its replica group and read by one, which
     broadcasts it (torchtitan#4035). Through torch-checkpointing, each rank's file holds
     the bytes it says it wrote."""
-    directory, whole = shared_directory(), unique_bytes(trained(0))
+    directory, whole = str(tmp_path), unique_bytes(trained(0))
     for number, (saved_at, loaded_at) in enumerate([("tp2 pp2 ep2", "tp2 pp2 ep2"), ("ep4", "cp2")]):
         path = os.path.join(directory, str(number))
         mesh, parameters, optimizer = run_at(LAYOUTS[saved_at], SPECS)
@@ -239,8 +232,8 @@ def test_each_entry_is_written_once_and_read_once_per_replica_group(backend):
 
 @BACKENDS
 @in_both_worlds(8, ("processes", "threads"))
-def test_a_checkpoint_that_does_not_cover_the_layout_is_refused_before_anything_loads(backend):
-    directory = shared_directory()
+def test_a_checkpoint_that_does_not_cover_the_layout_is_refused_before_anything_loads(backend, tmp_path):
+    directory = str(tmp_path)
     mesh, parameters, optimizer = run_at(LAYOUTS["ep4"], SPECS)
     save({"model": parameters}, directory, Layout(SPECS, NUMBERED), mesh, backend)
     mesh.destroy()
@@ -264,12 +257,14 @@ def test_a_checkpoint_that_does_not_cover_the_layout_is_refused_before_anything_
 
 @BACKENDS
 @in_both_worlds(8, ("processes", "threads"))
-def test_a_block_held_by_other_ranks_than_its_replica_group_is_refused_before_anything_is_written(backend):
+def test_a_block_held_by_other_ranks_than_its_replica_group_is_refused_before_anything_is_written(
+    backend, tmp_path
+):
     """A key only the last stage holds (its replica group spans the stages), and a block
     two tp ranks hold under different specs: refused on every rank, naming the key and
     the ranks, and no file is written; loaded into such a state, refused before anything
     is read."""
-    directory = shared_directory()
+    directory = str(tmp_path)
     mesh, parameters, _ = run_at(LAYOUTS["tp2 pp2 ep2"], SPECS)
     if mesh.rank("pp") == 1:
         parameters["final_norm"] = torch.ones(HIDDEN, dtype=torch.float64)
