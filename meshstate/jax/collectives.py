@@ -77,6 +77,7 @@ from meshstate.jax.torch_calls import (
     sum_over,
     summed_gradient,
 )
+from meshstate.jax.manual_axes import global_value, refuse_unbound
 from meshstate.jax.vma import body
 
 __all__ = [
@@ -137,8 +138,9 @@ def axis_index(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "axis_index")
     group = _ordered(axes, mesh, "axis_index")
+    refuse_unbound("axis_index", typing.axis_names(axes))
     every_rank = tracing_for_every_rank()
-    if body.types is None:
+    if body.types is None and body.auto_mesh is None:
         return index_when_run(group) if every_rank else group.index
 
     def index(device: torch.device) -> torch.Tensor:
@@ -146,7 +148,10 @@ def axis_index(
             return index_when_run(group).to(device)
         return torch.full((), group.index, dtype=torch.int64, device=device)
 
-    return typing.typed_index(index, axes, current_mesh() if mesh is None else mesh)
+    parallel_mesh = current_mesh() if mesh is None else mesh
+    if body.types is None:  # a legacy partial-manual body: a value global over its other axes
+        return global_value(index(torch.device(parallel_mesh.device_type)))
+    return global_value(typing.typed_index(index, axes, parallel_mesh))
 
 
 def axis_size(
@@ -155,6 +160,7 @@ def axis_size(
     """The number of ranks along ``axes``."""
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "axis_size")
+    refuse_unbound("axis_size", typing.axis_names(axes))
     return len(_ordered(axes, mesh, "axis_size").ranks)
 
 
@@ -275,6 +281,7 @@ def pvary(
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
     if body.legacy:
+        refuse_unbound("pvary", typing.axis_names(axes))
         return x
     return typing.collective(typing.PVARY, x, axes, mesh, group, _varying)
 

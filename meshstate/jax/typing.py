@@ -19,15 +19,18 @@ import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.jax import spmd_checker
+from meshstate.jax.manual_axes import on_local, refuse_unbound
 from meshstate.jax.torch_calls import Axes, ordered_group, recorded, summed_gradient
 from meshstate.jax.vma import (
     NO_AXES, VaryingAxesError, axes_text, body, plug_outside_types, type_text, typed, vma,
@@ -95,7 +98,41 @@ def collective(
 ) -> torch.Tensor:
     """``move(x, group)`` under the types that apply now: plain, JAX's rule inside a typed
     body (``x`` cast up to vary over ``axes`` first, the result typed), spmd_types' rule
-    while its checker runs (``dims``: with ``tiled``, the dims the axes split), or both."""
+    while its checker runs (``dims``: with ``tiled``, the dims the axes split), or both.
+    Inside a partial-manual body, an axis it is not manual over is refused, and a value
+    global over the others moves its local block (:mod:`meshstate.jax.manual_axes`)."""
+    if body.manual is not None:
+        return _in_partial_body(rule, x, axes, mesh, group, move, dims, tiled)
+    return _collective(rule, x, axes, mesh, group, move, dims, tiled)
+
+
+def _in_partial_body(
+    rule: CollectiveRule, x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None,
+    group: OrderedGroup, move: Move, dims: tuple[int, ...], tiled: bool,
+) -> torch.Tensor:
+    """:func:`collective` inside a partial-manual body. JAX refuses a reduction over axes
+    the value varies over only some of before it looks the axes up: so does this."""
+    names, before = axis_names(axes), vma(x)
+    if body.types is not None and rule.reduces and names & before and names - before:
+        raise _mixed_state(rule.name, x, axes, f"pvary the input over "
+                           f"{tuple(sorted(names - before))!r} or reduce over "
+                           f"{tuple(sorted(names & before))!r} alone")
+    refuse_unbound(rule.name, names)
+    return on_local(rule.name, x,
+                    lambda local: _collective(rule, local, axes, mesh, group, move, dims, tiled))
+
+
+def _collective(
+    rule: CollectiveRule,
+    x: torch.Tensor,
+    axes: Axes,
+    mesh: ParallelMesh | None,
+    group: OrderedGroup,
+    move: Move,
+    dims: tuple[int, ...],
+    tiled: bool,
+) -> torch.Tensor:
+    """:func:`collective` outside a partial-manual body (or of a block inside one)."""
     if body.types is None and not (_SPMD_TYPES in _loaded and spmd_checker.checking()):
         return move(x, group)
     run = _in_body(rule, axes, mesh, move)
@@ -174,7 +211,10 @@ def _axis_groups(parallel_mesh: ParallelMesh, axes: Axes) -> tuple[Any, ...]:
 
 def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
     """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
-    ``pvary`` inside a typed body, and what casting an operand up inserts)."""
+    ``pvary`` inside a typed body, and what casting an operand up inserts); of a value
+    global over a partial-manual body's other axes, of its local block."""
+    if isinstance(x, DTensor):
+        return on_local("pvary", x, partial(pvary_over, axes=axes, parallel_mesh=parallel_mesh))
     if spmd_checker.checking():
         spelled = tuple(sorted(axes))
         group = ordered_group(parallel_mesh, spelled)
