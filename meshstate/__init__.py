@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshstate.jax.collectives import all_gather, all_gather_invariant, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary, raise_on_ppermute_sort_diff
     from meshstate.jax.vma import VaryingAxesError
+    from meshstate.jax.manual_axes import UnboundAxisError
     from meshstate.jax.typing import vma
     from meshstate.core.adopt import adopt
     from meshstate.core.one_rank import compile_on_one_rank
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 _HOME: dict[str, str] = {
     **dict.fromkeys(('all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'raise_on_ppermute_sort_diff'), "meshstate.jax.collectives"),
     **dict.fromkeys(('VaryingAxesError',), "meshstate.jax.vma"),
+    **dict.fromkeys(('UnboundAxisError',), "meshstate.jax.manual_axes"),
     **dict.fromkeys(('vma',), "meshstate.jax.typing"),
     **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
     **dict.fromkeys(('compile_on_one_rank',), "meshstate.core.one_rank"),
@@ -85,4 +87,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['ArgumentTypeError', 'AxisError', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'compile_on_one_rank', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'raise_on_ppermute_sort_diff', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']
+__all__ = ['ArgumentTypeError', 'AxisError', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'UnboundAxisError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'compile_on_one_rank', 'current_mesh', 'distribute', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'raise_on_ppermute_sort_diff', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']
