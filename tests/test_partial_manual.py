@@ -117,13 +117,16 @@ def rows_over_dp(x):
         view, placements)
 
 
-def run(name, check_vma):
-    """The full outputs, the full gradients and the noted types of the sharded run."""
+def run(name, check_vma, graphs=None):
+    """The full outputs, the full gradients and the noted types of the sharded run
+    (compiled whole where ``graphs`` collects its graphs)."""
     body, in_specs, out_specs, axis_names = CASES[name]
     leaves = [x.clone().requires_grad_() for x in inputs_of(name)]
     args = [rows_over_dp(x) for x in leaves]
     mapped = shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names=axis_names,
                        check_vma=check_vma)
+    if graphs is not None:
+        mapped = compiled_whole(mapped, graphs)
     NOTED.clear()
     outputs = flat(mapped({"a": args[0]}) if name == "dict specs" else mapped(*args))
     types = list(NOTED)
@@ -172,6 +175,29 @@ def test_partial_manual_programs_are_jaxs():
                     assert close(got, want), f"{where}: gradient"
                 if check_vma:
                     assert types == jaxs["types"], where
+    mesh.destroy()
+
+
+COMPILED = ("row-parallel matmul", "gathered over tp", "ppermute over cp", "axis_index weights",
+            "sum over a global dim")
+"""A sum, a gather, a permutation, a rank's index and an op over a global dim."""
+
+
+@in_processes_and_threads(8)
+def test_partial_manual_programs_compiled_are_jaxs():
+    """A program of each kind compiled whole (``fullgraph=True``), typed: one graph, JAX's
+    values and gradients (a few: each compile costs seconds on a loaded machine)."""
+    mesh = meshstate.init_mesh(tp=2, cp=2)
+    with mesh:
+        for name in COMPILED:
+            jaxs = RECORDS[name]["typed"]
+            graphs = []
+            outputs, grads, _ = run(name, True, graphs)
+            assert len(graphs) == 1, name
+            for got, want in zip(outputs, jaxs["outputs"], strict=True):
+                assert close(got, want), f"{name}, compiled: output"
+            for got, want in zip(grads, jaxs["grads"], strict=True):
+                assert close(got, want), f"{name}, compiled: gradient"
     mesh.destroy()
 
 
