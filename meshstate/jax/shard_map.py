@@ -55,6 +55,8 @@ from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.jax.partial_manual import PartialPlan, check_manual, partial_plan_on, run_partial
 from meshstate.jax.plan import Leaves, Plan, plan_on, share_grad
+from meshstate.jax.explicit.runs import state as explicit_state
+from meshstate.jax.smap import Infer, InferFromArgs, inferred_specs, refuse_disagreeing
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
 from meshstate.jax.typing import (
@@ -76,8 +78,8 @@ def shard_map(
     f: Callable[..., Any],
     /,
     *,
-    in_specs: SpecTree,
     out_specs: SpecTree,
+    in_specs: SpecTree | InferFromArgs = Infer,
     mesh: ParallelMesh | None = None,
     check_vma: bool = True,
     auto_pvary: bool = True,
@@ -90,8 +92,8 @@ def shard_map(
     f: None = None,
     /,
     *,
-    in_specs: SpecTree,
     out_specs: SpecTree,
+    in_specs: SpecTree | InferFromArgs = Infer,
     mesh: ParallelMesh | None = None,
     check_vma: bool = True,
     auto_pvary: bool = True,
@@ -103,8 +105,8 @@ def shard_map(
     f: Callable[..., Any] | None = None,
     /,
     *,
-    in_specs: SpecTree,
     out_specs: SpecTree,
+    in_specs: SpecTree | InferFromArgs = Infer,
     mesh: ParallelMesh | None = None,
     check_vma: bool = True,
     auto_pvary: bool = True,
@@ -148,18 +150,30 @@ def shard_map(
     if f is None:
         return partial(shard_map, in_specs=in_specs, out_specs=out_specs, mesh=mesh,
                        check_vma=check_vma, auto_pvary=auto_pvary, axis_names=axis_names)
-    flat_in = _FlatSpecs(in_specs, "in_specs", first=0)
-    flat_out = _FlatSpecs(out_specs, "out_specs", first=len(flat_in.specs))
-    specs = flat_in.specs + flat_out.specs
-    mode = _Typed(f, flat_in.paths + flat_out.paths, auto_pvary) if check_vma else _Legacy()
     manual = tuple(sorted(axis_names))
-    if manual:
-        check_manual(specs, flat_in.paths + flat_out.paths, frozenset(axis_names))
+
+    def prepared(in_tree: SpecTree) -> tuple[_FlatSpecs, _FlatSpecs, tuple[P, ...], _Typed | _Legacy]:
+        flat_in = _FlatSpecs(in_tree, "in_specs", first=0)
+        flat_out = _FlatSpecs(out_specs, "out_specs", first=len(flat_in.specs))
+        specs = flat_in.specs + flat_out.specs
+        paths = flat_in.paths + flat_out.paths
+        if manual:
+            check_manual(specs, paths, frozenset(manual))
+        return flat_in, flat_out, specs, _Typed(f, paths, auto_pvary) if check_vma else _Legacy()
+
+    inferred = isinstance(in_specs, InferFromArgs)
+    flat_in, flat_out, specs, mode = prepared(() if isinstance(in_specs, InferFromArgs) else in_specs)
 
     def mapped(*args: Any) -> Any:
+        nonlocal flat_in, flat_out, specs, mode
+        if inferred:  # read from the arguments, at each call
+            flat_in, flat_out, specs, mode = prepared(inferred_specs(args, frozenset(manual) or None))
         parallel_mesh = (
             current_mesh() if mesh is None else require_parallel_mesh(mesh, "shard_map(mesh=...)")
         )
+        if explicit_state.active:
+            for number, x in flat_in.tree.leaves(args):
+                refuse_disagreeing(specs[number], x, frozenset(manual) or None)
         if manual:
             partial_plan = partial_plan_on(parallel_mesh, specs, manual)
             if partial_plan.auto_axes:

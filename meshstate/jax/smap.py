@@ -1,0 +1,177 @@
+"""In-specs read from the arguments (JAX's ``Infer``) and ``smap``, JAX's one-axis shard_map.
+
+``shard_map(f, out_specs=...)`` without ``in_specs`` (or with ``in_specs=Infer``) reads
+each positional argument's spec from its layout: a DTensor's placements (its Explicit
+type, :func:`~meshstate.typeof`), a plain tensor's ``P()``; manual over some axes
+(``axis_names``), the spec keeps those axes only. Inside :func:`~meshstate.explicit`, an
+in-spec that disagrees with its argument's type is refused in JAX 0.12's words; outside,
+meshstate redistributes the argument (JAX's Auto axes).
+
+``smap(f, in_axes=, out_axes=, axis_name=)`` is ``shard_map`` manual over one axis, its
+specs written as ``vmap``'s axes: argument ``i`` split on dim ``in_axes[i]`` over
+``axis_name`` (``None``: not split; default: read from its layout), each result on dim
+``out_axes``.
+
+Example (8 ranks, ``init_mesh(tp=2, cp=2)``; ``x`` a DTensor, rows split over dp)::
+
+    smap(lambda v: v * 2, in_axes=0, out_axes=0, axis_name="dp")(x)   # rows doubled
+    shard_map(lambda v: psum(v, "dp"), out_specs=P())(x)                # in_specs: P("dp")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from meshstate.errors import ArgumentTypeError, ConfigError
+from meshstate.jax.explicit.mode import typeof
+from meshstate.jax.explicit.runs import state as explicit_state
+from meshstate.jax.sharding import DimAxes, P, entry_axes
+
+__all__ = ["Infer", "InferFromArgs", "inferred_specs", "refuse_disagreeing", "smap"]
+
+
+class InferFromArgs:
+    """The type of :data:`Infer`: read the in-specs from the arguments (JAX's)."""
+
+    def __repr__(self) -> str:
+        return "Infer"
+
+
+Infer: Final = InferFromArgs()
+"""``shard_map``'s and ``smap``'s default ``in_specs``/``in_axes``: read from the arguments."""
+
+
+def spec_of(x: Any, manual: frozenset[str] | None) -> P | None:
+    """``x``'s spec as its layout says, over the ``manual`` axes only (``None``: every
+    axis); ``None`` for what is not a tensor. Example: a DTensor split ``Shard(0)`` over dp
+    and ``Shard(1)`` over tp gives ``P('dp', 'tp')``; with ``manual={'tp'}``, ``P(None, 'tp')``."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    if not isinstance(x, DTensor):
+        return P()
+    spec = typeof(x).spec
+    return _trimmed([_kept(entry, manual) for entry in spec.dims],
+                    spec.unreduced if manual is None else spec.unreduced & manual)
+
+
+def _kept(entry: DimAxes, manual: frozenset[str] | None) -> DimAxes:
+    axes = tuple(axis for axis in entry_axes(entry) if manual is None or axis in manual)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _trimmed(dims: Sequence[DimAxes], unreduced: frozenset[str]) -> P:
+    """``P(*dims)`` without trailing ``None``s, JAX's spelling."""
+    dims = list(dims)
+    while dims and dims[-1] is None:
+        dims.pop()
+    return P(*dims, unreduced=unreduced)
+
+
+def inferred_specs(args: tuple[Any, ...], manual: frozenset[str] | None) -> tuple[P | None, ...]:
+    """Each positional argument's spec, read from its layout (:func:`spec_of`)."""
+    return tuple(spec_of(x, manual) for x in args)
+
+
+def refuse_disagreeing(spec: P, x: torch.Tensor, manual: frozenset[str] | None) -> None:
+    """Inside :func:`~meshstate.explicit`, refuse an in-spec that disagrees with its
+    DTensor argument's type, in JAX 0.12's words; outside, nothing (Auto axes)."""
+    if not explicit_state.active or explicit_state.suspended or not isinstance(x, DTensor):
+        return
+    typed_spec = spec_of(x, manual)
+    if typed_spec is None or _padded(typed_spec, x.dim()) == _padded(spec, x.dim()):
+        return
+    raise ConfigError(
+        f"in_specs passed to shard_map: {_padded(spec, x.dim())!r} does not match the specs of "
+        f"the input: {_padded(typed_spec, x.dim())!r} for arg: {typeof(x)}. `in_specs` is an "
+        "optional argument so you can omit specifying it and shard_map will infer the "
+        "in_specs from the arguments. If you want to reshard your inputs, you can use "
+        "`meshstate.reshard` on the arguments and then pass those args to shard_map."
+    )
+
+
+def _padded(spec: P, ndim: int) -> P:
+    """``spec`` with an entry per dim (JAX prints ``P(None, None)`` for a 2-D ``P()``)."""
+    dims = [entry_axes(entry) for entry in spec.dims] + [()] * (ndim - len(spec.dims))
+    return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in dims),
+             unreduced=spec.unreduced)
+
+
+def smap(
+    f: Callable[..., Any] | None = None,
+    /,
+    *,
+    in_axes: int | None | InferFromArgs | tuple[int | None, ...] = Infer,
+    out_axes: Any,
+    axis_name: str,
+) -> Callable[..., Any]:
+    """``f`` mapped over the mesh axis ``axis_name`` one block at a time (JAX's ``jax.smap``):
+    ``shard_map`` manual over that axis only, argument ``i`` split on dim ``in_axes[i]``
+    (one int or ``None`` for all; ``None``: not split; default: read from its layout), each
+    result put on dim ``out_axes`` (an int, ``None``: replicated, or a tuple, list or dict
+    of them). Without ``f``, a decorator. The current mesh is the mesh.
+
+    Example (8 ranks, ``init_mesh(tp=2, cp=2)``, ``x`` of 8 rows)::
+
+        smap(lambda v: v * 2, in_axes=0, out_axes=0, axis_name="dp")(x)   # x * 2
+
+    Raises:
+        ArgumentTypeError: ``axis_name`` is not one axis name, or an axis is not an int.
+    """
+    if not isinstance(axis_name, str):
+        raise ArgumentTypeError(f"smap axis_name should be one axis name (a str), got {axis_name!r}")
+    if f is None:
+        def decorate(g: Callable[..., Any]) -> Callable[..., Any]:
+            return smap(g, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name)
+        return decorate
+    from meshstate.jax.shard_map import shard_map
+
+    out_specs = _out_specs(out_axes, axis_name)
+    mapped_f = f
+
+    def mapped(*args: Any) -> Any:
+        in_specs = _in_specs(in_axes, args, axis_name)
+        return shard_map(mapped_f, in_specs=in_specs, out_specs=out_specs,
+                         axis_names={axis_name})(*args)
+
+    return mapped
+
+
+def _in_specs(in_axes: Any, args: tuple[Any, ...], axis_name: str) -> tuple[P | None, ...]:
+    """Each argument's in-spec: split on its dim of ``in_axes`` over ``axis_name``."""
+    if isinstance(in_axes, InferFromArgs):
+        return inferred_specs(args, frozenset({axis_name}))
+    per_arg = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
+    if len(per_arg) != len(args):
+        raise ConfigError(f"smap in_axes has {len(per_arg)} entries for {len(args)} arguments")
+    return tuple(
+        _split_on(axis, x.dim(), axis_name, "in_axes") if isinstance(x, torch.Tensor) else None
+        for axis, x in zip(per_arg, args)
+    )
+
+
+def _split_on(axis: int | None, ndim: int | None, axis_name: str, what: str) -> P:
+    """The spec that splits dim ``axis`` (of ``ndim``; negative from the end) over
+    ``axis_name``; ``P()`` for ``None``."""
+    if axis is None:
+        return P()
+    if not isinstance(axis, int):
+        raise ArgumentTypeError(f"smap {what} must be ints or None, got {axis!r}")
+    if axis < 0:
+        if ndim is None:
+            raise ConfigError(f"smap {what}={axis}: a negative out axis needs the result's rank; "
+                              "give it from the front")
+        axis += ndim
+    return P(*([None] * axis), axis_name)
+
+
+def _out_specs(out_axes: Any, axis_name: str) -> Any:
+    """``out_axes`` as a spec tree."""
+    if isinstance(out_axes, dict):
+        return {key: _out_specs(value, axis_name) for key, value in out_axes.items()}
+    if isinstance(out_axes, (tuple, list)):
+        return type(out_axes)(_out_specs(value, axis_name) for value in out_axes)
+    return _split_on(out_axes, None, axis_name, "out_axes")
