@@ -152,22 +152,16 @@ def shard_map(
                        check_vma=check_vma, auto_pvary=auto_pvary, axis_names=axis_names)
     manual = tuple(sorted(axis_names))
 
-    def prepared(in_tree: SpecTree) -> tuple[_FlatSpecs, _FlatSpecs, tuple[P, ...], _Typed | _Legacy]:
-        flat_in = _FlatSpecs(in_tree, "in_specs", first=0)
-        flat_out = _FlatSpecs(out_specs, "out_specs", first=len(flat_in.specs))
-        specs = flat_in.specs + flat_out.specs
-        paths = flat_in.paths + flat_out.paths
-        if manual:
-            check_manual(specs, paths, frozenset(manual))
-        return flat_in, flat_out, specs, _Typed(f, paths, auto_pvary) if check_vma else _Legacy()
+    def prepared(in_tree: SpecTree) -> _Prepared:
+        return _Prepared(f, in_tree, out_specs, manual, check_vma, auto_pvary)
 
     inferred = isinstance(in_specs, InferFromArgs)
-    flat_in, flat_out, specs, mode = prepared(() if isinstance(in_specs, InferFromArgs) else in_specs)
+    fixed = prepared(() if isinstance(in_specs, InferFromArgs) else in_specs)
 
     def mapped(*args: Any) -> Any:
-        nonlocal flat_in, flat_out, specs, mode
-        if inferred:  # read from the arguments, at each call
-            flat_in, flat_out, specs, mode = prepared(inferred_specs(args, frozenset(manual) or None))
+        # Inferred: the specs read from the arguments, at each call.
+        ready = prepared(inferred_specs(args, frozenset(manual) or None)) if inferred else fixed
+        flat_in, flat_out, specs, mode = ready.flat_in, ready.flat_out, ready.specs, ready.mode
         parallel_mesh = (
             current_mesh() if mesh is None else require_parallel_mesh(mesh, "shard_map(mesh=...)")
         )
@@ -177,7 +171,7 @@ def shard_map(
         if manual:
             partial_plan = partial_plan_on(parallel_mesh, specs, manual)
             if partial_plan.auto_axes:
-                return _run_partial(partial_plan, args, parallel_mesh)
+                return _run_partial(ready, partial_plan, args, parallel_mesh)
         plan = plan_on(parallel_mesh, specs)
         arguments = flat_in.tree.leaves(args)
         blocks = _blocks(mode, plan, parallel_mesh, arguments)
@@ -186,20 +180,21 @@ def shard_map(
         outputs = mode.leave(plan, parallel_mesh, flat_out.tree.leaves(results))
         return flat_out.tree.rebuilt(results, iter(_as_dtensors(plan, outputs, arguments)))
 
-    def _run_partial(plan: PartialPlan, args: tuple[Any, ...], parallel_mesh: ParallelMesh) -> Any:
+    def _run_partial(ready: _Prepared, plan: PartialPlan, args: tuple[Any, ...],
+                     parallel_mesh: ParallelMesh) -> Any:
         """The call manual over ``manual`` only: blocks global over the plan's other axes."""
-        types = mode.types(parallel_mesh)
+        types = ready.mode.types(parallel_mesh)
         results: Any = None
 
         def run_body(blocks: list[torch.Tensor]) -> Leaves:
             nonlocal results
-            results = _run(f, flat_in.tree.rebuilt(args, iter(blocks)), parallel_mesh, types,
-                           frozenset(manual), plan.auto_mesh)
-            return flat_out.tree.leaves(results)
+            results = _run(f, ready.flat_in.tree.rebuilt(args, iter(blocks)), parallel_mesh,
+                           types, frozenset(manual), plan.auto_mesh)
+            return ready.flat_out.tree.leaves(results)
 
-        outputs = run_partial(plan, mode, check_vma, flat_in.tree.leaves(args), run_body,
-                              parallel_mesh)
-        return flat_out.tree.rebuilt(results, iter(outputs))
+        outputs = run_partial(plan, ready.mode, check_vma, ready.flat_in.tree.leaves(args),
+                              run_body, parallel_mesh)
+        return ready.flat_out.tree.rebuilt(results, iter(outputs))
 
     return mapped
 
@@ -265,6 +260,21 @@ def _rematerialized(run_function: Callable[..., Any], args: tuple[Any, ...]) -> 
 
 
 _compat.follow_reentrant_checkpoint(_rematerialized)
+
+
+class _Prepared:
+    """A shard_map's specs flattened and checked, and its mode: made once, or at each call
+    where the in-specs are read from the arguments."""
+
+    def __init__(self, f: Callable[..., Any], in_tree: SpecTree, out_tree: SpecTree,
+                 manual: tuple[str, ...], check_vma: bool, auto_pvary: bool) -> None:
+        self.flat_in = _FlatSpecs(in_tree, "in_specs", first=0)
+        self.flat_out = _FlatSpecs(out_tree, "out_specs", first=len(self.flat_in.specs))
+        self.specs = self.flat_in.specs + self.flat_out.specs
+        paths = self.flat_in.paths + self.flat_out.paths
+        if manual:
+            check_manual(self.specs, paths, frozenset(manual))
+        self.mode: _Typed | _Legacy = _Typed(f, paths, auto_pvary) if check_vma else _Legacy()
 
 
 class _Typed:

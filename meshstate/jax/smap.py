@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Partial
 
 from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.jax.explicit.mode import typeof
@@ -53,9 +54,31 @@ def spec_of(x: Any, manual: frozenset[str] | None) -> P | None:
         return None
     if not isinstance(x, DTensor):
         return P()
-    spec = typeof(x).spec
+    spec = _placed_spec(x)
     return _trimmed([_kept(entry, manual) for entry in spec.dims],
                     spec.unreduced if manual is None else spec.unreduced & manual)
+
+
+def _placed_spec(x: DTensor) -> P:
+    """``x``'s spec read from its placements: each dim split over the axes that shard it,
+    in mesh order; a pending sum's axes unreduced. Plain Python on placements, which
+    ``torch.compile`` folds; a dim split against mesh order (torch's strided shard) is
+    read by :func:`~meshstate.typeof`."""
+    placements = x.placements
+    if any(isinstance(p, Shard) and type(p) is not Shard for p in placements):
+        return typeof(x).spec
+    names = x.device_mesh.mesh_dim_names or ()
+    dims: list[list[str]] = [[] for _ in range(x.dim())]
+    unreduced = set()
+    for mesh_dim, (name, placement) in enumerate(zip(names, placements)):
+        if x.device_mesh.size(mesh_dim) == 1:
+            continue
+        if isinstance(placement, Shard):
+            dims[placement.dim].append(name)
+        elif isinstance(placement, Partial):
+            unreduced.add(name)
+    return P(*(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in dims),
+             unreduced=frozenset(unreduced))
 
 
 def _kept(entry: DimAxes, manual: frozenset[str] | None) -> DimAxes:
