@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from meshstate.jax.collectives import all_gather, all_gather_invariant, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary, raise_on_ppermute_sort_diff
-    from meshstate.jax.typing import VaryingAxesError, vma
+    from meshstate.jax.typing import UnboundAxisError, VaryingAxesError, vma
     from meshstate.core.adopt import adopt
     from meshstate.core.one_rank import compile_on_one_rank
     from meshstate.layout.config import DEFAULT_ORDER, MeshConfig
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
     from meshstate.jax.reshard import reshard
     from meshstate.jax.shard_map import shard_map
+    from meshstate.jax.infer import Infer
+    from meshstate.jax.smap import smap
     from meshstate.jax.explicit import ExplicitType, ShardingTypeError, auto_axes, device_put, einsum, explicit, explicit_axes, matmul, typeof
 
 # Every public name and the module that defines it. Nothing is imported until a name is
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 # optional packages (the benchmark imports megatron-core) are never loaded by it.
 _HOME: dict[str, str] = {
     **dict.fromkeys(('all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'raise_on_ppermute_sort_diff'), "meshstate.jax.collectives"),
-    **dict.fromkeys(('VaryingAxesError', 'vma'), "meshstate.jax.typing"),
+    **dict.fromkeys(('UnboundAxisError', 'VaryingAxesError', 'vma'), "meshstate.jax.typing"),
     **dict.fromkeys(('adopt',), "meshstate.core.adopt"),
     **dict.fromkeys(('compile_on_one_rank',), "meshstate.core.one_rank"),
     **dict.fromkeys(('DEFAULT_ORDER', 'MeshConfig'), "meshstate.layout.config"),
@@ -61,6 +63,8 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
     **dict.fromkeys(("reshard",), "meshstate.jax.reshard"),
     **dict.fromkeys(("shard_map",), "meshstate.jax.shard_map"),
+    **dict.fromkeys(('Infer',), "meshstate.jax.infer"),
+    **dict.fromkeys(('smap',), "meshstate.jax.smap"),
     **dict.fromkeys(('ExplicitType', 'ShardingTypeError', 'auto_axes', 'device_put', 'einsum', 'explicit', 'explicit_axes', 'matmul', 'typeof'), "meshstate.jax.explicit"),
 }
 _SUBMODULES = frozenset(
@@ -83,4 +87,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | _SUBMODULES)
 
 
-__all__ = ['ArgumentTypeError', 'AxisError', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'compile_on_one_rank', 'current_mesh', 'distribute', 'get_mesh', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'raise_on_ppermute_sort_diff', 'reshard', 'set_mesh', 'shard_map', 'to_placements', 'vma']
+__all__ = ['ArgumentTypeError', 'AxisError', 'Chunks', 'ConfigError', 'DEFAULT_ORDER', 'DerivedGroup', 'GROUP_KINDS', 'Grid', 'GroupOptions', 'HybridGrid', 'HybridMesh', 'HyperCommGrid', 'Infer', 'Instances', 'Level', 'MeshConfig', 'MeshStateError', 'NamedSharding', 'NotInitializedError', 'OrderedGroup', 'P', 'ParallelLayout', 'ParallelMesh', 'ParallelStateError', 'Pick', 'ProcessGroupCollection', 'SimulationError', 'UnboundAxisError', 'VaryingAxesError', 'WrongMeshError', 'adopt', 'all_gather', 'all_gather_invariant', 'all_to_all', 'axis_index', 'axis_size', 'compile_on_one_rank', 'current_mesh', 'distribute', 'get_mesh', 'init_hybrid_mesh', 'init_mesh', 'make_mesh', 'pmax', 'pmean', 'pmin', 'ppermute', 'psum', 'psum_scatter', 'pvary', 'raise_on_ppermute_sort_diff', 'reshard', 'set_mesh', 'shard_map', 'smap', 'to_placements', 'vma']

@@ -135,8 +135,11 @@ def axis_index(
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "axis_index")
     group = _ordered(axes, mesh, "axis_index")
+    body = typing.body
+    if body.manual is not None:
+        typing.refuse_unbound("axis_index", typing.axis_names(axes))
     every_rank = tracing_for_every_rank()
-    if typing.body.types is None:
+    if body.types is None and body.auto_mesh is None:
         return index_when_run(group) if every_rank else group.index
 
     def index(device: torch.device) -> torch.Tensor:
@@ -144,7 +147,10 @@ def axis_index(
             return index_when_run(group).to(device)
         return torch.full((), group.index, dtype=torch.int64, device=device)
 
-    return typing.typed_index(index, axes, current_mesh() if mesh is None else mesh)
+    parallel_mesh = current_mesh() if mesh is None else mesh
+    if body.types is None:  # a legacy partial-manual body: a value global over its other axes
+        return typing.global_value(index(torch.device(parallel_mesh.device_type)))
+    return typing.global_value(typing.typed_index(index, axes, parallel_mesh))
 
 
 def axis_size(
@@ -153,6 +159,8 @@ def axis_size(
     """The number of ranks along ``axes``."""
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, "axis_size")
+    if typing.body.manual is not None:
+        typing.refuse_unbound("axis_size", typing.axis_names(axes))
     return len(_ordered(axes, mesh, "axis_size").ranks)
 
 
@@ -273,6 +281,7 @@ def pvary(
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
     if typing.body.legacy:
+        typing.refuse_unbound("pvary", typing.axis_names(axes))
         return x
     return typing.collective(typing.PVARY, x, axes, mesh, group, _varying)
 

@@ -42,16 +42,21 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)``; a row-parallel matmul)::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from functools import partial
 from typing import Any, overload
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshstate.core import compat as _compat
 from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.jax.partial_manual import PartialPlan, check_manual, partial_plan_on, run_partial
 from meshstate.jax.plan import Leaves, Plan, plan_on, share_grad
+from meshstate.jax.explicit.runs import state as explicit_state
+from meshstate.jax.infer import Infer, InferFromArgs, inferred_specs, refuse_disagreeing
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
 from meshstate.jax.typing import (
@@ -71,11 +76,12 @@ def shard_map(
     f: Callable[..., Any],
     /,
     *,
-    in_specs: SpecTree,
     out_specs: SpecTree,
+    in_specs: SpecTree | InferFromArgs = Infer,
     mesh: ParallelMesh | None = None,
     check_vma: bool = True,
     auto_pvary: bool = True,
+    axis_names: AbstractSet[str] = frozenset(),
 ) -> Callable[..., Any]: ...
 
 
@@ -84,11 +90,12 @@ def shard_map(
     f: None = None,
     /,
     *,
-    in_specs: SpecTree,
     out_specs: SpecTree,
+    in_specs: SpecTree | InferFromArgs = Infer,
     mesh: ParallelMesh | None = None,
     check_vma: bool = True,
     auto_pvary: bool = True,
+    axis_names: AbstractSet[str] = frozenset(),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -96,11 +103,12 @@ def shard_map(
     f: Callable[..., Any] | None = None,
     /,
     *,
-    in_specs: SpecTree,
     out_specs: SpecTree,
+    in_specs: SpecTree | InferFromArgs = Infer,
     mesh: ParallelMesh | None = None,
     check_vma: bool = True,
     auto_pvary: bool = True,
+    axis_names: AbstractSet[str] = frozenset(),
 ) -> Callable[..., Any]:
     """``f`` applied to each rank's blocks of the arguments; results as DTensors.
 
@@ -116,7 +124,10 @@ def shard_map(
     inside the compiled function or outside. ``check_vma`` (JAX's default ``True``)
     types the values inside ``f`` and checks the out-specs against the types; ``False``
     is JAX's legacy mode (see the module). ``auto_pvary=False`` refuses an op whose
-    operands vary over different axes instead of casting them up.
+    operands vary over different axes instead of casting them up. ``axis_names`` (JAX's;
+    default: every axis) makes ``f`` manual over those axes only: the specs name only
+    them, and inside ``f`` each block stays global over the view's other axes, a DTensor
+    on their mesh (see :mod:`meshstate.jax.partial_manual`).
 
     Example (8 ranks, ``init_mesh(tp=2, cp=2)``, so dp=2)::
 
@@ -130,19 +141,35 @@ def shard_map(
         VaryingAxesError: with ``check_vma``, a result varies over an axis its
             out-spec leaves out (JAX's ``ValueError``), or ``f`` mixes types
             the rules refuse (see :mod:`meshstate.jax.types.vma`).
+        ConfigError: with ``axis_names``, a spec names another axis (JAX's words).
+        UnboundAxisError: with ``axis_names``, a collective inside ``f`` names another
+            axis (JAX's ``NameError``, its words).
     """
     if f is None:
         return partial(shard_map, in_specs=in_specs, out_specs=out_specs, mesh=mesh,
-                       check_vma=check_vma, auto_pvary=auto_pvary)
-    flat_in = _FlatSpecs(in_specs, "in_specs", first=0)
-    flat_out = _FlatSpecs(out_specs, "out_specs", first=len(flat_in.specs))
-    specs = flat_in.specs + flat_out.specs
-    mode = _Typed(f, flat_in.paths + flat_out.paths, auto_pvary) if check_vma else _Legacy()
+                       check_vma=check_vma, auto_pvary=auto_pvary, axis_names=axis_names)
+    manual = tuple(sorted(axis_names))
+
+    def prepared(in_tree: SpecTree) -> _Prepared:
+        return _Prepared(f, in_tree, out_specs, manual, check_vma, auto_pvary)
+
+    inferred = isinstance(in_specs, InferFromArgs)
+    fixed = prepared(() if isinstance(in_specs, InferFromArgs) else in_specs)
 
     def mapped(*args: Any) -> Any:
+        # Inferred: the specs read from the arguments, at each call.
+        ready = prepared(inferred_specs(args, frozenset(manual) or None)) if inferred else fixed
+        flat_in, flat_out, specs, mode = ready.flat_in, ready.flat_out, ready.specs, ready.mode
         parallel_mesh = (
             current_mesh() if mesh is None else require_parallel_mesh(mesh, "shard_map(mesh=...)")
         )
+        if explicit_state.active:
+            for number, x in flat_in.tree.leaves(args):
+                refuse_disagreeing(specs[number], x, frozenset(manual) or None)
+        if manual:
+            partial_plan = partial_plan_on(parallel_mesh, specs, manual)
+            if partial_plan.auto_axes:
+                return _run_partial(ready, partial_plan, args, parallel_mesh)
         plan = plan_on(parallel_mesh, specs)
         arguments = flat_in.tree.leaves(args)
         blocks = _blocks(mode, plan, parallel_mesh, arguments)
@@ -150,6 +177,22 @@ def shard_map(
         results = _run(f, local_args, parallel_mesh, mode.types(parallel_mesh))
         outputs = mode.leave(plan, parallel_mesh, flat_out.tree.leaves(results))
         return flat_out.tree.rebuilt(results, iter(_as_dtensors(plan, outputs, arguments)))
+
+    def _run_partial(ready: _Prepared, plan: PartialPlan, args: tuple[Any, ...],
+                     parallel_mesh: ParallelMesh) -> Any:
+        """The call manual over ``manual`` only: blocks global over the plan's other axes."""
+        types = ready.mode.types(parallel_mesh)
+        results: Any = None
+
+        def run_body(blocks: list[torch.Tensor]) -> Leaves:
+            nonlocal results
+            results = _run(f, ready.flat_in.tree.rebuilt(args, iter(blocks)), parallel_mesh,
+                           types, frozenset(manual), plan.auto_mesh)
+            return ready.flat_out.tree.leaves(results)
+
+        outputs = run_partial(plan, ready.mode, check_vma, ready.flat_in.tree.leaves(args),
+                              run_body, parallel_mesh)
+        return ready.flat_out.tree.rebuilt(results, iter(outputs))
 
     return mapped
 
@@ -172,11 +215,13 @@ def _as_dtensors(plan: Plan, outputs: Leaves, arguments: Leaves) -> list[DTensor
 
 
 def _run(
-    f: Callable[..., Any], local_args: Any, parallel_mesh: ParallelMesh, types: VaryingTypes | None
+    f: Callable[..., Any], local_args: Any, parallel_mesh: ParallelMesh, types: VaryingTypes | None,
+    manual: frozenset[str] | None = None, auto_mesh: DeviceMesh | None = None,
 ) -> Any:
-    """``f(*local_args)`` with the mesh current and the body's semantics set for this thread."""
-    outer = body.types, body.legacy
-    body.types, body.legacy = types, types is None
+    """``f(*local_args)`` with the mesh current and the body's semantics set for this thread
+    (``manual``: the axes a partial-manual body is manual over, ``auto_mesh`` the others')."""
+    outer = body.types, body.legacy, body.manual, body.auto_mesh
+    body.types, body.legacy, body.manual, body.auto_mesh = types, types is None, manual, auto_mesh
     # Not `with`: torch.compile traces enter and exit calls only.
     parallel_mesh.__enter__()
     if types is not None:
@@ -187,7 +232,7 @@ def _run(
         if types is not None:
             types.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         parallel_mesh.__exit__(None, None, None)
-        body.types, body.legacy = outer
+        body.types, body.legacy, body.manual, body.auto_mesh = outer
 
 
 def _rematerialized(run_function: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., Any]:
@@ -198,7 +243,7 @@ def _rematerialized(run_function: Callable[..., Any], args: tuple[Any, ...]) -> 
     types = body.types
     if types is None:
         return run_function
-    parallel_mesh = current_mesh()
+    parallel_mesh, manual, auto_mesh = current_mesh(), body.manual, body.auto_mesh
     arg_types = [vma(arg) if isinstance(arg, torch.Tensor) else NO_AXES for arg in args]
 
     def recomputed(*inputs: Any) -> Any:
@@ -207,12 +252,27 @@ def _rematerialized(run_function: Callable[..., Any], args: tuple[Any, ...]) -> 
         typed_inputs = [
             typed(value, axes) if axes else value for value, axes in zip(inputs, arg_types)
         ]
-        return _run(run_function, typed_inputs, parallel_mesh, types)
+        return _run(run_function, typed_inputs, parallel_mesh, types, manual, auto_mesh)
 
     return recomputed
 
 
 _compat.follow_reentrant_checkpoint(_rematerialized)
+
+
+class _Prepared:
+    """A shard_map's specs flattened and checked, and its mode: made once, or at each call
+    where the in-specs are read from the arguments."""
+
+    def __init__(self, f: Callable[..., Any], in_tree: SpecTree, out_tree: SpecTree,
+                 manual: tuple[str, ...], check_vma: bool, auto_pvary: bool) -> None:
+        self.flat_in = _FlatSpecs(in_tree, "in_specs", first=0)
+        self.flat_out = _FlatSpecs(out_tree, "out_specs", first=len(self.flat_in.specs))
+        self.specs = self.flat_in.specs + self.flat_out.specs
+        paths = self.flat_in.paths + self.flat_out.paths
+        if manual:
+            check_manual(self.specs, paths, frozenset(manual))
+        self.mode: _Typed | _Legacy = _Typed(f, paths, auto_pvary) if check_vma else _Legacy()
 
 
 class _Typed:

@@ -19,15 +19,18 @@ import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.errors import ArgumentTypeError, ConfigError
 from meshstate.jax.types import spmd_checker
+from meshstate.jax.types.manual_axes import UnboundAxisError, global_value, on_local, refuse_unbound
 from meshstate.jax.torch_calls import Axes, recorded, summed_gradient
 from meshstate.jax.types.vma import (
     NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, every_op_typed, plug_outside_types,
@@ -37,9 +40,9 @@ from meshstate.jax.types.vma import (
 __all__ = [
     # the seam's own
     "CollectiveRule", "collective", "ordered_group",
-    # JAX's types (meshstate.jax.types.vma), which the layers above reach through the seam
-    "NO_AXES", "VaryingAxesError", "VaryingTypes", "axes_text", "body", "every_op_typed",
-    "type_text", "typed", "vma",
+    # JAX's types (meshstate.jax.types), which the layers above reach through the seam
+    "NO_AXES", "UnboundAxisError", "VaryingAxesError", "VaryingTypes", "axes_text", "body",
+    "every_op_typed", "global_value", "on_local", "refuse_unbound", "type_text", "typed", "vma",
 ]
 
 Move = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
@@ -110,9 +113,47 @@ def collective(
 ) -> torch.Tensor:
     """``move(x, group)`` under the types that apply now: plain, JAX's rule inside a typed
     body (``x`` cast up to vary over ``axes`` first, the result typed), spmd_types' rule
-    while its checker runs (``dims``: with ``tiled``, the dims the axes split), or both."""
-    if body.types is None and not (_SPMD_TYPES in _loaded and spmd_checker.checking()):
+    while its checker runs (``dims``: with ``tiled``, the dims the axes split), or both.
+    Inside a partial-manual body, an axis it is not manual over is refused, and a value
+    global over the others moves its local block (:mod:`meshstate.jax.types.manual_axes`)."""
+    plain = body.types is None and not (_SPMD_TYPES in _loaded and spmd_checker.checking())
+    if body.manual is not None:
+        return _in_partial_body(rule, x, axes, mesh, group, move, dims, tiled, plain)
+    if plain:
         return move(x, group)
+    return _typed(rule, x, axes, mesh, group, move, dims, tiled)
+
+
+def _in_partial_body(
+    rule: CollectiveRule, x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None,
+    group: OrderedGroup, move: Move, dims: tuple[int, ...], tiled: bool, plain: bool,
+) -> torch.Tensor:
+    """:func:`collective` inside a partial-manual body. JAX refuses a reduction over axes
+    the value varies over only some of before it looks the axes up: so does this."""
+    names, before = axis_names(axes), vma(x)
+    if body.types is not None and rule.reduces and names & before and names - before:
+        raise _mixed_state(rule.name, x, axes, f"pvary the input over "
+                           f"{tuple(sorted(names - before))!r} or reduce over "
+                           f"{tuple(sorted(names & before))!r} alone")
+    refuse_unbound(rule.name, names)
+    if plain:
+        return on_local(rule.name, x, lambda local: move(local, group))
+    return on_local(rule.name, x,
+                    lambda local: _typed(rule, local, axes, mesh, group, move, dims, tiled))
+
+
+def _typed(
+    rule: CollectiveRule,
+    x: torch.Tensor,
+    axes: Axes,
+    mesh: ParallelMesh | None,
+    group: OrderedGroup,
+    move: Move,
+    dims: tuple[int, ...],
+    tiled: bool,
+) -> torch.Tensor:
+    """:func:`collective` where types apply: JAX's in a typed body, spmd_types' while its
+    checker runs, or both (of a value, or of a partial-manual body's block)."""
     run = _in_body(rule, axes, mesh, move)
     if spmd_checker.checking():
         parallel_mesh = current_mesh() if mesh is None else mesh
@@ -189,7 +230,10 @@ def _axis_groups(parallel_mesh: ParallelMesh, axes: Axes) -> tuple[Any, ...]:
 
 def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
     """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
-    ``pvary`` inside a typed body, and what casting an operand up inserts)."""
+    ``pvary`` inside a typed body, and what casting an operand up inserts); of a value
+    global over a partial-manual body's other axes, of its local block."""
+    if isinstance(x, DTensor):
+        return on_local("pvary", x, partial(pvary_over, axes=axes, parallel_mesh=parallel_mesh))
     if spmd_checker.checking():
         spelled = tuple(sorted(axes))
         group = ordered_group(parallel_mesh, spelled)

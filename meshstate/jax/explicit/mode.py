@@ -67,12 +67,13 @@ def explicit(mesh: ParallelMesh | None = None) -> Iterator[ParallelMesh]:
     yields the mesh. Nests; :func:`auto_axes` leaves it."""
     parallel_mesh = current_mesh() if mesh is None else require_parallel_mesh(mesh, "explicit(mesh=...)")
     outer, state.suspended = state.suspended, False
+    outer_active, state.active = state.active, True
     try:
         every_op_typed()
         with ExplicitAxes(), parallel_mesh:
             yield parallel_mesh
     finally:
-        state.suspended = outer
+        state.suspended, state.active = outer, outer_active
 
 
 def device_put(x: torch.Tensor, spec: P, mesh: ParallelMesh | None = None) -> DTensor:

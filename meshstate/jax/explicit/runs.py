@@ -27,10 +27,12 @@ from meshstate.jax.plan import contiguous_strides
 
 
 class ExplicitState(threading.local):
-    """Whether the explicit mode is set aside in this thread (inside ``auto_axes``, or
-    while a typed op runs); torch keeps modes per thread too."""
+    """Whether the explicit mode is on in this thread (``active``: inside ``explicit()``),
+    and set aside (``suspended``: inside ``auto_axes``, or while a typed op runs); torch
+    keeps modes per thread too."""
 
     def __init__(self) -> None:
+        self.active = False
         self.suspended = False
 
 

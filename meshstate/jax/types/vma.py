@@ -135,11 +135,15 @@ also when first asked inside a trace."""
 class _Body(threading.local):
     """What the shard_map body running in this thread types (a thread-local, which
     ``torch.compile`` guards on): ``types`` while a ``check_vma=True`` body runs,
-    ``legacy`` while a ``check_vma=False`` one does; neither outside any body."""
+    ``legacy`` while a ``check_vma=False`` one does; neither outside any body. ``manual``:
+    the axes a partial-manual body (``shard_map(axis_names=...)``) is manual over."""
 
     def __init__(self) -> None:
         self.types: VaryingTypes | None = None
         self.legacy = False
+        self.manual: frozenset[str] | None = None
+        self.auto_mesh: Any = None
+        """With ``manual``: the DeviceMesh of the view's other axes, over which values are global."""
 
 
 body = _Body()
