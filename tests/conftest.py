@@ -4,6 +4,8 @@ import os
 import signal
 import warnings
 
+from datetime import timedelta
+
 import pytest
 
 with warnings.catch_warnings():
@@ -55,10 +57,12 @@ def oracle():
 WORLDS = {"processes": {}, "simulated": {"simulate": True}, "threads": {"threads": True}}
 
 
-def in_both_worlds(world_size, worlds=("processes", "simulated")):
+def in_both_worlds(world_size, worlds=("processes", "simulated"), timeout=None):
     """Run a test body on ``world_size`` local processes and in one of the one-process
     worlds (simulated by default, torch's LocalTensorMode; ``"threads"``: a thread per
-    rank): one test, parametrized ``world`` over ``worlds``."""
+    rank): one test, parametrized ``world`` over ``worlds``. ``timeout``: the harness's
+    default unless given (a body that compiles several programs on a thread per rank
+    compiles them one thread at a time: dynamo's compile lock)."""
     import inspect
     import sys
 
@@ -69,7 +73,8 @@ def in_both_worlds(world_size, worlds=("processes", "simulated")):
         name = body.__name__
         body.__name__ = body.__qualname__ = f"_{name}_body"
         setattr(sys.modules[body.__module__], body.__name__, body)
-        runs = {world: distributed(world_size, **WORLDS[world])(body) for world in worlds}
+        limit = {} if timeout is None else {"timeout": timeout}
+        runs = {world: distributed(world_size, **WORLDS[world], **limit)(body) for world in worlds}
 
         def test(world, **kwargs):
             runs[world](**kwargs)
@@ -84,10 +89,15 @@ def in_both_worlds(world_size, worlds=("processes", "simulated")):
     return decorate
 
 
-def in_processes_and_threads(world_size):
+def in_processes_and_threads(world_size, timeout=None):
     """:func:`in_both_worlds` over processes and a thread per rank (compiled code's worlds:
     the simulated one refuses most of it by name)."""
-    return in_both_worlds(world_size, ("processes", "threads"))
+    return in_both_worlds(world_size, ("processes", "threads"), timeout)
+
+
+SEVERAL_COMPILES = timedelta(seconds=600)
+"""The harness's limit for a body that compiles several programs: on a thread per rank they
+compile one rank at a time, 30 s here and past the default 120 s on a loaded CI machine."""
 
 
 def compiled_whole(fn, graphs):
