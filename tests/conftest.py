@@ -89,15 +89,15 @@ def in_both_worlds(world_size, worlds=("processes", "simulated"), timeout=None):
     return decorate
 
 
-def in_processes_and_threads(world_size, timeout=None):
-    """:func:`in_both_worlds` over processes and a thread per rank (compiled code's worlds:
-    the simulated one refuses most of it by name)."""
-    return in_both_worlds(world_size, ("processes", "threads"), timeout)
-
-
 SEVERAL_COMPILES = timedelta(seconds=600)
-"""The harness's limit for a body that compiles several programs: on a thread per rank they
-compile one rank at a time, 30 s here and past the default 120 s on a loaded CI machine."""
+"""The harness's limit for compiled checks: on a thread per rank dynamo compiles one rank at a
+time, 30 s here for a body of several programs and past the default 120 s on a loaded CI machine."""
+
+
+def in_processes_and_threads(world_size, timeout=SEVERAL_COMPILES):
+    """:func:`in_both_worlds` over processes and a thread per rank (compiled code's worlds:
+    the simulated one refuses most of it by name), under the compiled checks' limit."""
+    return in_both_worlds(world_size, ("processes", "threads"), timeout)
 
 
 def compiled_whole(fn, graphs):

@@ -22,7 +22,7 @@ from meshstate import P, VaryingAxesError, shard_map
 from meshstate.jax import collectives as lax
 from meshstate.jax.typing import UnboundAxisError
 from meshstate.jax.typing import type_text
-from conftest import SEVERAL_COMPILES, close, compiled_whole, in_both_worlds, in_processes_and_threads
+from conftest import close, compiled_whole, in_both_worlds, in_processes_and_threads
 
 RECORDS = json.loads((Path(__file__).parent / "jax_records" / "partial_manual.json").read_text())
 NOTED = []
@@ -183,7 +183,7 @@ COMPILED = ("row-parallel matmul", "gathered over tp", "ppermute over cp", "axis
 """A sum, a gather, a permutation, a rank's index and an op over a global dim."""
 
 
-@in_processes_and_threads(8, SEVERAL_COMPILES)
+@in_processes_and_threads(8)
 def test_partial_manual_programs_compiled_are_jaxs():
     """A program of each kind compiled whole (``fullgraph=True``), typed: one graph, JAX's
     values and gradients (a few: each compile costs seconds on a loaded machine)."""
@@ -263,7 +263,7 @@ def trained_on_one_process(steps=3):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@in_processes_and_threads(8, SEVERAL_COMPILES)
+@in_processes_and_threads(8)
 def test_fsdp2_mlp_manual_over_tp_trains_as_one_process(compiled):
     """A fully_shard'ed MLP (weights over dp) whose body is manual over tp: 3 SGD steps,
     eager and compiled (one graph), give JAX's losses and weights and one process's."""

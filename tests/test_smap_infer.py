@@ -18,7 +18,7 @@ import torch
 import meshstate
 from meshstate import P, Infer, reshard, shard_map, smap
 from meshstate.jax import collectives as lax
-from conftest import SEVERAL_COMPILES, close, compiled_whole, in_both_worlds, in_processes_and_threads
+from conftest import close, compiled_whole, in_both_worlds, in_processes_and_threads
 
 RECORDS = json.loads((Path(__file__).parent / "jax_records" / "smap_infer.json").read_text())
 ROWS, COLUMNS, BOTH, NONE = P("dp"), P(None, "tp"), P("dp", "tp"), P()
@@ -146,7 +146,7 @@ that need gradients hits a dynamo guard failure ("name 'ordered_group' is not de
 with given in-specs too, as on the branch before inferred specs."""
 
 
-@in_processes_and_threads(8, SEVERAL_COMPILES)
+@in_processes_and_threads(8)
 def test_smap_and_inferred_specs_compiled_are_jaxs():
     """Inferred in-specs and smap compiled whole (``fullgraph=True``): one graph, JAX's
     values and gradients."""
