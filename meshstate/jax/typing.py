@@ -130,11 +130,9 @@ def _in_partial_body(
 ) -> torch.Tensor:
     """:func:`collective` inside a partial-manual body. JAX refuses a reduction over axes
     the value varies over only some of before it looks the axes up: so does this."""
-    names, before = axis_names(axes), vma(x)
-    if body.types is not None and rule.reduces and names & before and names - before:
-        raise _mixed_state(rule.name, x, axes, f"pvary the input over "
-                           f"{tuple(sorted(names - before))!r} or reduce over "
-                           f"{tuple(sorted(names & before))!r} alone")
+    names = axis_names(axes)
+    if body.types is not None:
+        _refuse_partly_varying_reduction(rule, x, axes, names, vma(x))
     refuse_unbound(rule.name, names)
     if plain:
         return on_local(rule.name, x, lambda local: move(local, group))
@@ -191,11 +189,20 @@ def _cast_up(
     varying = names & before
     if varying == names:
         return x, before
-    if rule.reduces and varying:
-        raise _mixed_state(rule.name, x, axes, f"pvary the input over "
-                           f"{tuple(sorted(names - before))!r} or reduce over {tuple(sorted(varying))!r} alone")
+    _refuse_partly_varying_reduction(rule, x, axes, names, before)
     parallel_mesh = current_mesh() if mesh is None else mesh
     return pvary_over(x, names - before, parallel_mesh), before
+
+
+def _refuse_partly_varying_reduction(
+    rule: CollectiveRule, x: torch.Tensor, axes: Axes, names: frozenset[str], before: frozenset[str]
+) -> None:
+    """Refuse a reduction over ``names`` where ``x`` (of type ``before``) varies over only
+    some of them, as JAX 0.12 does."""
+    if rule.reduces and names & before and names - before:
+        raise _mixed_state(rule.name, x, axes, f"pvary the input over "
+                           f"{tuple(sorted(names - before))!r} or reduce over "
+                           f"{tuple(sorted(names & before))!r} alone")
 
 
 def _mixed_state(name: str, x: torch.Tensor, axes: Axes, instead: str) -> VaryingAxesError:
