@@ -139,11 +139,11 @@ def test_smap_and_inferred_specs_are_jaxs():
     mesh.destroy()
 
 
-COMPILED = ("infer: rows", "infer: columns summed", "infer: partial manual over tp",
-            "smap: rows inferred", "smap: two arguments")
-"""Not "infer: row-parallel matmul": a compiled full-manual shard_map of DTensor arguments
-that need gradients hits a dynamo guard failure ("name 'ordered_group' is not defined"),
-with given in-specs too, as on the branch before inferred specs."""
+COMPILED = ("infer: rows", "infer: row-parallel matmul", "infer: columns summed",
+            "infer: partial manual over tp", "smap: rows inferred", "smap: two arguments")
+""""infer: row-parallel matmul" (DTensor arguments that need gradients, psum'd in the body
+before the plan's groups are read again) failed in dynamo while a plan held the very groups
+collectives hand torch as constants: "Guard failed on the same frame it was created"."""
 
 
 @in_processes_and_threads(8)

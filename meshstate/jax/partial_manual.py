@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh
 from meshstate.errors import ConfigError
-from meshstate.jax.plan import Leaves, contiguous_strides
+from meshstate.jax.plan import Leaves, contiguous_strides, plan_group
 from meshstate.jax.sharding import DimAxes, P, entry_axes, to_placements
 from meshstate.jax.torch_calls import summed_gradient
 from meshstate.jax.typing import typed, vma
@@ -116,7 +116,7 @@ class PartialPlan:
         )
         left_out = [tuple(a for a in manual if a not in spec.axes and self.sizes[a] > 1)
                     for spec in specs]
-        self.left_out = tuple(parallel_mesh.ordered(axes) if axes else None for axes in left_out)
+        self.left_out = tuple(plan_group(parallel_mesh, axes) if axes else None for axes in left_out)
         self.replicas = tuple(math.prod(self.sizes[a] for a in axes) for axes in left_out)
 
     def enter(self, number: int, x: torch.Tensor, typed_mode: bool) -> torch.Tensor:

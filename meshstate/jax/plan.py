@@ -16,6 +16,7 @@ Example (8 ranks, ``init_mesh(tp=2, cp=2)``)::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -73,6 +74,15 @@ def _new_plan(parallel_mesh: ParallelMesh, specs: tuple[P, ...]) -> Plan:
     return plan
 
 
+def plan_group(parallel_mesh: ParallelMesh, axes: Sequence[str]) -> OrderedGroup:
+    """``parallel_mesh.ordered(axes)`` as a plan holds it: a copy of its own. A compiled
+    call reads a plan through the mesh's store, and a collective's group as a constant
+    (:func:`~meshstate.jax.typing.ordered_group`); torch, meeting one object both ways,
+    would guard it by a name it cannot read back ("Guard failed on the same frame it was
+    created")."""
+    return dataclasses.replace(parallel_mesh.ordered(axes))
+
+
 class Plan:
     """What shard_map's specs need of one mesh, worked out once.
 
@@ -94,7 +104,7 @@ class Plan:
         """DTensor specs of even results, by spec number and block shape (eager, no autograd)."""
         self.split_dims = tuple(
             [
-                (dim, parallel_mesh.ordered(entry_axes(entry)))
+                (dim, plan_group(parallel_mesh, entry_axes(entry)))
                 for dim, entry in enumerate(spec.dims)
                 if entry is not None
             ]
@@ -104,7 +114,7 @@ class Plan:
         self.replicas = tuple(
             math.prod(self.sizes[axis] for axis in self.left_out_axes(spec)) for spec in specs
         )
-        self.whole = parallel_mesh.ordered(self.mesh_axes)
+        self.whole = plan_group(parallel_mesh, self.mesh_axes)
         self.coordinate = parallel_mesh.coordinate
 
     def left_out_axes(self, spec: P) -> tuple[str, ...]:
@@ -114,7 +124,7 @@ class Plan:
 
     def _left_out(self, parallel_mesh: ParallelMesh, spec: P) -> OrderedGroup | None:
         axes = self.left_out_axes(spec)
-        return parallel_mesh.ordered(axes) if axes else None
+        return plan_group(parallel_mesh, axes) if axes else None
 
     def block_of(self, number: int, x: torch.Tensor) -> torch.Tensor:
         """This rank's block of ``x`` under spec ``number``; its gradient is the block's own."""
