@@ -28,7 +28,7 @@ from meshstate.core import compat as _compat
 from meshstate.jax.explicit import rules
 from meshstate.jax.sharding import P, to_placements
 from meshstate.jax.types.explicit import (
-    ArrayType, Entry, ShardingTypeError, dtype_name, sized_axes, str_type, type_of,
+    Entry, ShardingTypeError, dtype_name, sized_axes, str_type, type_of,
 )
 
 Layout = tuple[tuple[Placement, ...] | None, tuple[int, ...], str] | None
