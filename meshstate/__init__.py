@@ -35,9 +35,7 @@ if TYPE_CHECKING:
     from meshstate.megatron.process_groups import ProcessGroupCollection
     from meshstate.jax.sharding import NamedSharding, P, distribute, to_placements
     from meshstate.jax.reshard import reshard
-    from meshstate.jax.shard_map import shard_map
-    from meshstate.jax.infer import Infer
-    from meshstate.jax.smap import smap
+    from meshstate.jax.shard_map import Infer, shard_map, smap
     from meshstate.jax.explicit import ExplicitType, ShardingTypeError, auto_axes, device_put, einsum, explicit, explicit_axes, matmul, typeof
 
 # Every public name and the module that defines it. Nothing is imported until a name is
@@ -62,9 +60,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('ProcessGroupCollection',), "meshstate.megatron.process_groups"),
     **dict.fromkeys(('NamedSharding', 'P', 'distribute', 'to_placements'), "meshstate.jax.sharding"),
     **dict.fromkeys(("reshard",), "meshstate.jax.reshard"),
-    **dict.fromkeys(("shard_map",), "meshstate.jax.shard_map"),
-    **dict.fromkeys(('Infer',), "meshstate.jax.infer"),
-    **dict.fromkeys(('smap',), "meshstate.jax.smap"),
+    **dict.fromkeys(('Infer', 'shard_map', 'smap'), "meshstate.jax.shard_map"),
     **dict.fromkeys(('ExplicitType', 'ShardingTypeError', 'auto_axes', 'device_put', 'einsum', 'explicit', 'explicit_axes', 'matmul', 'typeof'), "meshstate.jax.explicit"),
 }
 _SUBMODULES = frozenset(

@@ -19,12 +19,14 @@ Example (8 ranks, ``init_mesh(tp=4)``)::
         meshstate.reshard(u, P("dp", None))                 # the pending sum, reduced
 
 Inside: ``rules`` (the typing rules, pure arithmetic), ``plans`` (an op on its operands'
-layouts), ``runs`` (a planned op on DTensors), ``ops`` (each op's handler), ``mode``.
+layouts), ``runs`` (a planned op on DTensors), ``ops`` (each op's handler), ``mode``; the
+types themselves, and whether this thread is in the mode, are
+:mod:`meshstate.jax.types.explicit`'s (``shard_map`` reads them too).
 """
 
-from meshstate.jax.explicit.mode import ExplicitType, auto_axes, device_put, explicit, explicit_axes, typeof
+from meshstate.jax.explicit.mode import auto_axes, device_put, explicit, explicit_axes
 from meshstate.jax.explicit.ops import einsum, matmul
-from meshstate.jax.explicit.rules import ShardingTypeError
+from meshstate.jax.types.explicit import ExplicitType, ShardingTypeError, typeof
 
 __all__ = [
     "ExplicitType", "ShardingTypeError", "auto_axes", "device_put", "einsum", "explicit",

@@ -1,13 +1,13 @@
 """The explicit mode: :class:`ExplicitAxes` hands each torch op on DTensors to its handler
 (:mod:`~meshstate.jax.explicit.ops`), and the public calls made under it (:func:`explicit`,
-:func:`device_put`, :func:`typeof`, :func:`auto_axes`, :func:`explicit_axes`)."""
+:func:`device_put`, :func:`auto_axes`, :func:`explicit_axes`); what a value's type is, and
+whether this thread is in the mode, stand in :mod:`~meshstate.jax.types.explicit`."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,47 +17,13 @@ from torch.overrides import TorchFunctionMode
 from meshstate.core import compat as _compat
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
 from meshstate.errors import ArgumentTypeError
-from meshstate.jax.explicit import rules
 from meshstate.jax.explicit.ops import HANDLERS, kind_of
-from meshstate.jax.explicit.plans import array_type, dtype_name, name_of, sized_axes
-from meshstate.jax.explicit.rules import ArrayType, ShardingTypeError
-from meshstate.jax.explicit.runs import NOT_FAST, run_fast, state, suspended
+from meshstate.jax.explicit.plans import name_of
+from meshstate.jax.explicit.runs import NOT_FAST, run_fast
 from meshstate.jax.reshard import reshard
 from meshstate.jax.sharding import P
+from meshstate.jax.types.explicit import ShardingTypeError, state, suspended
 from meshstate.jax.typing import every_op_typed
-
-@dataclass(frozen=True)
-class ExplicitType:
-    """A value's JAX type: ``str()`` prints it as JAX does (``float32[8@dp,16@tp]{U:cp}``).
-
-    Example: ``typeof(x).spec`` is ``P('dp', 'tp')``, ``typeof(x).shape`` ``(8, 16)``.
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    spec: P
-    text: str
-
-    @property
-    def unreduced(self) -> frozenset[str]:
-        """The axes over which the value is a pending sum."""
-        return self.spec.unreduced
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def typeof(x: torch.Tensor) -> ExplicitType:
-    """``x``'s type as JAX's ``jax.typeof`` gives it: a DTensor's from its placements, a
-    plain tensor's unsplit. Example: ``str(typeof(x))`` is ``'float32[8@dp,16@tp]'``."""
-    if isinstance(x, DTensor):
-        t = array_type(x)
-        axes = sized_axes(x.device_mesh)
-    else:
-        t = ArrayType(tuple(x.shape), dtype_name(x.dtype), ((),) * x.dim())
-        axes = ()
-    spec = P(*(entry or None for entry in t.dims), unreduced=t.unreduced)
-    return ExplicitType(t.shape, x.dtype, spec, rules.str_type(t, axes))
 
 
 @contextlib.contextmanager

@@ -36,9 +36,7 @@ from meshstate.jax.explicit.plans import (
     refuse_if,
     reshape_plan,
     shape_plan,
-    sharded_type_text,
 )
-from meshstate.jax.explicit.rules import ShardingTypeError
 from meshstate.jax.explicit.runs import (
     NOT_FAST,
     FastOp,
@@ -57,6 +55,7 @@ from meshstate.jax.explicit.runs import (
 )
 from meshstate.jax.plan import contiguous_strides
 from meshstate.jax.sharding import P, entry_axes
+from meshstate.jax.types.explicit import ShardingTypeError, typeof
 
 
 def elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -66,7 +65,7 @@ def elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     refuse_if(plan.error)
     if _writes(func) and isinstance(args[0], DTensor) and tuple(args[0].placements) != plan.result:
         raise ShardingTypeError(
-            f"{name_of(func)} writes a {sharded_type_text(args[0])} value but the result would be "
+            f"{name_of(func)} writes a {typeof(args[0])} value but the result would be "
             f"laid out as {plan.result}; write the result to a new value"
         )
     if _writes(func):

@@ -1,15 +1,15 @@
 """What a typed op of JAX's Explicit axes does, planned from its operands' layouts before
 anything moves (no data, no groups: a constant to ``torch.compile``).
 
-A value's type is read from its placements once (:func:`array_type`); an :class:`OpPlan`
-says how an op's operands are laid out first and its result after, or JAX's refusal;
+Each operand's type is read from its layout (:mod:`~meshstate.jax.types.explicit`); an
+:class:`OpPlan` says how an op's operands are laid out first and its result after, or JAX's refusal;
 each kind of op has its plan maker here (:func:`elementwise_plan`,
 :func:`contraction_plan`, :func:`reduction_plan`, :func:`reshape_plan`,
 :func:`shape_plan`), which asks :mod:`~meshstate.jax.explicit.rules` for the type.
 
-Example (mesh ``(dp, tp) = (2, 4)``)::
+Example (mesh ``(dp, tp) = (2, 4)``, ``x`` an ``(8, 16)`` float32 DTensor on ``P("dp", "tp")``)::
 
-    str(array_type(x).dims)        # "(('dp',), ('tp',))" for x on P("dp", "tp")
+    layout_of(x)        # ((Shard(dim=0), Shard(dim=1)), (8, 16), 'float32'): what a plan reads
 """
 
 from __future__ import annotations
@@ -26,63 +26,17 @@ from torch.overrides import resolve_name
 
 from meshstate.core import compat as _compat
 from meshstate.jax.explicit import rules
-from meshstate.jax.explicit.rules import ArrayType, ShardingTypeError
-from meshstate.jax.sharding import P, entry_axes, spec_of, to_placements
-
-KEPT = 1024
-"""Past this many entries (shapes vary, say with sequence length) a table of types or of
-fast ops starts over."""
-
+from meshstate.jax.sharding import P, to_placements
+from meshstate.jax.types.explicit import (
+    Entry, ShardingTypeError, dtype_name, sized_axes, str_type, type_of,
+)
 
 Layout = tuple[tuple[Placement, ...] | None, tuple[int, ...], str] | None
 """An operand as a plan sees it: its placements (``None``: a plain tensor, replicated),
 shape and dtype name; ``None`` for a Python number."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@_compat.constant_when_traced
-def sized_axes(view: DeviceMesh) -> rules.Axes:
-    """``view``'s axes and sizes in mesh order."""
-    return tuple(zip(view.mesh_dim_names or (), view.shape))
-
-
-def array_type(x: DTensor) -> ArrayType:
-    """The JAX type of DTensor ``x``, worked out once per placements, shape and dtype."""
-    return type_of(x.device_mesh, tuple(x.placements), tuple(x.shape), dtype_name(x.dtype))
-
-
-@_compat.constant_when_traced
-def type_of(
-    view: DeviceMesh, placements: tuple[Placement, ...] | None, shape: tuple[int, ...], dtype: str
-) -> ArrayType:
-    key = (view, placements, shape, dtype)
-    found = _TYPES.get(key)
-    if found is None:
-        if placements is None:
-            return ArrayType(shape, dtype, ((),) * len(shape))
-        reduced = tuple(Replicate() if p.is_partial() else p for p in placements)
-        spec = spec_of(view, reduced)
-        if spec is None:
-            raise ShardingTypeError(
-                f"a DTensor with placements {placements} has no JAX type (a strided layout "
-                "no partition spec gives); reshard it first (meshstate.reshard)"
-            )
-        names = view.mesh_dim_names or ()
-        dims = tuple(entry_axes(spec.dims[d]) if d < len(spec.dims) else () for d in range(len(shape)))
-        pending = frozenset(n for n, p in zip(names, placements) if p.is_partial())
-        if len(_TYPES) >= KEPT:
-            _TYPES.clear()
-        found = _TYPES[key] = ArrayType(shape, dtype, dims, pending)
-    return found
-
-
-_TYPES: dict[tuple[Any, ...], ArrayType] = {}
-
-
-def placements_of(view: DeviceMesh, dims: Sequence[rules.Entry], unreduced: frozenset[str]) -> tuple[Placement, ...]:
+def placements_of(view: DeviceMesh, dims: Sequence[Entry], unreduced: frozenset[str]) -> tuple[Placement, ...]:
     return to_placements(P(*(entry or None for entry in dims), unreduced=unreduced), view)
 
 
@@ -142,10 +96,6 @@ def refuse_if(error: str) -> None:
         raise ShardingTypeError(error)
 
 
-def sharded_type_text(x: DTensor) -> str:
-    return rules.str_type(array_type(x), sized_axes(x.device_mesh))
-
-
 # --- each kind of op's plan ---------------------------------------------------------
 
 _JAX_NAMES = {"truediv": "div", "true_divide": "div", "divide": "div", "multiply": "mul",
@@ -197,7 +147,7 @@ def elementwise_plan(name: str, view: DeviceMesh, layouts: tuple[Layout, ...]) -
 @_compat.constant_when_traced
 def contraction_plan(
     equation: str, view: DeviceMesh, layouts: tuple[Layout, ...],
-    out: tuple[tuple[rules.Entry, ...], frozenset[str]] | None, matmul: bool,
+    out: tuple[tuple[Entry, ...], frozenset[str]] | None, matmul: bool,
 ) -> OpPlan:
     def make() -> OpPlan:
         axes = sized_axes(view)
@@ -259,7 +209,7 @@ def reshape_plan(view: DeviceMesh, layout: Layout, shape: tuple[int, ...]) -> Op
             parts = math.prod(sizes[axis] for axis in entry)
             if size % parts:
                 raise ShardingTypeError(
-                    f"reshaping {rules.str_type(t, axes)} to {shape}: dim of size {size} does "
+                    f"reshaping {str_type(t, axes)} to {shape}: dim of size {size} does "
                     f"not divide by its axes' {parts}; reshard first (meshstate.reshard)"
                 )
             local.append(size // parts)

@@ -1,8 +1,8 @@
-"""JAX's Explicit-axes typing rules, as pure arithmetic on types (no torch, no groups).
+"""JAX's Explicit-axes typing rules, as pure arithmetic on types (no data, no groups).
 
-A value's type is its shape, dtype, the mesh axes splitting each dim (major
-first) and the axes over which it is a pending sum (JAX's *unreduced*). Each
-rule takes its operands' types and gives the result's, or raises
+Each rule takes its operands' types (:class:`~meshstate.jax.types.explicit.ArrayType`:
+shape, dtype, the mesh axes splitting each dim, major first, and the axes over which it is
+a pending sum, JAX's *unreduced*) and gives the result's, or raises
 :class:`ShardingTypeError` with JAX 0.10's message; :mod:`meshstate.jax.explicit`
 runs the values. Where eager JAX and ``jax.jit`` differ (slicing a split dim),
 the rules follow ``jit``.
@@ -10,7 +10,6 @@ the rules follow ``jit``.
 Example (mesh ``(dp, tp) = (2, 4)``)::
 
     x = ArrayType((8, 16), "float32", (("dp",), ("tp",)))
-    str_type(x, AXES)                            # 'float32[8@dp,16@tp]'
     reduce_dims(x, (0,), keepdim=False).dims    # (('tp',),): summed over dp at once
 """
 
@@ -20,56 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from meshstate.errors import MeshStateError
-
-__all__ = ["ArrayType", "ShardingTypeError"]
-
-Entry = tuple[str, ...]
-"""The axes splitting one dim, major first; ``()`` where nothing splits it."""
-Axes = tuple[tuple[str, int], ...]
-"""The mesh's axes and sizes, in mesh order."""
-
-
-class ShardingTypeError(MeshStateError):
-    """An op on explicitly sharded values that JAX's Explicit axes refuse (JAX's
-    ``ShardingTypeError``, with its message): raised on every rank before anything is
-    sent, naming what to write instead (``out_sharding``, ``meshstate.reshard``,
-    ``meshstate.auto_axes``)."""
-
-
-@dataclass(frozen=True)
-class ArrayType:
-    """A value's JAX type: ``shape``, numpy-style ``dtype`` name, the axes of each dim
-    (``dims``, one entry per dim) and the ``unreduced`` axes."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    dims: tuple[Entry, ...]
-    unreduced: frozenset[str] = frozenset()
-
-    @property
-    def split_axes(self) -> frozenset[str]:
-        return frozenset(axis for entry in self.dims for axis in entry)
-
-
-def str_type(t: ArrayType, axes: Axes, short: bool = False) -> str:
-    """``t`` as JAX prints it: ``float32[8@dp,128@(dp,tp)]{U:tp}`` (``f32[...]`` short)."""
-    dtype = _SHORT.get(t.dtype, t.dtype) if short else t.dtype
-    sizes = ",".join(
-        f"{size}@{_joined(entry)}" if entry else str(size) for size, entry in zip(t.shape, t.dims)
-    )
-    text = f"{dtype}[{sizes}]"
-    if t.unreduced:
-        text += "{U:" + _joined(tuple(name for name, _ in axes if name in t.unreduced)) + "}"
-    return text
-
-
-_SHORT = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
-          "int32": "i32", "int64": "i64", "int8": "i8", "uint8": "u8", "bool": "bool"}
-
-
-def _joined(entry: Entry) -> str:
-    return entry[0] if len(entry) == 1 else "(" + ",".join(entry) + ")"
+from meshstate.jax.types.explicit import ArrayType, Axes, Entry, ShardingTypeError, str_type
 
 
 def spec_text(dims: Sequence[Entry]) -> str:

@@ -12,9 +12,7 @@ Example (inside ``meshstate.explicit()``)::
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,32 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from meshstate.core import compat as _compat
-from meshstate.jax.explicit.plans import KEPT, OpPlan
+from meshstate.jax.explicit.plans import OpPlan
 from meshstate.jax.plan import contiguous_strides
-
-
-class ExplicitState(threading.local):
-    """Whether the explicit mode is on in this thread (``active``: inside ``explicit()``),
-    and set aside (``suspended``: inside ``auto_axes``, or while a typed op runs); torch
-    keeps modes per thread too."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.suspended = False
-
-
-state = ExplicitState()
-
-
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """A block in which the explicit mode lets every op through (DTensor's own rules)."""
-    before = state.suspended
-    state.suspended = True
-    try:
-        yield
-    finally:
-        state.suspended = before
+from meshstate.jax.types.explicit import KEPT, suspended
 
 
 def placed(view: DeviceMesh, operand: Any, placements: tuple[Placement, ...] | None) -> Any:

@@ -2,7 +2,7 @@
 
 ``smap(f, in_axes=, out_axes=, axis_name=)`` is ``shard_map`` manual over one axis, its
 specs written as ``vmap``'s axes: argument ``i`` split on dim ``in_axes[i]`` over
-``axis_name`` (``None``: not split; default: read from its layout, :mod:`meshstate.jax.infer`),
+``axis_name`` (``None``: not split; default: read from its layout, :mod:`~meshstate.jax.shard_map.infer`),
 each result on dim ``out_axes``.
 
 Example (8 ranks, ``init_mesh(tp=2, cp=2)``; ``x`` a DTensor, rows split over dp)::
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from meshstate.errors import ArgumentTypeError, ConfigError
-from meshstate.jax.infer import Infer, InferFromArgs, inferred_specs
-from meshstate.jax.shard_map import shard_map
+from meshstate.jax.shard_map.infer import Infer, InferFromArgs, inferred_specs
+from meshstate.jax.shard_map.mapped import shard_map
 from meshstate.jax.sharding import P
 
 __all__ = ["smap"]

@@ -22,9 +22,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Partial
 
 from meshstate.errors import ConfigError
-from meshstate.jax.explicit.mode import typeof
-from meshstate.jax.explicit.runs import state as explicit_state
 from meshstate.jax.sharding import DimAxes, P, entry_axes
+from meshstate.jax.types.explicit import state as explicit_state, typeof
 
 __all__ = ["Infer", "InferFromArgs", "inferred_specs", "refuse_disagreeing", "spec_of"]
 

@@ -5,7 +5,7 @@ argument is its block over the manual axes and stays global over the view's othe
 (those of size > 1): a DTensor on the mesh of those axes, laid out as the argument was
 (an FSDP2-sharded weight stays sharded over dp). Collectives over the manual axes move
 the DTensor's local block; over another axis they are refused with JAX's words
-(:mod:`meshstate.jax.types.manual_axes`). Types (``vma``) name manual axes only. A result is a
+(:func:`meshstate.jax.typing.refuse_unbound`). Types (``vma``) name manual axes only. A result is a
 DTensor on the other axes' mesh (or a plain tensor, replicated over them); it leaves as a
 DTensor on the whole view, its manual axes laid out by its out-spec.
 

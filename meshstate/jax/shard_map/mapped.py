@@ -53,19 +53,18 @@ from torch.distributed.tensor import DTensor
 from meshstate.core import compat as _compat
 from meshstate.errors import ConfigError
 from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
-from meshstate.jax.partial_manual import PartialPlan, check_manual, partial_plan_on, run_partial
+from meshstate.jax.shard_map.partial_manual import PartialPlan, check_manual, partial_plan_on, run_partial
 from meshstate.jax.plan import Leaves, Plan, plan_on, share_grad
-from meshstate.jax.explicit.runs import state as explicit_state
-from meshstate.jax.infer import Infer, InferFromArgs, inferred_specs, refuse_disagreeing
-from meshstate.jax.reshard import reshard
+from meshstate.jax.shard_map.infer import Infer, InferFromArgs, inferred_specs, refuse_disagreeing
 from meshstate.jax.sharding import P
+from meshstate.jax.types.explicit import state as explicit_state
 from meshstate.jax.typing import (
     NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, checker_on, checker_paused,
     checker_types_block, every_op_typed, pvary_over, refuse_legacy_under_checker, typed, vma,
 )
 from meshstate.jax.torch_calls import summed_gradient
 
-__all__ = ["reshard", "shard_map"]
+__all__ = ["shard_map"]
 
 SpecTree = P | None | tuple[Any, ...] | list[Any] | dict[Any, Any]
 """A ``P``, or a tuple, list or dict of spec trees (``None``: pass the value through)."""
@@ -127,7 +126,7 @@ def shard_map(
     operands vary over different axes instead of casting them up. ``axis_names`` (JAX's;
     default: every axis) makes ``f`` manual over those axes only: the specs name only
     them, and inside ``f`` each block stays global over the view's other axes, a DTensor
-    on their mesh (see :mod:`meshstate.jax.partial_manual`).
+    on their mesh (see :mod:`~meshstate.jax.shard_map.partial_manual`).
 
     Example (8 ranks, ``init_mesh(tp=2, cp=2)``, so dp=2)::
 
