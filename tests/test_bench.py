@@ -179,9 +179,9 @@ def test_runtime_table_has_every_call_traced_as_one_graph(monkeypatch):
     assert [row.call.split("(")[0].strip() for row in rows] == [
         "psum", "all_gather", "psum_scatter", "all_to_all", "ppermute", "shard_map row-parallel",
         "shard_map row-parallel", "shard_map mlp check_vma=True", "shard_map mlp check_vma=False",
-        "shard_map row-parallel", "reshard P"]
+        "shard_map row-parallel", "shard_map manual over tp", "reshard P"]
     assert all((row.graphs, row.graph_breaks) == (1, 0) for row in rows)
-    assert len(seen) == 9 and seen[0] == "runtime: psum(x, 'tp')"
+    assert len(seen) == 10 and seen[0] == "runtime: psum(x, 'tp')"
     table = bench_runtime.format_runtime(rows)
     assert "  psum(x, 'tp')                            2.0 all_reduce(x.clone())" in table
     assert " 1.00     2.0      3.0      1      0" in table

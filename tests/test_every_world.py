@@ -67,7 +67,7 @@ KINDS = {
     "ProcessGroup.rank()": Kind(bodies.process_group_rank),
     "an f-string of a rank": Kind(bodies.f_string_of_a_rank, simulated=FORMAT),
     "logging a rank": Kind(bodies.logs_each_rank, simulated=each_ranks_lines),
-    "fully_shard (FSDP2)": Kind(bodies.fsdp_step, simulated="fully_shard (FSDP2) in a simulated world"),
+    "fully_shard (FSDP2)": Kind(bodies.fsdp_step),
     "DistributedDataParallel": Kind(
         bodies.ddp_step, simulated="DistributedDataParallel in a simulated world: its C++ reducer"),
     "assert_close and allclose": Kind(bodies.comparisons),

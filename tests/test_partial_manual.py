@@ -22,6 +22,7 @@ from meshstate import P, VaryingAxesError, shard_map
 from meshstate.jax import collectives as lax
 from meshstate.jax.typing import UnboundAxisError
 from meshstate.jax.typing import type_text
+from meshstate.testing import simulated_world
 from conftest import close, compiled_whole, in_both_worlds, in_processes_and_threads
 
 RECORDS = json.loads((Path(__file__).parent / "jax_records" / "partial_manual.json").read_text())
@@ -262,11 +263,7 @@ def trained_on_one_process(steps=3):
     return torch.stack(losses), up.detach(), down.detach()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-@in_processes_and_threads(8)
-def test_fsdp2_mlp_manual_over_tp_trains_as_one_process(compiled):
-    """A fully_shard'ed MLP (weights over dp) whose body is manual over tp: 3 SGD steps,
-    eager and compiled (one graph), give JAX's losses and weights and one process's."""
+def fsdp2_mlp_trains_as_one_process(compiled):
     mesh = meshstate.init_mesh(tp=2, cp=2)
     with mesh:
         losses, up, down, graphs = trained_mlp(compiled)
@@ -279,9 +276,35 @@ def test_fsdp2_mlp_manual_over_tp_trains_as_one_process(compiled):
     mesh.destroy()
 
 
+@in_both_worlds(8, ("processes", "threads", "simulated"))
+def test_fsdp2_mlp_manual_over_tp_trains_as_one_process():
+    """A fully_shard'ed MLP (weights over dp) whose body is manual over tp: 3 SGD steps
+    give JAX's losses and weights and one process's."""
+    fsdp2_mlp_trains_as_one_process(compiled=False)
+
+
+@in_processes_and_threads(8)
+def test_fsdp2_mlp_manual_over_tp_compiled_trains_as_one_process():
+    """The same compiled whole (one graph)."""
+    fsdp2_mlp_trains_as_one_process(compiled=True)
+
+
+def test_fsdp2_mlp_compiled_in_the_simulated_world_is_refused_by_name():
+    """torch.compile meets the simulated weights FSDP2 hands the body as constants."""
+    with pytest.raises(meshstate.SimulationError,
+                       match="torch.compile cannot trace this with every rank's values"):
+        simulated_world(8).run(fsdp2_mlp_trains_as_one_process, True)
+
+
 @in_both_worlds(8, ("simulated",))
-def test_fsdp2_mlp_in_the_simulated_world_is_refused_by_name():
+def test_fsdp2_of_a_parameter_cut_into_fewer_shards_than_ranks_is_refused_when_simulated():
+    """torch pads the missing shards with empty ones: a shape per rank, which one
+    simulated tensor cannot hold."""
+    from torch.distributed.fsdp import fully_shard
+
     mesh = meshstate.init_mesh(tp=2, cp=2)
-    with mesh, pytest.raises(meshstate.SimulationError, match="fully_shard"):
-        trained_mlp(compiled=False)
+    with pytest.raises(meshstate.SimulationError,
+                       match=r"fully_shard \(FSDP2\) of a \(1, 3\) parameter over 2 ranks"):
+        fully_shard(torch.nn.Linear(3, 1, bias=False), mesh=mesh.dense["dp"])
     mesh.destroy()
+

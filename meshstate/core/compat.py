@@ -626,24 +626,42 @@ def local_tensor(x: DTensor) -> torch.Tensor:
     """``x.to_local()``, without the autograd node where nothing needs one: the DTensor's
     own local tensor (private ``DTensor._local_tensor``) when autograd does not record
     ``x`` and nothing traces. ``to_local`` costs an autograd apply even then."""
-    if (x.requires_grad and torch.is_grad_enabled()) or tracing():
+    if recorded_or_traced(x):
         return x.to_local()
     local: torch.Tensor = x._local_tensor
     return local
 
 
+def recorded_or_traced(x: torch.Tensor) -> bool:
+    """Whether autograd records ``x`` or a tracer is at work: where neither, a DTensor's
+    block is read (:func:`local_tensor`) and wrapped (:func:`dtensor_of`) without
+    ``to_local``'s or ``from_local``'s autograd apply."""
+    return (x.requires_grad and torch.is_grad_enabled()) or tracing()
+
+
 def even_spec(
     device_mesh: DeviceMesh, placements: tuple[Placement, ...], local: torch.Tensor
 ) -> Any:
-    """The DTensor spec (private ``DTensorSpec``, ``TensorMeta``) of blocks like ``local``
-    laid out by ``placements``, every rank's block of that shape (what ``from_local``
-    computes each call, with ``torch.distributed.tensor._utils.compute_global_tensor_info``)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    """The DTensor spec of blocks like ``local`` laid out by ``placements``, every rank's
+    block of that shape (what ``from_local`` computes each call, with
+    ``torch.distributed.tensor._utils.compute_global_tensor_info``)."""
     from torch.distributed.tensor._utils import compute_global_tensor_info
 
     shape, stride = compute_global_tensor_info(local, device_mesh, list(placements))
-    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-    return DTensorSpec(device_mesh, placements, tensor_meta=meta)
+    return dtensor_spec(device_mesh, placements, shape, stride, local.dtype)
+
+
+def dtensor_spec(
+    device_mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
+    stride: Sequence[int], dtype: torch.dtype,
+) -> Any:
+    """The DTensor spec (private ``DTensorSpec``, ``TensorMeta``) of a DTensor of global
+    ``shape`` and ``stride`` laid out by ``placements``: what ``from_local(...,
+    shape=shape, stride=stride)`` makes each call, for :func:`dtensor_of`."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), tuple(stride), dtype)
+    return DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta)
 
 
 def spec_and_block(x: DTensor) -> tuple[Any, torch.Tensor]:

@@ -188,7 +188,7 @@ class Plan:
             raise ConfigError("shard_map: f returned a DTensor; return local blocks (plain tensors)")
         placements = self.placements[number]
         if shape is None:
-            if (y.requires_grad and torch.is_grad_enabled()) or _compat.tracing():
+            if _compat.recorded_or_traced(y):
                 return DTensor.from_local(y, self.view, placements, run_check=False)
             block_key = (number, y.shape, y.stride(), y.dtype, y.device)
             dtensor_spec = self._dtensor_specs.get(block_key)

@@ -193,14 +193,16 @@ def on_local(name: str, x: torch.Tensor, move: Callable[[torch.Tensor], torch.Te
     axes = vma(x)
     with _compat.torch_functions_off():
         x = _ready_for(name, x)
-        local = x.to_local()
+        local = _compat.local_tensor(x)
     result = move(typed(local, axes) if axes else local)
     with _compat.torch_functions_off():
-        if result.shape == local.shape:
+        if result.shape != local.shape:
+            wrapped = DTensor.from_local(result, x.device_mesh, x.placements, run_check=False)
+        elif result.dtype == x.dtype and not _compat.recorded_or_traced(result):
+            wrapped = _compat.dtensor_of(result, _compat.spec_and_block(x)[0])
+        else:
             wrapped = DTensor.from_local(result, x.device_mesh, x.placements, run_check=False,
                                          shape=x.shape, stride=x.stride())
-        else:
-            wrapped = DTensor.from_local(result, x.device_mesh, x.placements, run_check=False)
     result_axes = vma(result)
     return typed(wrapped, result_axes) if result_axes else wrapped
 

@@ -288,12 +288,24 @@ def comparison() -> Any:
     return comparison
 
 
-def fully_shard_state() -> type:
-    """FSDP2's per-module state (``fsdp._fully_shard._fsdp_state.FSDPState``), which
-    ``fully_shard`` makes first, before it changes the module."""
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+def fsdp_param_modules() -> tuple[Any, Any]:
+    """FSDP2's parameter modules (``fsdp._fully_shard._fsdp_param`` and
+    ``_fsdp_param_group``): the first cuts a parameter into its shards by the name
+    ``_chunk_with_empty`` and frees and regrows its storage by ``free_storage`` and
+    ``alloc_storage``, the second regrows it by ``alloc_storage`` too."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
-    return FSDPState
+    return _fsdp_param, _fsdp_param_group
+
+
+def fsdp_mesh_infos() -> tuple[tuple[Any, str, str], ...]:
+    """FSDP2's mesh facts (``fsdp._fully_shard._fsdp_common``'s ``FSDPMeshInfo`` and
+    ``DDPMeshInfo``), each with the attribute holding its group and the one holding the
+    caller's rank in it, which its ``__post_init__`` reads once from the group."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+
+    return ((FSDPMeshInfo, "shard_process_group", "shard_mesh_rank"),
+            (DDPMeshInfo, "replicate_process_group", "replicate_mesh_rank"))
 
 
 def tree_node_like_tuple(kind: type[tuple[Any, ...]]) -> None:

@@ -27,7 +27,7 @@ per-rank integer describes every rank's (``per rank (0 on ranks 0, 2; 1 on ranks
 raise, since one string cannot hold each rank's text and one text for all would be
 wrong; logging formats its ``%s`` arguments per rank, a line per text naming its
 ranks. A write into a tensor every rank shares (one made outside the body), a float
-``.item()`` that differs, DistributedDataParallel and FSDP, and what
+``.item()`` that differs, DistributedDataParallel and FSDP1 (FSDP2 runs), and what
 ``torch.compile`` cannot trace (dynamo alone traces a TP step; AOTAutograd does not)
 raise :class:`~meshstate.errors.SimulationError` naming the call.
 

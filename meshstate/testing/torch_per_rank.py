@@ -78,7 +78,8 @@ def per_rank_torch() -> Iterator[None]:
     rank. ``str()`` or a format of a per-rank value, point-to-point calls (real between
     the stages of a world simulated stage by stage: :mod:`meshstate.testing.stages`),
     a ``new_group`` of some ranks, subgroups the simulation would read otherwise,
-    DistributedDataParallel and FSDP raise :class:`SimulationError`. torch's and
+    DistributedDataParallel and FSDP1 raise :class:`SimulationError`; FSDP2
+    (``fully_shard``) shards, frees and regrows each rank's parameters. torch's and
     meshstate's own modules keep c10d's answers (the process's, rank 0's).
     """
     # torch names the functions a torch function mode sees from a table it builds once,
@@ -97,6 +98,7 @@ def _replaced() -> list[tuple[object, str, Any]]:
     from torch.nn.parallel import DistributedDataParallel
 
     comparison = local_compat.comparison()
+    fsdp_param, fsdp_param_group = local_compat.fsdp_param_modules()
     replaced: list[tuple[object, str, Any]] = [
         (dist, "get_rank", _get_rank), (dist, "new_group", _new_group),
         (dist, "new_subgroups_by_enumeration", _new_subgroups_by_enumeration),
@@ -121,9 +123,13 @@ def _replaced() -> list[tuple[object, str, Any]]:
         (DistributedDataParallel, "__init__", _refuse_data_parallel(
             "DistributedDataParallel", "its C++ reducer all-reduces gradients over rank 0's "
             "fake group, past torch's simulation, so no rank would get the others' gradients")),
-        (local_compat.fully_shard_state(), "__init__", _refuse_data_parallel(
-            "fully_shard (FSDP2)", "it frees and regrows each parameter's storage "
-            "(resize_), which torch's simulated tensors have none of")),
+        # FSDP2: each rank's shard, rank in its group and storage
+        (fsdp_param, "_chunk_with_empty", _even_shards),
+        *[(module, name, _on_each_rank_value(getattr(module, name)))
+          for module in (fsdp_param, fsdp_param_group)
+          for name in ("free_storage", "alloc_storage") if hasattr(module, name)],
+        *[(info, "__post_init__", _rank_per_rank(info.__post_init__, group, rank))
+          for info, group, rank in local_compat.fsdp_mesh_infos()],
         (FullyShardedDataParallel, "__init__", _refuse_data_parallel(
             "FullyShardedDataParallel", "it flattens parameters into storage it frees and "
             "regrows, which torch's simulated tensors have none of")),
@@ -569,6 +575,46 @@ def _log_each_rank(logger: logging.Logger, record: logging.LogRecord) -> None:
         named = f"simulated rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         ranks_record.msg, ranks_record.args = f"[{named}] {text}", ()
         _handle(logger, ranks_record)
+
+
+def _on_each_rank_value(storage_call: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``storage_call`` (FSDP2's ``free_storage`` or ``alloc_storage``) on each simulated
+    rank's value of the tensor: a simulated tensor's own storage is none."""
+    def on_each_rank(tensor: torch.Tensor) -> None:
+        values = local_compat.tensor_by_rank(tensor)
+        if values is None:
+            return storage_call(tensor)
+        with local_compat.simulation_paused():
+            for value in values.values():
+                storage_call(value)
+        return None
+
+    return on_each_rank
+
+
+def _rank_per_rank(post_init: Callable[[Any], None], group: str, rank: str) -> Callable[[Any], None]:
+    """FSDP2's ``post_init`` of its mesh facts, then the caller's rank in the group it holds
+    as ``group`` read for every simulated rank, where torch reads the process's once."""
+    def per_rank(facts: Any) -> None:
+        post_init(facts)
+        setattr(facts, rank, group_rank(getattr(facts, group)))
+
+    return per_rank
+
+
+def _even_shards(tensor: torch.Tensor, num_chunks: int, dim: int) -> Sequence[torch.Tensor]:
+    """FSDP2's ``_chunk_with_empty`` in a simulated body: the shards, which each rank's
+    own (per-rank) shard index picks; a tensor cut into fewer parts than ranks is refused
+    (torch pads the missing shards with empty ones, a shape per rank)."""
+    parts = torch.chunk(tensor, num_chunks, dim=dim)
+    if len(parts) != num_chunks:
+        raise SimulationError(
+            f"fully_shard (FSDP2) of a {tuple(tensor.shape)} parameter over {num_chunks} ranks "
+            f"in a simulated world: dim {dim} cuts into {len(parts)} shards, and the ranks "
+            "without one would hold empty shards of another shape; run it with a thread per "
+            "rank (meshstate.testing.threaded_world) or in processes (meshstate.testing.local_world)"
+        )
+    return parts
 
 
 def _refuse_data_parallel(what: str, why: str) -> Callable[..., None]:

@@ -118,6 +118,8 @@ class PartialPlan:
                     for spec in specs]
         self.left_out = tuple(plan_group(parallel_mesh, axes) if axes else None for axes in left_out)
         self.replicas = tuple(math.prod(self.sizes[a] for a in axes) for axes in left_out)
+        self._specs: dict[tuple[object, ...], Any] = {}
+        """DTensor specs of blocks and results, by mesh, placements, shape and dtype."""
 
     def enter(self, number: int, x: torch.Tensor, typed_mode: bool) -> torch.Tensor:
         """``x``'s block over the manual axes under spec ``number``, a DTensor global over
@@ -127,16 +129,31 @@ class PartialPlan:
         wanted = self._wanted(number, on_view.placements)
         if tuple(on_view.placements) != wanted:
             on_view = on_view.redistribute(self.view, wanted)
-        local = on_view.to_local()
+        local = _compat.local_tensor(on_view)
         left_out = self.left_out[number]
         if not typed_mode and left_out is not None and local.requires_grad:
             local = summed_gradient(local, left_out.group_name)
         shape = self._block_shape(number, on_view.shape)
-        block = DTensor.from_local(
-            local, self.auto_mesh, [wanted[dim] for dim in self.auto_dims], run_check=False,
-            shape=torch.Size(shape), stride=contiguous_strides(shape),
-        )
+        assert self.auto_mesh is not None  # a plan without other axes runs as a plain shard_map
+        block = self._dtensor(local, self.auto_mesh,
+                              tuple(wanted[dim] for dim in self.auto_dims), shape)
         return typed(block, self.named[number]) if typed_mode else block
+
+    def _dtensor(self, local: torch.Tensor, device_mesh: DeviceMesh,
+                 placements: tuple[Placement, ...], shape: Sequence[int]) -> DTensor:
+        """``DTensor.from_local(local, device_mesh, placements)`` of global ``shape``
+        (contiguous); where autograd does not record ``local`` and nothing traces, with a
+        spec made once per layout and shape (``from_local`` makes one each call)."""
+        stride = contiguous_strides(shape)
+        if _compat.recorded_or_traced(local):
+            return DTensor.from_local(local, device_mesh, placements, run_check=False,
+                                      shape=torch.Size(shape), stride=stride)
+        key = (device_mesh is self.view, placements, tuple(shape), local.dtype)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = _compat.dtensor_spec(device_mesh, placements, shape,
+                                                           stride, local.dtype)
+        return _compat.dtensor_of(local, spec)
 
     def _on_view(self, x: torch.Tensor) -> DTensor:
         """``x`` as a DTensor on the whole view: a plain tensor replicated, a DTensor on a
@@ -201,7 +218,7 @@ class PartialPlan:
                      for p in y.placements)
         if kept != tuple(y.placements):
             y = y.redistribute(self.auto_mesh, kept)
-        local = y.to_local()
+        local = _compat.local_tensor(y)
         return (typed(local, axes) if axes else local), kept, y.shape
 
     def leave(self, number: int, local: torch.Tensor, auto_placements: tuple[Placement, ...],
@@ -216,8 +233,7 @@ class PartialPlan:
                               f"shape {tuple(shape)}")
         split = self.split[number]
         whole = tuple(size * split.get(dim, 1) for dim, size in enumerate(shape))
-        return DTensor.from_local(local, self.view, placements, run_check=False,
-                                  shape=torch.Size(whole), stride=contiguous_strides(whole))
+        return self._dtensor(local, self.view, tuple(placements), whole)
 
 
 def run_partial(

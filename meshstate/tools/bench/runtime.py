@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
 from torch.distributed.tensor.experimental import local_map
 
 from meshstate.testing import torch_internals
@@ -138,7 +139,8 @@ def measure_runtime(progress: Callable[[str], object] = lambda message: None) ->
 
 def _rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
     return [*_collective_rows(mesh, progress), *_shard_map_rows(mesh, progress),
-            *_typed_rows(mesh, progress), _slice_row(mesh, progress), _reshard_row(mesh, progress)]
+            *_typed_rows(mesh, progress), _slice_row(mesh, progress),
+            _partial_manual_row(mesh, progress), _reshard_row(mesh, progress)]
 
 
 def _collective_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> list[RuntimeRow]:
@@ -347,6 +349,39 @@ def _slice_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> Runtime
     return RuntimeRow("shard_map row-parallel (mesh['tp'])", _us_per_call(lambda: mapped(x, w)),
                       "local_map on mesh['tp']", torch_us, torch_us, _compiled_us(mapped, x, w),
                       graphs, breaks)
+
+
+def _partial_manual_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> RuntimeRow:
+    """shard_map manual over tp only (``axis_names={"tp"}``) on DTensors split over dp and
+    tp, beside torch's ``local_map`` of the same body on the same DTensors."""
+    progress("runtime: shard_map manual over tp, on DTensors split over dp")
+    dense, tp = mesh.dense, mesh.group("tp")
+    names = dense.mesh_dim_names or ()
+
+    def laid_out(over_tp: Placement, over_dp: Placement) -> list[Placement]:
+        return [over_tp if axis == "tp" else over_dp if axis == "dp" else Replicate()
+                for axis in names]
+
+    x = distribute_tensor(torch.ones(16, 32), dense, laid_out(Shard(1), Shard(0)))
+    w = distribute_tensor(torch.ones(32, 8), dense, laid_out(Shard(0), Replicate()))
+
+    def row_parallel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return lax.psum(a @ b, "tp")
+
+    mapped = shard_map(row_parallel, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P(),
+                       axis_names={"tp"})
+
+    def local_body(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _compat.traced_all_reduce(a @ b, "sum", tp.group_name)
+
+    torch_mapped = local_map(local_body, out_placements=(laid_out(Replicate(), Shard(0)),),
+                             in_placements=(x.placements, w.placements), device_mesh=dense)
+    graphs, breaks = _explain(mapped, x, w)
+    mapped_us, torch_us = _us_per_call_side_by_side(lambda: mapped(x, w),
+                                                    lambda: torch_mapped(x, w))
+    return RuntimeRow("shard_map manual over tp (dp DTensors)", mapped_us,
+                      "local_map, same DTensors", torch_us, torch_us,
+                      _compiled_us(mapped, x, w), graphs, breaks)
 
 
 def _reshard_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> RuntimeRow:
