@@ -41,6 +41,7 @@ from meshstate.jax.explicit.runs import (
     NOT_FAST,
     FastOp,
     as_dtensor,
+    gradients,
     fast_key,
     keep_fast,
     laid_out,
@@ -351,8 +352,8 @@ _KINDS: dict[Callable[..., Any], str] = {
         _T.is_contiguous, _T.element_size, _T.data_ptr, _T.__hash__, _T.storage_offset,
         _T.untyped_storage, _T._is_view, _T.is_complex, _T.is_floating_point, _T.is_conj,
         _T.is_neg, _T.as_strided,  # as_strided: how a compiled function rebuilds a view it returns
-        torch.autograd.grad,
         torch.autograd.backward], "passes"),
+    torch.autograd.grad: "gradients",
 }
 """Each torch function JAX's Explicit axes type here, by its kind (torch's own functions);
 ``passes``: those that read a value without computing on it (and autograd)."""
@@ -382,6 +383,6 @@ _FOUND: dict[Callable[..., Any], str] = {}
 HANDLERS: dict[str, Callable[..., Any]] = {
     "elementwise": elementwise, "matmul": _matmul, "einsum": _einsum, "reduction": _reduction,
     "reshape": _reshape, "permute": _permute, "unsqueeze": _unsqueeze, "cat": _cat,
-    "getitem": _getitem, "requires_grad": requires_grad,
+    "getitem": _getitem, "requires_grad": requires_grad, "gradients": gradients,
 }
 """Each kind's handler."""

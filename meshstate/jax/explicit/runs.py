@@ -58,10 +58,25 @@ _TYPED_GRADIENT = "_meshstate_typed_gradient"
 
 
 def _lay_out_gradient(leaf: torch.Tensor) -> None:
-    grad = leaf.grad
-    if isinstance(grad, DTensor) and isinstance(leaf, DTensor):
-        if tuple(grad.placements) != tuple(leaf.placements):
-            leaf.grad = grad.redistribute(leaf.device_mesh, leaf.placements)
+    leaf.grad = typed_like(leaf.grad, leaf)
+
+
+def typed_like(grad: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor | None:
+    """``grad`` laid out as ``value``, its primal: JAX's cotangent type."""
+    if isinstance(grad, DTensor) and isinstance(value, DTensor):
+        if tuple(grad.placements) != tuple(value.placements):
+            return grad.redistribute(value.device_mesh, value.placements)
+    return grad
+
+
+def gradients(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.autograd.grad``: each gradient typed as its input, as ``.grad`` is after
+    ``backward()`` and as JAX types a cotangent (DTensor would hand back a gradient
+    gathered whole where the input was split)."""
+    found = func(*args, **kwargs)
+    inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    return tuple(typed_like(grad, value) for grad, value in zip(found, inputs, strict=True))
 
 
 def requires_grad(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
