@@ -342,3 +342,21 @@ def test_an_explicit_program_after_a_simulated_world_is_typed():
     assert torch.overrides.resolve_name(torch.Tensor.__getitem__) == "torch.Tensor.__getitem__"
     with fake_world(0, 8):
         assert _explicit_slice() == "float32[8@dp,8@tp]"
+
+
+@in_both_worlds(8)
+def test_autograd_grad_types_each_gradient_as_its_input():
+    """JAX's cotangent carries its primal's type: ``torch.autograd.grad`` under explicit
+    gives what ``.grad`` after ``backward()`` holds (DTensor's own is gathered whole)."""
+    mesh = meshstate.init_mesh(tp=2, cp=2)
+    with mesh, meshstate.explicit():
+        whole = torch.arange(8.0 * 16).view(8, 16)
+        x = meshstate.device_put(whole, P("dp", "tp")).requires_grad_()
+        w = meshstate.device_put(torch.ones(16), P("tp")).requires_grad_()
+        grad_x, grad_w = torch.autograd.grad((x * w * x).sum(), inputs=[x, w])
+        (only,) = torch.autograd.grad((x * 3).sum(), x)
+        assert [str(meshstate.typeof(g)) for g in (grad_x, grad_w, only)] == [
+            "float32[8@dp,16@tp]", "float32[16@tp]", "float32[8@dp,16@tp]"]
+        torch.testing.assert_close(grad_x.full_tensor(), 2 * whole)
+        torch.testing.assert_close(grad_w.full_tensor(), (whole * whole).sum(0))
+    mesh.destroy()
