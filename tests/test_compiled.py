@@ -451,3 +451,21 @@ def test_each_collective_twice_with_other_arguments_compiled_equals_eager(check_
         eager, compiled = compiled_and_eager(whole, torch.arange(16.0 * 3).view(16, 3))
         assert_same(eager, compiled)
     mesh.destroy()
+
+
+def test_a_compiled_function_finds_every_plan_it_makes_while_tracing(fake_mesh):
+    """A compiled function's first call (no eager call before) makes a plan for each
+    shard_map and reshard while tracing, after torch has read the mesh's store for the
+    first: each is found, one graph (the store read once gave a KeyError for the second)."""
+    fresh = meshstate.init_mesh(tp=2, cp=2)  # its store holds no plan yet
+    mapped = shard_map(lambda a, b: lax.psum(a @ b, "tp"), in_specs=(P(None, "tp"), P("tp", None)),
+                       out_specs=P())
+
+    def two_plans(a, b):
+        y = mapped(reshard(a, P(None, "tp")), reshard(b, P("tp", None)))
+        return reshard(y, P(("cp", "tp"), None)).to_local()
+
+    with fresh:
+        args = torch.randn(4, 6, requires_grad=True), torch.randn(6, 3, requires_grad=True)
+        assert explained(two_plans, *args) == (1, 0)
+    fresh.destroy()

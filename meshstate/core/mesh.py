@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from types import SimpleNamespace
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -145,6 +146,10 @@ class ParallelMesh:
         """What the layers above compute from this mesh (shard_map and reshard plans, the
         Megatron façade's facts), by a key of their own; ``destroy()`` calls ``forget``
         on the entries that have one, then empties it."""
+        self.traced = SimpleNamespace()
+        """The store's entries a traced program reads, each as an attribute named by the
+        layer that keeps it: ``torch.compile`` reads an attribute as it is when read, a
+        dict as it was when the trace first read it (an entry kept since, missing)."""
         track_mesh(self)
 
     def _process_tables(
@@ -428,6 +433,7 @@ class ParallelMesh:
             if forget is not None:  # what a façade keeps here dies with the mesh, saying where
                 forget(destroyed)
         self.store.clear()
+        vars(self.traced).clear()
         self._roots.clear()
         for table in (*self._tables(), self._own_group_of, self._own_ranks_of):
             table.clear()

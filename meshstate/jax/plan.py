@@ -40,37 +40,44 @@ Leaves = list[tuple[int, torch.Tensor]]
 
 def plan_on(parallel_mesh: ParallelMesh, specs: tuple[P, ...]) -> Plan:
     """The plan of ``specs`` on ``parallel_mesh``, made on first use and kept in the mesh's
-    store under ``("plan", specs)``. Under ``torch.compile`` it is made while tracing, outside
-    the graph, and then read from the store like any attribute, which torch guards on (a
-    traced program reads the store once, so only once the plan is surely in it)."""
-    key = ("plan", specs)
+    store under ``("plan", specs)``. Under ``torch.compile`` it is made while tracing,
+    outside the graph, and read as an attribute of ``mesh.traced``, which torch guards on
+    (a trace that makes several plans finds each)."""
     if _compat.tracing():
-        _keep_plan(parallel_mesh, *((spec.dims, spec.unreduced) for spec in specs))
-        traced: Plan = parallel_mesh.store[key]
+        name = _keep_plan(parallel_mesh, *((spec.dims, spec.unreduced) for spec in specs))
+        traced: Plan = getattr(parallel_mesh.traced, name)
         return traced
-    plan: Plan | None = parallel_mesh.store.get(key)
+    plan: Plan | None = parallel_mesh.store.get(("plan", specs))
     return _new_plan(parallel_mesh, specs) if plan is None else plan
 
 
 @_compat.constant_when_traced
 def _keep_plan(
     parallel_mesh: ParallelMesh, *fields: tuple[tuple[DimAxes, ...], frozenset[str]]
-) -> bool:
-    """Put the plan of the specs with these ``(dims, unreduced)`` in the mesh's store. A
-    constant to torch.compile, so it runs while tracing and the plan's groups and views are
-    made outside the graph; the specs come as their fields, the builtins torch.compile
-    hands such a function (a P made inside the compiled function it cannot hand over)."""
+) -> str:
+    """The name in ``mesh.traced`` of the plan of the specs with these ``(dims,
+    unreduced)``, made and kept there if new. A constant to torch.compile, so it runs while
+    tracing and the plan's groups and views are made outside the graph; the specs come as
+    their fields, the builtins torch.compile hands such a function (a P made inside the
+    compiled function it cannot hand over)."""
     specs = tuple(P(*dims, unreduced=unreduced) for dims, unreduced in fields)
     if ("plan", specs) not in parallel_mesh.store:
         _new_plan(parallel_mesh, specs)
-    return True
+    return _traced_name(specs)
+
+
+def _traced_name(specs: tuple[P, ...]) -> str:
+    """The plan's name in ``mesh.traced``: its specs, alike on every rank (a graph traced
+    on one rank reads it on all: ``compile_on_one_rank``)."""
+    return f"plan {specs!r}"
 
 
 def _new_plan(parallel_mesh: ParallelMesh, specs: tuple[P, ...]) -> Plan:
     """A new plan of ``specs``, put in the mesh's store (by the caller's specs, so the next
-    calls find it by identity before equality)."""
+    calls find it by identity before equality) and in ``mesh.traced``."""
     parallel_mesh.check_alive()
     plan = parallel_mesh.store[("plan", specs)] = Plan(parallel_mesh, specs)
+    setattr(parallel_mesh.traced, _traced_name(specs), plan)
     return plan
 
 

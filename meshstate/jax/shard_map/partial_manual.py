@@ -62,28 +62,39 @@ def partial_plan_on(parallel_mesh: ParallelMesh, specs: tuple[P, ...],
                     manual: tuple[str, ...]) -> PartialPlan:
     """The plan of ``specs`` manual over ``manual`` (sorted) on ``parallel_mesh``, made on
     first use and kept in the mesh's store (under ``torch.compile``, made outside the graph
-    as :func:`~meshstate.jax.plan.plan_on` makes its plans)."""
-    key = ("partial plan", specs, manual)
+    and read from ``mesh.traced``, as :func:`~meshstate.jax.plan.plan_on` reads its plans)."""
     if _compat.tracing():
-        _keep_plan(parallel_mesh, manual, *((spec.dims, spec.unreduced) for spec in specs))
-        traced: PartialPlan = parallel_mesh.store[key]
+        name = _keep_plan(parallel_mesh, manual, *((spec.dims, spec.unreduced) for spec in specs))
+        traced: PartialPlan = getattr(parallel_mesh.traced, name)
         return traced
-    plan: PartialPlan | None = parallel_mesh.store.get(key)
-    if plan is None:
-        parallel_mesh.check_alive()
-        plan = parallel_mesh.store[key] = PartialPlan(parallel_mesh, specs, manual)
-    return plan
+    return _kept_plan(parallel_mesh, specs, manual)
 
 
 @_compat.constant_when_traced
 def _keep_plan(parallel_mesh: ParallelMesh, manual: tuple[str, ...],
-               *fields: tuple[tuple[DimAxes, ...], frozenset[str]]) -> bool:
-    """Put the partial plan of the specs with these ``(dims, unreduced)`` in the store."""
+               *fields: tuple[tuple[DimAxes, ...], frozenset[str]]) -> str:
+    """The name in ``mesh.traced`` of the partial plan of the specs with these ``(dims,
+    unreduced)``, kept there."""
     specs = tuple(P(*dims, unreduced=unreduced) for dims, unreduced in fields)
+    _kept_plan(parallel_mesh, specs, manual)
+    return _traced_name(specs, manual)
+
+
+def _traced_name(specs: tuple[P, ...], manual: tuple[str, ...]) -> str:
+    """The partial plan's name in ``mesh.traced``, alike on every rank."""
+    return f"partial plan {specs!r} manual over {manual!r}"
+
+
+def _kept_plan(parallel_mesh: ParallelMesh, specs: tuple[P, ...],
+               manual: tuple[str, ...]) -> PartialPlan:
+    """The partial plan in the mesh's store, put there (and in ``mesh.traced``) on first use."""
     key = ("partial plan", specs, manual)
-    if key not in parallel_mesh.store:
-        parallel_mesh.store[key] = PartialPlan(parallel_mesh, specs, manual)
-    return True
+    plan: PartialPlan | None = parallel_mesh.store.get(key)
+    if plan is None:
+        parallel_mesh.check_alive()
+        plan = parallel_mesh.store[key] = PartialPlan(parallel_mesh, specs, manual)
+        setattr(parallel_mesh.traced, _traced_name(specs, manual), plan)
+    return plan
 
 
 class PartialPlan:
