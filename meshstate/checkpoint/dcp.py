@@ -1,21 +1,28 @@
 """The entries through torch's ``torch.distributed.checkpoint`` (DCP), the default backend.
 
-Each tensor entry becomes a DTensor over the axes its spec splits (the view's
-sub-mesh of just those axes, so replicas along the other axes are one entry)
-under its whole-model key; DCP writes each entry once and reads, at any other
-layout, the pieces each rank's new blocks cover.
+On save, each tensor entry becomes a DTensor over the axes its spec splits (the
+view's sub-mesh of just those axes, so replicas along the other axes are one entry)
+under its whole-model key; DCP writes each entry once. On load, DCP reads, at any
+other layout, the pieces each rank's new blocks cover: the load planner asks for
+each block by its offsets in the whole tensor, read straight into the plain block
+(no DTensor is built to say where it lies).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner, DefaultSavePlanner, create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
@@ -44,19 +51,18 @@ def load(
     entries: list[Entry], path: str, mesh: ParallelMesh, gaps: GapCheck, held: Mapping[str, Holding],
 ) -> tuple[dict[str, Any], Transfer]:
     """Read the blocks and values of ``entries`` (those this rank reads) from ``path``: by
-    saved key, each tensor this rank's block of it. ``gaps`` runs, and ``held`` (what this
-    rank holds, read or not) is checked, in DCP's planning step, whose gather of every
-    rank's plan (or failure) comes before any read."""
-    targets = {entry.saved_key: _dtensor(entry, mesh, entry.block()) if entry.is_tensor else entry.value
-               for entry in entries}
-    planner = _CountingLoadPlanner(gaps, held)
+    saved key, each tensor this rank's block of it (where ``held`` says it starts). ``gaps``
+    runs, and ``held`` (what this rank holds, read or not) is checked, in DCP's planning
+    step, whose gather of every rank's plan (or failure) comes before any read."""
+    targets = {entry.saved_key: entry.block() if entry.is_tensor else entry.value for entry in entries}
+    split = {entry.saved_key: held[entry.saved_key][0]
+             for entry in entries if entry.is_tensor and entry.spec.axes}
+    planner = _CountingLoadPlanner(gaps, held, split)
     try:
         dcp_load(targets, checkpoint_id=path, planner=planner)
     except CheckpointException as error:
         raise _ours(error) from None
-    read = {key: value.to_local() if isinstance(value, DTensor) else value
-            for key, value in targets.items()}
-    return read, Transfer(planner.bytes, planner.entries)
+    return targets, Transfer(planner.bytes, planner.entries)
 
 
 def saved_shapes(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
@@ -136,15 +142,19 @@ class _CountingSavePlanner(DefaultSavePlanner):
 
 
 class _CountingLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, checking that the checkpoint covers this rank's entries (``gaps``)
-    and counting the tensor bytes this rank reads."""
+    """DCP's planner, checking that the checkpoint covers this rank's entries (``gaps``),
+    reading each block of a tensor its spec splits (``split``: by saved key, where the
+    block starts in the whole tensor) as DCP reads a DTensor's local shard, and counting
+    the tensor bytes this rank reads."""
 
     bytes = 0
     entries = 0
 
-    def __init__(self, gaps: GapCheck, held: Mapping[str, Holding]) -> None:
+    def __init__(
+        self, gaps: GapCheck, held: Mapping[str, Holding], split: Mapping[str, tuple[int, ...]],
+    ) -> None:
         super().__init__()
-        self.gaps, self.held = gaps, held
+        self.gaps, self.held, self.split = gaps, held, split
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
@@ -157,9 +167,16 @@ class _CountingLoadPlanner(DefaultLoadPlanner):
         return super().create_global_plan(_unless_stray(global_plan, "nothing was loaded"))
 
     def create_local_plan(self) -> Any:
-        plan = super().create_local_plan()
+        assert self.metadata is not None  # DCP reads it before it plans
+        saved = self.metadata.state_dict_metadata
+        whole = {key: value for key, value in self.state_dict.items() if key not in self.split}
+        plan = create_default_local_load_plan(whole, self.metadata, not self.allow_partial_load)
+        for key, offsets in self.split.items():
+            block = self.state_dict[key]
+            plan.items.extend(create_read_items_for_chunk_list(
+                key, cast(TensorStorageMetadata, saved[key]),  # set_up_planner's check: a tensor there
+                [ChunkStorageMetadata(torch.Size(offsets), block.size())]))
         keys = set()
-        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
         for item in plan.items:
             found = saved[item.storage_index.fqn]
             properties = getattr(found, "properties", None)
@@ -168,3 +185,10 @@ class _CountingLoadPlanner(DefaultLoadPlanner):
                 keys.add(item.storage_index.fqn)
         self.entries = len(keys)
         return dataclasses.replace(plan, planner_data=(plan.planner_data, self.held))
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """The block a read item lands in: a split tensor's is the plain block itself (the
+        item's ``dest_offsets`` count from where it starts)."""
+        if index.fqn in self.split:
+            return self.state_dict[index.fqn]
+        return super().lookup_tensor(index)
