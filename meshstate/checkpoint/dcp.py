@@ -1,11 +1,10 @@
 """The entries through torch's ``torch.distributed.checkpoint`` (DCP), the default backend.
 
-On save, each tensor entry becomes a DTensor over the axes its spec splits (the
-view's sub-mesh of just those axes, so replicas along the other axes are one entry)
-under its whole-model key; DCP writes each entry once. On load, DCP reads, at any
-other layout, the pieces each rank's new blocks cover: the load planner asks for
-each block by its offsets in the whole tensor, read straight into the plain block
-(no DTensor is built to say where it lies).
+Each tensor entry is saved under its whole-model key as the block of the whole
+tensor its spec says it is (the planners' own write and read items, at the block's
+offsets: what DCP makes of a DTensor's local shard, without building one); a
+replicated block is one item to DCP, which writes it once. On load, DCP reads, at
+any other layout, the pieces each rank's new blocks cover, straight into them.
 """
 
 from __future__ import annotations
@@ -17,31 +16,32 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner, DefaultSavePlanner, create_default_local_load_plan,
+    DefaultLoadPlanner, DefaultSavePlanner, create_default_local_load_plan, create_default_local_save_plan,
 )
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata,
+    ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.tensor import DTensor
 
 from meshstate.checkpoint.entries import Entry, GapCheck, Transfer, holdings
 from meshstate.checkpoint.errors import CheckpointError, Gaps, refusal
 from meshstate.checkpoint.layout import Holding, first_stray
 from meshstate.core.mesh import ParallelMesh
-from meshstate.jax.plan import contiguous_strides
-from meshstate.jax.sharding import to_placements
 
 
 def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
     """Write ``entries`` (every rank's, replicas too: DCP keeps one of each) at ``path``,
     once DCP's planning step has found every block held by exactly its replica group."""
-    planner = _CountingSavePlanner(holdings(entries, mesh))
+    held = holdings(entries, mesh)
+    split = {entry.saved_key: (held[entry.saved_key][0], entry.whole_shape(mesh))
+             for entry in entries if entry.is_tensor and entry.spec.axes}
+    planner = _CountingSavePlanner(held, split)
     try:
-        dcp_save({entry.saved_key: _dtensor(entry, mesh, entry.value.detach()) if entry.is_tensor
-                  else entry.value for entry in entries}, checkpoint_id=path, planner=planner)
+        dcp_save({entry.saved_key: entry.value.detach() if entry.is_tensor else entry.value
+                  for entry in entries}, checkpoint_id=path, planner=planner)
     except CheckpointException as error:
         raise _ours(error) from None
     return Transfer(planner.bytes, planner.entries)
@@ -93,39 +93,40 @@ def _unless_stray(plans: list[Any], undone: str) -> list[Any]:
     return [dataclasses.replace(plan, planner_data=plan.planner_data[0]) for plan in plans]
 
 
-def _dtensor(entry: Entry, mesh: ParallelMesh, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as the DTensor over the axes its spec splits (itself if it splits none)."""
-    if not entry.spec.axes:
-        return local
-    device_mesh = mesh[_split_axes(entry, mesh)]
-    shape = entry.whole_shape(mesh)
-    return DTensor.from_local(
-        local, device_mesh, to_placements(entry.spec, device_mesh), shape=torch.Size(shape),
-        stride=contiguous_strides(shape), run_check=False,
-    )
-
-
-def _split_axes(entry: Entry, mesh: ParallelMesh) -> tuple[str, ...]:
-    """The axes ``entry``'s spec splits, in its view's order (a DeviceMesh's dims)."""
-    view = mesh.root_of(mesh.layout.view_of(entry.spec.axes, f"the checkpoint entry {entry.key!r}"))
-    return tuple(axis for axis in view.mesh_dim_names or () if axis in entry.spec.axes)
-
-
 class _CountingSavePlanner(DefaultSavePlanner):
-    """DCP's planner, carrying what this rank holds to the coordinator's global plan (which
+    """DCP's planner, writing each block of a tensor its spec splits (``split``: by saved
+    key, where the block starts and the whole tensor's shape) as DCP writes a DTensor's
+    local shard, carrying what this rank holds to the coordinator's global plan (which
     refuses a block held by other ranks than its replica group) and counting the tensor
     bytes this rank writes once plans are final."""
 
     bytes = 0
     entries = 0
 
-    def __init__(self, held: dict[str, Holding]) -> None:
+    def __init__(
+        self, held: dict[str, Holding], split: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    ) -> None:
         super().__init__()
-        self.held = held
+        self.held, self.split = held, split
 
     def create_local_plan(self) -> Any:
-        plan = super().create_local_plan()
-        return dataclasses.replace(plan, planner_data=(plan.planner_data, self.held))
+        whole = {key: value for key, value in self.state_dict.items() if key not in self.split}
+        items = create_default_local_save_plan(whole, self.is_coordinator).items
+        for key, (offsets, shape) in self.split.items():
+            block = self.state_dict[key]
+            items.append(WriteItem(
+                index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(offsets), block.size()),
+                    properties=TensorProperties.create_from_tensor(block), size=torch.Size(shape))))
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return dataclasses.replace(self.plan, planner_data=(self.mappings, self.held))
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """What a write item holds: a split tensor's is the plain block itself."""
+        if index.fqn in self.split:
+            return self.state_dict[index.fqn]
+        return super().lookup_object(index)
 
     def create_global_plan(self, all_plans: Any) -> Any:
         return super().create_global_plan(_unless_stray(all_plans, "nothing was written"))
