@@ -25,9 +25,8 @@ from meshstate.checkpoint.entries import (
     Entry,
     GapCheck,
     Transfer,
-    agree_on_gaps,
     holdings,
-    refuse_strays,
+    refuse_strays_and_gaps,
 )
 from meshstate.checkpoint.layout import Holding
 from meshstate.checkpoint.errors import CheckpointError
@@ -178,7 +177,7 @@ def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
     if os.path.isdir(path) and os.listdir(path):
         raise CheckpointError(f"{path} holds files already; torch-checkpointing commits a "
                               "checkpoint onto an absent or empty directory only")
-    refuse_strays(holdings(entries, mesh), "nothing was written")
+    refuse_strays_and_gaps(holdings(entries, mesh), "nothing was written")
     mine = [entry for entry in entries if entry.is_first_replica(mesh)]
     payload = _Payload({entry.saved_key: entry.value.detach() if entry.is_tensor else entry.value
                         for entry in mine}, {entry.saved_key: ShardMetadata.of(entry, mesh) for entry in mine})
@@ -213,8 +212,7 @@ def load(
     """Read the blocks and values of ``entries`` (those this rank reads) from ``path``,
     once every rank has found no ``gaps`` and every block is ``held`` by exactly its
     replica group."""
-    refuse_strays(held, "nothing was loaded")
-    agree_on_gaps(gaps(saved_shapes(path)))
+    refuse_strays_and_gaps(held, "nothing was loaded", gaps(saved_shapes(path)))
     targets = _Payload({entry.saved_key: entry.block() if entry.is_tensor else entry.value
                         for entry in entries},
                        {entry.saved_key: ShardMetadata.of(entry, mesh) for entry in entries})
