@@ -110,6 +110,15 @@ class MeshResharder(Resharder):
     def extract_sharding_metadata(self, item_key: str, item_value: Any) -> dict[NestedPath, ShardingMetadata]:
         return {(key,): self._shards[key] for key in item_value}
 
+    def should_reshard(
+        self, source_metadata: DistributedItemMetadata | None,
+        target_metadata: dict[NestedPath, ShardingMetadata] | None,
+    ) -> bool:
+        """Always: :meth:`load` maps the files and copies each block's pieces out of them;
+        0.1.1's read of an unchanged layout reads each rank's whole file into fresh memory
+        first and copies out of that."""
+        return True
+
     def load(
         self, source_path: Path, item_key: str, target_metadata: dict[NestedPath, ShardingMetadata],
         source_metadata: DistributedItemMetadata, target: Any, storage: Storage,
