@@ -9,6 +9,7 @@ mesh's DeviceMesh); meshstate.checkpoint saves and loads the plain blocks with t
 through torch-checkpointing: the same bytes each way, into the same tensors in place.
 Each figure is the median of ``repeats`` runs after one untimed, the wall time of the slowest rank;
 MB/s counts every rank's bytes; a ratio is the median of each run's over DCP's in that run.
+Each run saves into a folder of its own, loads it back and removes it, untimed.
 
 Example: ``format_checkpoints(measure_checkpoints([4], print))``.
 """
@@ -99,6 +100,8 @@ def time_checkpoints_on_rank(
                 timed = (_timed(lambda: saving(path)), _timed(lambda: loading(path)))
                 if repeat >= 0:
                     timings[writer].append(timed)
+                if dist.get_rank() == 0:  # every rank has loaded (_timed's barrier); the next waits
+                    shutil.rmtree(path)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
