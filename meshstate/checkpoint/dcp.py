@@ -21,7 +21,9 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -110,15 +112,17 @@ class _CountingSavePlanner(DefaultSavePlanner):
         self.held, self.split = held, split
 
     def create_local_plan(self) -> Any:
-        whole = {key: value for key, value in self.state_dict.items() if key not in self.split}
-        items = create_default_local_save_plan(whole, self.is_coordinator).items
-        for key, (offsets, shape) in self.split.items():
-            block = self.state_dict[key]
+        items: list[WriteItem] = []
+        for key, value in self.state_dict.items():  # in the state's order, as DCP's own
+            if key not in self.split:
+                items.extend(create_default_local_save_plan({key: value}, self.is_coordinator).items)
+                continue
+            offsets, shape = self.split[key]
             items.append(WriteItem(
                 index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(torch.Size(offsets), block.size()),
-                    properties=TensorProperties.create_from_tensor(block), size=torch.Size(shape))))
+                    chunk=ChunkStorageMetadata(torch.Size(offsets), value.size()),
+                    properties=TensorProperties.create_from_tensor(value), size=torch.Size(shape))))
         self.plan = SavePlan(items, planner_data=self.mappings)
         return dataclasses.replace(self.plan, planner_data=(self.mappings, self.held))
 
@@ -170,13 +174,15 @@ class _CountingLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> Any:
         assert self.metadata is not None  # DCP reads it before it plans
         saved = self.metadata.state_dict_metadata
-        whole = {key: value for key, value in self.state_dict.items() if key not in self.split}
-        plan = create_default_local_load_plan(whole, self.metadata, not self.allow_partial_load)
-        for key, offsets in self.split.items():
-            block = self.state_dict[key]
+        plan = LoadPlan([])
+        for key, value in self.state_dict.items():  # in the state's order, as DCP's own
+            if key not in self.split:
+                plan.items.extend(create_default_local_load_plan(
+                    {key: value}, self.metadata, not self.allow_partial_load).items)
+                continue
             plan.items.extend(create_read_items_for_chunk_list(
                 key, cast(TensorStorageMetadata, saved[key]),  # set_up_planner's check: a tensor there
-                [ChunkStorageMetadata(torch.Size(offsets), block.size())]))
+                [ChunkStorageMetadata(torch.Size(self.split[key]), value.size())]))
         keys = set()
         for item in plan.items:
             found = saved[item.storage_index.fqn]
