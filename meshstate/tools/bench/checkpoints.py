@@ -9,7 +9,9 @@ mesh's DeviceMesh); meshstate.checkpoint saves and loads the plain blocks with t
 through torch-checkpointing: the same bytes each way, into the same tensors in place.
 Each figure is the median of ``repeats`` runs after one untimed, the wall time of the slowest rank;
 MB/s counts every rank's bytes; a ratio is the median of each run's over DCP's in that run.
-Each run saves into a folder of its own, loads it back and removes it, untimed.
+A run saves with every writer, each into a folder of its own, then loads with every
+writer (the saves back to back, and the loads, in the same order, each writer first in
+turn), and removes the folders, untimed.
 
 Example: ``format_checkpoints(measure_checkpoints([4], print))``.
 """
@@ -94,13 +96,15 @@ def time_checkpoints_on_rank(
     timings: dict[str, list[tuple[float, float]]] = {writer: [] for writer in writers}
     try:
         for repeat in range(-1, repeats):  # run -1 warms each writer up, untimed
-            for writer in writers[repeat % len(writers):] + writers[:repeat % len(writers)]:  # each first in turn
-                path = os.path.join(str(folder[0]), f"{repeat}-{writer}")
-                saving, loading = calls[writer]
-                timed = (_timed(lambda: saving(path)), _timed(lambda: loading(path)))
-                if repeat >= 0:
-                    timings[writer].append(timed)
-                if dist.get_rank() == 0:  # every rank has loaded (_timed's barrier); the next waits
+            order = writers[repeat % len(writers):] + writers[:repeat % len(writers)]  # each first in turn
+            paths = {writer: os.path.join(str(folder[0]), f"{repeat}-{writer}") for writer in order}
+            saves = {writer: _timed(calls[writer][0], paths[writer]) for writer in order}
+            loads = {writer: _timed(calls[writer][1], paths[writer]) for writer in order}
+            if repeat >= 0:
+                for writer in writers:
+                    timings[writer].append((saves[writer], loads[writer]))
+            if dist.get_rank() == 0:  # every rank has loaded (_timed's barrier); the next run waits
+                for path in paths.values():
                     shutil.rmtree(path)
     finally:
         dist.barrier()
@@ -124,10 +128,10 @@ def _calls(
     }
 
 
-def _timed(call: Callable[[], object]) -> float:
+def _timed(call: Callable[[str], object], path: str) -> float:
     dist.barrier()
     started = time.perf_counter()
-    call()
+    call(path)
     dist.barrier()
     return time.perf_counter() - started
 
