@@ -289,6 +289,47 @@ def test_a_block_held_by_other_ranks_than_its_replica_group_is_refused_before_an
     mesh.destroy()
 
 
+@in_both_worlds(8, ("processes",))
+def test_through_dcp_the_files_are_those_dcp_writes_of_the_same_dtensors(tmp_path):
+    """meshstate writes each block as DCP writes a DTensor's local shard: the files and the
+    metadata are, byte for byte, DCP's own of DTensors over the same blocks (a DTensor user
+    loads them as its own), for a block over one axis, over an axis tuple in mesh order and
+    against it, a replicated tensor and a plain value."""
+    import pickle
+
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.tensor import DTensor
+
+    from meshstate.jax.sharding import to_placements
+
+    mesh = meshstate.init_mesh(tp=2, cp=2)
+    specs = {"rows": P("tp", None), "columns": P(None, ("cp", "tp")), "against": P(("tp", "cp"), None)}
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    blocks = {key: torch.randn(4, 6, generator=generator) for key in specs}
+    state = {"model": {**blocks, "norm": torch.ones(6), "step": 3}}
+    layout = Layout({f"model.{key}": spec for key, spec in specs.items()})
+    save(state, os.path.join(str(tmp_path), "meshstate"), layout, mesh)
+    device_mesh = mesh["dp", "cp", "tp"]
+    dtensors = {f"model.{key}": DTensor.from_local(
+        block, device_mesh, to_placements(specs[key], device_mesh), run_check=False)
+        for key, block in blocks.items()}
+    dcp_save({**dtensors, "model.norm": torch.ones(6), "model.step": 3},
+             checkpoint_id=os.path.join(str(tmp_path), "dcp"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        ours, theirs = (os.path.join(str(tmp_path), name) for name in ("meshstate", "dcp"))
+        assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+        for name in os.listdir(ours):
+            with open(os.path.join(ours, name), "rb") as mine, open(os.path.join(theirs, name), "rb") as other:
+                if name == ".metadata":  # the same but for the checkpoint's path and save id
+                    mine_read, other_read = pickle.load(mine), pickle.load(other)
+                    assert mine_read.state_dict_metadata == other_read.state_dict_metadata
+                    assert mine_read.storage_data == other_read.storage_data
+                else:
+                    assert mine.read() == other.read(), name
+    mesh.destroy()
+
+
 def test_a_layout_names_what_it_cannot_use():
     with pytest.raises(CheckpointError, match=r"Layout specs\['\*\.up'\] must be a meshstate\.P, got tuple"):
         Layout({"*.up": ("tp", None)})

@@ -25,9 +25,8 @@ from meshstate.checkpoint.entries import (
     Entry,
     GapCheck,
     Transfer,
-    agree_on_gaps,
     holdings,
-    refuse_strays,
+    refuse_strays_and_gaps,
 )
 from meshstate.checkpoint.layout import Holding
 from meshstate.checkpoint.errors import CheckpointError
@@ -111,6 +110,15 @@ class MeshResharder(Resharder):
     def extract_sharding_metadata(self, item_key: str, item_value: Any) -> dict[NestedPath, ShardingMetadata]:
         return {(key,): self._shards[key] for key in item_value}
 
+    def should_reshard(
+        self, source_metadata: DistributedItemMetadata | None,
+        target_metadata: dict[NestedPath, ShardingMetadata] | None,
+    ) -> bool:
+        """Always: :meth:`load` maps the files and copies each block's pieces out of them;
+        0.1.1's read of an unchanged layout reads each rank's whole file into fresh memory
+        first and copies out of that."""
+        return True
+
     def load(
         self, source_path: Path, item_key: str, target_metadata: dict[NestedPath, ShardingMetadata],
         source_metadata: DistributedItemMetadata, target: Any, storage: Storage,
@@ -178,7 +186,7 @@ def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
     if os.path.isdir(path) and os.listdir(path):
         raise CheckpointError(f"{path} holds files already; torch-checkpointing commits a "
                               "checkpoint onto an absent or empty directory only")
-    refuse_strays(holdings(entries, mesh), "nothing was written")
+    refuse_strays_and_gaps(holdings(entries, mesh), "nothing was written")
     mine = [entry for entry in entries if entry.is_first_replica(mesh)]
     payload = _Payload({entry.saved_key: entry.value.detach() if entry.is_tensor else entry.value
                         for entry in mine}, {entry.saved_key: ShardMetadata.of(entry, mesh) for entry in mine})
@@ -213,8 +221,7 @@ def load(
     """Read the blocks and values of ``entries`` (those this rank reads) from ``path``,
     once every rank has found no ``gaps`` and every block is ``held`` by exactly its
     replica group."""
-    refuse_strays(held, "nothing was loaded")
-    agree_on_gaps(gaps(saved_shapes(path)))
+    refuse_strays_and_gaps(held, "nothing was loaded", gaps(saved_shapes(path)))
     targets = _Payload({entry.saved_key: entry.block() if entry.is_tensor else entry.value
                         for entry in entries},
                        {entry.saved_key: ShardMetadata.of(entry, mesh) for entry in entries})

@@ -1,40 +1,49 @@
 """The entries through torch's ``torch.distributed.checkpoint`` (DCP), the default backend.
 
-Each tensor entry becomes a DTensor over the axes its spec splits (the view's
-sub-mesh of just those axes, so replicas along the other axes are one entry)
-under its whole-model key; DCP writes each entry once and reads, at any other
-layout, the pieces each rank's new blocks cover.
+Each tensor entry is saved under its whole-model key as the block of the whole
+tensor its spec says it is (the planners' own write and read items, at the block's
+offsets: what DCP makes of a DTensor's local shard, without building one); a
+replicated block is one item to DCP, which writes it once. On load, DCP reads, at
+any other layout, the pieces each rank's new blocks cover, straight into them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner, DefaultSavePlanner, create_default_local_load_plan, create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.tensor import DTensor
 
 from meshstate.checkpoint.entries import Entry, GapCheck, Transfer, holdings
 from meshstate.checkpoint.errors import CheckpointError, Gaps, refusal
 from meshstate.checkpoint.layout import Holding, first_stray
 from meshstate.core.mesh import ParallelMesh
-from meshstate.jax.plan import contiguous_strides
-from meshstate.jax.sharding import to_placements
 
 
 def save(entries: list[Entry], path: str, mesh: ParallelMesh) -> Transfer:
     """Write ``entries`` (every rank's, replicas too: DCP keeps one of each) at ``path``,
     once DCP's planning step has found every block held by exactly its replica group."""
-    planner = _CountingSavePlanner(holdings(entries, mesh))
+    held = holdings(entries, mesh)
+    split = {entry.saved_key: (held[entry.saved_key][0], entry.whole_shape(mesh))
+             for entry in entries if entry.is_tensor and entry.spec.axes}
+    planner = _CountingSavePlanner(held, split)
     try:
-        dcp_save({entry.saved_key: _dtensor(entry, mesh, entry.value.detach()) if entry.is_tensor
-                  else entry.value for entry in entries}, checkpoint_id=path, planner=planner)
+        dcp_save({entry.saved_key: entry.value.detach() if entry.is_tensor else entry.value
+                  for entry in entries}, checkpoint_id=path, planner=planner)
     except CheckpointException as error:
         raise _ours(error) from None
     return Transfer(planner.bytes, planner.entries)
@@ -44,19 +53,18 @@ def load(
     entries: list[Entry], path: str, mesh: ParallelMesh, gaps: GapCheck, held: Mapping[str, Holding],
 ) -> tuple[dict[str, Any], Transfer]:
     """Read the blocks and values of ``entries`` (those this rank reads) from ``path``: by
-    saved key, each tensor this rank's block of it. ``gaps`` runs, and ``held`` (what this
-    rank holds, read or not) is checked, in DCP's planning step, whose gather of every
-    rank's plan (or failure) comes before any read."""
-    targets = {entry.saved_key: _dtensor(entry, mesh, entry.block()) if entry.is_tensor else entry.value
-               for entry in entries}
-    planner = _CountingLoadPlanner(gaps, held)
+    saved key, each tensor this rank's block of it (where ``held`` says it starts). ``gaps``
+    runs, and ``held`` (what this rank holds, read or not) is checked, in DCP's planning
+    step, whose gather of every rank's plan (or failure) comes before any read."""
+    targets = {entry.saved_key: entry.block() if entry.is_tensor else entry.value for entry in entries}
+    split = {entry.saved_key: held[entry.saved_key][0]
+             for entry in entries if entry.is_tensor and entry.spec.axes}
+    planner = _CountingLoadPlanner(gaps, held, split)
     try:
         dcp_load(targets, checkpoint_id=path, planner=planner)
     except CheckpointException as error:
         raise _ours(error) from None
-    read = {key: value.to_local() if isinstance(value, DTensor) else value
-            for key, value in targets.items()}
-    return read, Transfer(planner.bytes, planner.entries)
+    return targets, Transfer(planner.bytes, planner.entries)
 
 
 def saved_shapes(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
@@ -87,39 +95,42 @@ def _unless_stray(plans: list[Any], undone: str) -> list[Any]:
     return [dataclasses.replace(plan, planner_data=plan.planner_data[0]) for plan in plans]
 
 
-def _dtensor(entry: Entry, mesh: ParallelMesh, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as the DTensor over the axes its spec splits (itself if it splits none)."""
-    if not entry.spec.axes:
-        return local
-    device_mesh = mesh[_split_axes(entry, mesh)]
-    shape = entry.whole_shape(mesh)
-    return DTensor.from_local(
-        local, device_mesh, to_placements(entry.spec, device_mesh), shape=torch.Size(shape),
-        stride=contiguous_strides(shape), run_check=False,
-    )
-
-
-def _split_axes(entry: Entry, mesh: ParallelMesh) -> tuple[str, ...]:
-    """The axes ``entry``'s spec splits, in its view's order (a DeviceMesh's dims)."""
-    view = mesh.root_of(mesh.layout.view_of(entry.spec.axes, f"the checkpoint entry {entry.key!r}"))
-    return tuple(axis for axis in view.mesh_dim_names or () if axis in entry.spec.axes)
-
-
 class _CountingSavePlanner(DefaultSavePlanner):
-    """DCP's planner, carrying what this rank holds to the coordinator's global plan (which
+    """DCP's planner, writing each block of a tensor its spec splits (``split``: by saved
+    key, where the block starts and the whole tensor's shape) as DCP writes a DTensor's
+    local shard, carrying what this rank holds to the coordinator's global plan (which
     refuses a block held by other ranks than its replica group) and counting the tensor
     bytes this rank writes once plans are final."""
 
     bytes = 0
     entries = 0
 
-    def __init__(self, held: dict[str, Holding]) -> None:
+    def __init__(
+        self, held: dict[str, Holding], split: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    ) -> None:
         super().__init__()
-        self.held = held
+        self.held, self.split = held, split
 
     def create_local_plan(self) -> Any:
-        plan = super().create_local_plan()
-        return dataclasses.replace(plan, planner_data=(plan.planner_data, self.held))
+        items: list[WriteItem] = []
+        for key, value in self.state_dict.items():  # in the state's order, as DCP's own
+            if key not in self.split:
+                items.extend(create_default_local_save_plan({key: value}, self.is_coordinator).items)
+                continue
+            offsets, shape = self.split[key]
+            items.append(WriteItem(
+                index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(offsets), value.size()),
+                    properties=TensorProperties.create_from_tensor(value), size=torch.Size(shape))))
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return dataclasses.replace(self.plan, planner_data=(self.mappings, self.held))
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """What a write item holds: a split tensor's is the plain block itself."""
+        if index.fqn in self.split:
+            return self.state_dict[index.fqn]
+        return super().lookup_object(index)
 
     def create_global_plan(self, all_plans: Any) -> Any:
         return super().create_global_plan(_unless_stray(all_plans, "nothing was written"))
@@ -136,15 +147,19 @@ class _CountingSavePlanner(DefaultSavePlanner):
 
 
 class _CountingLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, checking that the checkpoint covers this rank's entries (``gaps``)
-    and counting the tensor bytes this rank reads."""
+    """DCP's planner, checking that the checkpoint covers this rank's entries (``gaps``),
+    reading each block of a tensor its spec splits (``split``: by saved key, where the
+    block starts in the whole tensor) as DCP reads a DTensor's local shard, and counting
+    the tensor bytes this rank reads."""
 
     bytes = 0
     entries = 0
 
-    def __init__(self, gaps: GapCheck, held: Mapping[str, Holding]) -> None:
+    def __init__(
+        self, gaps: GapCheck, held: Mapping[str, Holding], split: Mapping[str, tuple[int, ...]],
+    ) -> None:
         super().__init__()
-        self.gaps, self.held = gaps, held
+        self.gaps, self.held, self.split = gaps, held, split
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
@@ -157,9 +172,18 @@ class _CountingLoadPlanner(DefaultLoadPlanner):
         return super().create_global_plan(_unless_stray(global_plan, "nothing was loaded"))
 
     def create_local_plan(self) -> Any:
-        plan = super().create_local_plan()
+        assert self.metadata is not None  # DCP reads it before it plans
+        saved = self.metadata.state_dict_metadata
+        plan = LoadPlan([])
+        for key, value in self.state_dict.items():  # in the state's order, as DCP's own
+            if key not in self.split:
+                plan.items.extend(create_default_local_load_plan(
+                    {key: value}, self.metadata, not self.allow_partial_load).items)
+                continue
+            plan.items.extend(create_read_items_for_chunk_list(
+                key, cast(TensorStorageMetadata, saved[key]),  # set_up_planner's check: a tensor there
+                [ChunkStorageMetadata(torch.Size(self.split[key]), value.size())]))
         keys = set()
-        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
         for item in plan.items:
             found = saved[item.storage_index.fqn]
             properties = getattr(found, "properties", None)
@@ -168,3 +192,10 @@ class _CountingLoadPlanner(DefaultLoadPlanner):
                 keys.add(item.storage_index.fqn)
         self.entries = len(keys)
         return dataclasses.replace(plan, planner_data=(plan.planner_data, self.held))
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """The block a read item lands in: a split tensor's is the plain block itself (the
+        item's ``dest_offsets`` count from where it starts)."""
+        if index.fqn in self.split:
+            return self.state_dict[index.fqn]
+        return super().lookup_tensor(index)

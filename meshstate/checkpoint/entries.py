@@ -8,7 +8,7 @@ and read them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,18 +25,7 @@ GapCheck = Callable[[Mapping[str, "tuple[int, ...] | None"]], list[str]]
 """Given each saved key's whole shape (``None``: a plain value), what this rank's entries
 need that a checkpoint lacks, a line each. A backend's ``load`` calls it on every rank
 before it reads anything, and raises :func:`~meshstate.checkpoint.errors.refusal` on
-every rank if any rank found gaps."""
-
-
-def agree_on_gaps(problems: list[str]) -> None:
-    """Raise the refusal on every rank if any rank's ``problems`` is not empty (one small
-    all-reduce when all is well; the messages gathered only if not)."""
-    count = torch.tensor([len(problems)])
-    dist.all_reduce(count)
-    if count.item():
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, problems)
-        raise refusal({rank: found for rank, found in enumerate(every) if found})
+every rank if any rank found gaps (in the collective that checks ``held`` too)."""
 
 
 def holdings(entries: list["Entry"], mesh: ParallelMesh) -> dict[str, Holding]:
@@ -45,16 +34,21 @@ def holdings(entries: list["Entry"], mesh: ParallelMesh) -> dict[str, Holding]:
             for entry in entries}
 
 
-def refuse_strays(held: Mapping[str, Holding], undone: str) -> None:
+def refuse_strays_and_gaps(held: Mapping[str, Holding], undone: str, gaps: Sequence[str] = ()) -> None:
     """Raise, on every rank, if some saved key's block is held by other ranks than exactly
-    its replica group (gathered on rank 0, its verdict broadcast); the message ends with
-    ``undone``: ``"nothing was written"``."""
+    its replica group (the message ends with ``undone``: ``"nothing was written"``), else
+    if any rank's ``gaps`` is not empty (:func:`~meshstate.checkpoint.errors.refusal`):
+    both gathered on rank 0 together, its verdict broadcast."""
     every: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(dict(held), every, dst=0)
-    verdict = [first_stray(every) if every is not None else None]
+    dist.gather_object((dict(held), list(gaps)), every, dst=0)
+    verdict: list[str | None] = [None]
+    if every is not None:
+        stray = first_stray([theirs for theirs, _ in every])
+        found = {rank: theirs for rank, (_, theirs) in enumerate(every) if theirs}
+        verdict = [f"{stray}; {undone}" if stray is not None else str(refusal(found)) if found else None]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
-        raise CheckpointError(f"{verdict[0]}; {undone}")
+        raise CheckpointError(verdict[0])
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,16 @@ from meshstate.checkpoint import dcp
 from meshstate.checkpoint.entries import Entry, Transfer, holdings
 from meshstate.checkpoint.errors import CheckpointError
 from meshstate.checkpoint.layout import Layout, Numbering, flatten, ranges_text
+from meshstate.core.compat import broadcast_coalesced
 from meshstate.core.mesh import ParallelMesh, current_mesh
 from meshstate.core.world import refuse_simulation
 from meshstate.jax.sharding import P
 
 BACKENDS = ("dcp", "torch-checkpointing")
 """What writes the files: torch's DCP, or meta-pytorch's torch-checkpointing (an extra)."""
+BROADCAST_BUCKET_BYTES = 64 * 2**20
+"""The most bytes of a replica group's tensors one broadcast of a load carries (a larger
+tensor goes alone, in place)."""
 
 
 def save(
@@ -80,8 +84,7 @@ def load(
     read, transfer = files.load([entry for entry in entries if entry.is_first_replica(mesh)],
                                 os.fspath(path), mesh, lambda saved: _gaps(entries, mesh, saved),
                                 holdings(entries, mesh))
-    loaded = {entry.key: _shared(entry, read.get(entry.saved_key), mesh) for entry in entries}
-    _put(state, loaded)
+    _put(state, _shared(entries, read, mesh))
     return transfer  # type: ignore[no-any-return]
 
 
@@ -96,19 +99,30 @@ def _backend(name: str) -> ModuleType:
     raise CheckpointError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
 
 
-def _shared(entry: Entry, value: Any, mesh: ParallelMesh) -> Any:
-    """``value`` as read by the first of ``entry``'s replica group, on every rank of it
-    (in the same order on each: the entries' order)."""
-    if not entry.replica_axes:
-        return value
-    group = mesh.ordered(entry.replica_axes)
-    if entry.is_tensor:
-        block = value if value is not None else entry.block()
-        dist.broadcast(block, group=group.group, group_src=group.group_rank_at[0])
-        return block
-    carried = [value]
-    dist.broadcast_object_list(carried, group=group.group, group_src=group.group_rank_at[0])
-    return carried[0]
+def _shared(entries: list[Entry], read: Mapping[str, Any], mesh: ParallelMesh) -> dict[str, Any]:
+    """Each entry's value on this rank, by key: as read (by saved key), or, for a replicated
+    entry, as the first of its replica group read it, broadcast over the group: per group
+    (in the order of their axes), its tensors coalesced into buckets of
+    ``BROADCAST_BUCKET_BYTES`` and its plain values in one list, in the entries' order."""
+    shared = {entry.key: read.get(entry.saved_key) for entry in entries if not entry.replica_axes}
+    groups: dict[tuple[str, ...], list[Entry]] = {}
+    for entry in entries:
+        if entry.replica_axes:
+            groups.setdefault(entry.replica_axes, []).append(entry)
+    for axes in sorted(groups):
+        group = mesh.ordered(axes)
+        src = group.group_rank_at[0]
+        tensors = [entry for entry in groups[axes] if entry.is_tensor]
+        values = [entry for entry in groups[axes] if not entry.is_tensor]
+        blocks = [read[entry.saved_key] if entry.saved_key in read else entry.block() for entry in tensors]
+        if blocks:
+            broadcast_coalesced(blocks, group.group, src, BROADCAST_BUCKET_BYTES)
+        carried = [read.get(entry.saved_key) for entry in values]
+        if carried:
+            dist.broadcast_object_list(carried, group=group.group, group_src=src)
+        shared.update({entry.key: block for entry, block in zip(tensors, blocks)})
+        shared.update({entry.key: value for entry, value in zip(values, carried)})
+    return shared
 
 
 def _mesh(mesh: ParallelMesh | None, what: str) -> ParallelMesh:

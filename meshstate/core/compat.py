@@ -824,3 +824,13 @@ def follow_reentrant_checkpoint(
 
     followed_forward._meshstate_follows = True  # type: ignore[attr-defined]
     CheckpointFunction.forward = staticmethod(followed_forward)  # type: ignore[method-assign]
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, group_src: int, bucket_bytes: int,
+) -> None:
+    """Broadcast ``tensors`` in place from the group's rank ``group_src``, flattened into
+    buckets of up to ``bucket_bytes`` (one broadcast a bucket, not a tensor). Uses
+    ``torch._C._distributed_c10d._broadcast_coalesced``, which DDP syncs a module's states
+    with."""
+    torch._C._distributed_c10d._broadcast_coalesced(group, list(tensors), bucket_bytes, group_src)

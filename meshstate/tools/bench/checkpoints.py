@@ -9,6 +9,10 @@ mesh's DeviceMesh); meshstate.checkpoint saves and loads the plain blocks with t
 through torch-checkpointing: the same bytes each way, into the same tensors in place.
 Each figure is the median of ``repeats`` runs after one untimed, the wall time of the slowest rank;
 MB/s counts every rank's bytes; a ratio is the median of each run's over DCP's in that run.
+A run saves with every writer, each into a folder of its own, then loads with every
+writer (the saves back to back, and the loads, in the same order: the runs take the
+writers' orders in turn, so each writer comes first, and after each other, as often),
+and removes the folders, untimed.
 
 Example: ``format_checkpoints(measure_checkpoints([4], print))``.
 """
@@ -16,6 +20,7 @@ Example: ``format_checkpoints(measure_checkpoints([4], print))``.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import shutil
 import statistics
@@ -91,14 +96,19 @@ def time_checkpoints_on_rank(
     state = {"model": blocks(layers)}
     calls = _calls(state, dtensors(state["model"], mesh), mesh)
     timings: dict[str, list[tuple[float, float]]] = {writer: [] for writer in writers}
+    orders = list(itertools.permutations(writers))  # each writer after each other as often
     try:
         for repeat in range(-1, repeats):  # run -1 warms each writer up, untimed
-            for writer in writers[repeat % len(writers):] + writers[:repeat % len(writers)]:  # each first in turn
-                path = os.path.join(str(folder[0]), f"{repeat}-{writer}")
-                saving, loading = calls[writer]
-                timed = (_timed(lambda: saving(path)), _timed(lambda: loading(path)))
-                if repeat >= 0:
-                    timings[writer].append(timed)
+            order = orders[repeat % len(orders)]
+            paths = {writer: os.path.join(str(folder[0]), f"{repeat}-{writer}") for writer in order}
+            saves = {writer: _timed(calls[writer][0], paths[writer]) for writer in order}
+            loads = {writer: _timed(calls[writer][1], paths[writer]) for writer in order}
+            if repeat >= 0:
+                for writer in writers:
+                    timings[writer].append((saves[writer], loads[writer]))
+            if dist.get_rank() == 0:  # every rank has loaded (_timed's barrier); the next run waits
+                for path in paths.values():
+                    shutil.rmtree(path)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
@@ -121,10 +131,10 @@ def _calls(
     }
 
 
-def _timed(call: Callable[[], object]) -> float:
+def _timed(call: Callable[[str], object], path: str) -> float:
     dist.barrier()
     started = time.perf_counter()
-    call()
+    call(path)
     dist.barrier()
     return time.perf_counter() - started
 

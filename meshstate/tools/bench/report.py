@@ -56,6 +56,7 @@ from meshstate.tools.bench.runtime import (
     QueryRow, RuntimeRow, format_queries, format_runtime, measure_queries, measure_runtime,
 )
 from meshstate.tools.bench.settings import (
+    CHECKPOINT_RUNS,
     CHECKPOINT_SIZES,
     COMPILE_SIZES,
     MAX_SIMULATED_CHECK,
@@ -153,7 +154,8 @@ def run(
         simulated_checks, SIMULATED_CHECK_SIZES, progress
     )
     report.compile_rows = measure_compile(compile_world_sizes, progress)
-    report.checkpoint_rows = measure_checkpoints(checkpoint_world_sizes, progress, repeats=repeats)
+    report.checkpoint_rows = measure_checkpoints(checkpoint_world_sizes, progress,
+                                                 repeats=max(repeats, CHECKPOINT_RUNS))
     if simulated_pipeline:
         progress(f"a 1F1B step of {simulated_pipeline} ranks, simulated stage by stage")
         report.simulated_check_rows.append(

@@ -28,6 +28,11 @@ CHECKPOINT_SIZES: dict[str, Any] = dict(tp=2)
 """The layout ``bench`` saves and loads checkpoints on (dp inferred; blocks split over both)."""
 CHECKPOINT_WORLDS = "4"
 """The local worlds ``bench`` times checkpoints on unless told otherwise."""
+CHECKPOINT_RUNS = 12
+"""The fewest timed runs of each checkpoint writer (``--repeat`` asks for more): a ratio is
+the median of each run's seconds over DCP's, which three runs leave to one busy spell
+of a shared machine (0.73-0.96x for the same code in three bench runs). Twice the six
+orders of three writers, which the runs take in turn."""
 CHECKPOINT_LAYERS, CHECKPOINT_BLOCK = 8, 512
 """Each rank's blocks: this many layers of two float32 blocks of this many rows and columns
 (8 layers of 512 x 512: 16 MiB a rank)."""

@@ -21,6 +21,7 @@ from typing import Any, NoReturn, cast
 from meshstate.layout.config import DEFAULT_ORDER, MAX_WORLD_SIZE, MeshArguments, MeshConfig, sizes_text
 from meshstate.errors import ConfigError
 from meshstate.tools.bench.settings import (
+    CHECKPOINT_RUNS,
     CHECKPOINT_SIZES,
     CHECKPOINT_WORLDS,
     COMPILE_SIZES,
@@ -299,7 +300,7 @@ def _add_bench(commands: argparse._SubParsersAction[_OneLineParser]) -> None:
         "--checkpoint-ranks", type=_process_world_sizes, default=CHECKPOINT_WORLDS,
         help="local worlds to save and load a checkpoint on (" + sizes_text(CHECKPOINT_SIZES)
         + ", dp inferred) with meshstate.checkpoint and with DCP's own save and load of the "
-        "same DTensors; 0 for none",
+        f"same DTensors, each timed --repeat times but at least {CHECKPOINT_RUNS}; 0 for none",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     _add_force_flag(bench)
