@@ -191,7 +191,7 @@ def _reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     name = jax_name(func).removeprefix("a")
     plan = reduction_plan(name, x.device_mesh, layout_of(x), dims, bool(given.get("keepdim", False)))
     refuse_if(plan.error)
-    if (x.requires_grad and torch.is_grad_enabled()) or _compat.tracing():
+    if _compat.recorded_or_traced(x):
         return laid_out(func(leaf_typed(x), *args[1:], **kwargs), plan.final)
     local = func(_compat.local_tensor(x), *args[1:], **kwargs)
     spec = _compat.even_spec(x.device_mesh, plan.result, local)
