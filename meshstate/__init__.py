@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from meshstate.megatron.hyper_comm_grid import HyperCommGrid
     from meshstate.layout.layout import GROUP_KINDS, Chunks, DerivedGroup, Grid, Instances, Level, ParallelLayout, Pick
     from meshstate.core.build import init_mesh, make_mesh
-    from meshstate.core.mesh import ParallelMesh, current_mesh, get_mesh, set_mesh
+    from meshstate.core.mesh import ParallelMesh
+    from meshstate.core.which_mesh import current_mesh, get_mesh, set_mesh
     from meshstate.core.ordered import OrderedGroup
     from meshstate.layout.hybrid_grid import HybridGrid
     from meshstate.core.hybrid_mesh import HybridMesh, init_hybrid_mesh
@@ -53,7 +54,8 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(('HyperCommGrid',), "meshstate.megatron.hyper_comm_grid"),
     **dict.fromkeys(('GROUP_KINDS', 'Chunks', 'DerivedGroup', 'Grid', 'Instances', 'Level', 'ParallelLayout', 'Pick'), "meshstate.layout.layout"),
     **dict.fromkeys(('init_mesh', 'make_mesh'), "meshstate.core.build"),
-    **dict.fromkeys(('ParallelMesh', 'current_mesh', 'get_mesh', 'set_mesh'), "meshstate.core.mesh"),
+    **dict.fromkeys(('ParallelMesh',), "meshstate.core.mesh"),
+    **dict.fromkeys(('current_mesh', 'get_mesh', 'set_mesh'), "meshstate.core.which_mesh"),
     **dict.fromkeys(('OrderedGroup',), "meshstate.core.ordered"),
     **dict.fromkeys(('HybridGrid',), "meshstate.layout.hybrid_grid"),
     **dict.fromkeys(('HybridMesh', 'init_hybrid_mesh'), "meshstate.core.hybrid_mesh"),

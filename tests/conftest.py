@@ -116,6 +116,18 @@ def compiled_whole(fn, graphs):
     return torch.compile(fn, fullgraph=True, backend=backend)
 
 
+def dynamo_graph_as_it_is(fn, graphs):
+    """``fn`` compiled whole as :func:`compiled_whole` does, dynamo's graphs run as they are
+    (no AOTAutograd: a simulated world's compiled code)."""
+    import torch
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+    reset_dynamo()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
 def reset_dynamo():
     """``torch._dynamo.reset()``; in a thread per rank, once, by rank 0, while no rank
     compiles (the threads share dynamo's caches)."""

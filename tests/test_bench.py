@@ -187,6 +187,33 @@ def test_runtime_table_has_every_call_traced_as_one_graph(monkeypatch):
     assert " 1.00     2.0      3.0      1      0" in table
 
 
+def test_each_runtime_row_times_eager_before_it_traces(monkeypatch):
+    """A trace leaves torch's DTensor sharding cache holding results on the tracer's
+    wrapper of the mesh, which eager ops of the same layout then compare slowly: a
+    partial-manual call timed after its trace read 105 us beside local_map's 99 (untraced)."""
+    events = []
+    explain = bench_runtime._explain
+
+    def traced(function, *args):
+        events.append("trace")
+        return explain(function, *args)
+
+    monkeypatch.setattr(bench_runtime, "_explain", traced)
+    monkeypatch.setattr(bench_runtime, "_us_per_call",
+                        lambda call, calls=0: (call(), events.append("eager"), 2.0)[2])
+    monkeypatch.setattr(bench_runtime, "_us_per_call_side_by_side",
+                        lambda first, second: (first(), second(), events.append("eager"), 2.0, 2.0)[3:])
+    monkeypatch.setattr(bench_runtime, "_compiled_us",
+                        lambda function, *args: (events.append("compiled"), 3.0)[1])
+    rows = bench_runtime.measure_runtime()
+    row_events = " ".join(events).split("compiled")[:-1]
+    assert len(row_events) == len(rows)
+    for row, seen in zip(rows, row_events):  # the typed rows time both rows' calls first
+        timed = seen.split()
+        assert "eager" not in timed[timed.index("trace"):], row.call
+    assert events.count("eager") >= len(rows)
+
+
 def test_a_simulated_check_counts_its_own_memory_not_its_parents():
     """The row's process starts fresh: a parent holding a gigabyte does not raise its peak
     (Linux keeps ``ru_maxrss`` across exec)."""

@@ -469,3 +469,23 @@ def test_a_compiled_function_finds_every_plan_it_makes_while_tracing(fake_mesh):
         args = torch.randn(4, 6, requires_grad=True), torch.randn(6, 3, requires_grad=True)
         assert explained(two_plans, *args) == (1, 0)
     fresh.destroy()
+
+
+@pytest.mark.parametrize("where", ["plain code", "a typed shard_map body"])
+def test_a_compiled_collective_is_not_traced_again_after_an_import(fake_mesh, monkeypatch, where):
+    """Where dynamo's trace reads ``sys.modules`` (is spmd_types' checker there?), it guards
+    on its size: every import after the compile traced the function again."""
+    import sys
+    import types
+
+    def summed(x):
+        return lax.psum(x, "tp") * 2
+
+    function = summed if where == "plain code" else shard_map(summed, in_specs=P("tp"), out_specs=P())
+    torch._dynamo.reset()
+    step = torch.compile(function, backend="eager", fullgraph=True)
+    step(torch.ones(4))
+    monkeypatch.setitem(sys.modules, "meshstate_imported_after_the_compile",
+                        types.ModuleType("meshstate_imported_after_the_compile"))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step(torch.ones(4))

@@ -34,3 +34,21 @@ def test_a_facade_error_lives_with_its_facade_alone():
 
     assert meshstate.ParallelStateError is ParallelStateError
     assert not hasattr(errors, "ParallelStateError") and not hasattr(errors, "DimNameError")
+
+
+def test_the_type_systems_sit_behind_one_seam():
+    """In ``jax/``, spmd_types is named by its adapter (and the folder's map) alone, and
+    only the seam, ``jax/typing.py``, imports either type system."""
+    import re
+    from pathlib import Path
+
+    import meshstate.jax
+
+    jax = Path(meshstate.jax.__file__).parent
+    sources = {path.relative_to(jax).as_posix(): path.read_text() for path in jax.rglob("*.py")}
+    assert sorted(name for name, text in sources.items() if "spmd_types" in text) == [
+        "types/__init__.py", "types/spmd_checker.py"]
+    importing = re.compile(r"^from meshstate\.jax\.types(\.vma)? import .*(vma|spmd_checker)|"
+                           r"^from meshstate\.jax\.types\.(vma|spmd_checker) import", re.M)
+    assert sorted(name for name, text in sources.items()
+                  if importing.search(text) and not name.startswith("types/")) == ["typing.py"]

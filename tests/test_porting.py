@@ -9,7 +9,9 @@ process's), and the type (``jax.typeof``) of the values the body names. They run
 on 4 ranks, as gloo processes and simulated in one process, eager (with and without
 gradients); the four that once broke (``torch.func.vmap`` dropping types, ``chunk``
 and checkpointed collectives under ``torch.compile``, the scaling book's ``ppermute``
-of column blocks) also compiled, with no graph break, in processes and in threads.
+of column blocks) also compiled, with no graph break, in processes and in threads, and
+simulated as one graph for every rank that dynamo traces and torch's simulation runs
+(AOTAutograd's ``aot_eager`` is refused there by name).
 """
 
 import json
@@ -25,7 +27,9 @@ from meshstate import P, shard_map
 from meshstate.jax import collectives as lax
 from meshstate.jax.types.vma import type_text
 
-from conftest import close, compiled_whole, in_both_worlds, in_processes_and_threads
+from meshstate.testing import simulated_world
+
+from conftest import close, compiled_whole, dynamo_graph_as_it_is, in_both_worlds, in_processes_and_threads
 
 RECORDS = json.loads((Path(__file__).parent / "jax_records" / "porting.json").read_text())
 
@@ -149,9 +153,9 @@ PROGRAMS = {"ring": ring, "matmul": matmul, "mlp": mlp, "pipeline": pipeline,
             "halves": halves, "remat": remat, "collective_matmul": collective_matmul}
 
 
-def run(name, *, compiled=False):
+def run(name, *, compiled=False, compiler=compiled_whole):
     """The program's global result, each input's gradient of ``sum(result ** 2)`` and the
-    types its body noted (eager only)."""
+    types its body noted (eager only); ``compiler`` compiles it where ``compiled``."""
     types = None if compiled else []
     shape, names, body, in_specs, out_specs, args = PROGRAMS[name](types)
     mesh = meshstate.make_mesh(shape, names)
@@ -164,7 +168,7 @@ def run(name, *, compiled=False):
 
     graphs = []
     if compiled:
-        loss_of = compiled_whole(loss_of, graphs)
+        loss_of = compiler(loss_of, graphs)
     whole, loss = loss_of(*leaves)
     loss.backward()
     assert len(graphs) == compiled, (name, graphs)
@@ -199,7 +203,32 @@ def test_jax_documentation_programs_equal_jax():
         assert close(forward_only(name), RECORDS[name]["result"]), name
 
 
-@pytest.mark.parametrize("name", ["pipeline", "halves", "remat", "collective_matmul"])
+COMPILED = ["pipeline", "halves", "remat", "collective_matmul"]
+
+
+@pytest.mark.parametrize("name", COMPILED)
 @in_processes_and_threads(4)
 def test_compiled_with_no_graph_break_equal_jax(name):
     check(name, *run(name, compiled=True))
+
+
+@in_both_worlds(4, ("simulated",))
+def test_compiled_in_the_simulated_world_is_one_graph_for_every_rank():
+    """Simulated, dynamo traces one graph that carries no rank (a rank's block and index are
+    read when it runs), which torch's simulation runs for every rank: JAX's values and
+    gradients, dynamo's graph run as it is."""
+    for name in COMPILED:
+        check(name, *run(name, compiled=True, compiler=dynamo_graph_as_it_is))
+
+
+def compiled_check(name):
+    check(name, *run(name, compiled=True))
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_through_aot_autograd_in_the_simulated_world_is_refused_by_name(name):
+    """AOTAutograd (``aot_eager``) meets torch's simulated tensors beside the block index the
+    graph reads when it runs."""
+    with pytest.raises(meshstate.SimulationError,
+                       match="which its backend could not compile over torch's simulated tensors"):
+        simulated_world(4).run(compiled_check, name)

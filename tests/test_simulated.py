@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import meshstate
 from meshstate.errors import SimulationError
 from meshstate.core.groups import create_group_family
+from meshstate.core.one_rank import index_when_run
 from meshstate.megatron import parallel_state as mpu
 from meshstate.testing import distributed, local_world, simulated_world
 
@@ -252,10 +254,42 @@ def float_list_of_every_rank() -> None:
     torch.full((1,), dist.get_rank(), dtype=torch.float).tolist()
 
 
-def compile_a_shard_map_of_a_plain_tensor() -> None:
+def compiled_shard_map(backend: str) -> torch.Tensor:
+    """A shard_map's block of a tensor and its axis index, compiled whole on ``backend``."""
+    from meshstate.jax import collectives as lax
+
     with meshstate.init_mesh(tp=2):
-        step = meshstate.shard_map(lambda x: x * 2, in_specs=meshstate.P("tp"), out_specs=meshstate.P("tp"))
-        torch.compile(step, fullgraph=True, backend="eager")(torch.arange(4.0))
+        step = meshstate.shard_map(lambda x: x * 2 + lax.axis_index("tp"), in_specs=meshstate.P("tp"),
+                                   out_specs=meshstate.P("tp"))
+        block: torch.Tensor = torch.compile(step, fullgraph=True, backend=backend)(torch.arange(4.0)).to_local()
+        return block
+
+
+def compile_a_shard_map_through_aot_autograd() -> None:
+    compiled_shard_map("aot_eager")
+
+
+def test_a_compiled_shard_map_is_one_graph_torch_runs_for_every_rank() -> None:
+    """Dynamo traces a graph that carries no rank (the block and the index are read when it
+    runs), which torch's simulation runs for every rank: each rank's block, doubled, plus its
+    tp index."""
+    blocks = simulated_world(8).run(compiled_shard_map, "eager")
+    expected = [torch.tensor([0.0, 2.0]), torch.tensor([5.0, 7.0])] * 4
+    assert all(torch.equal(got, want) for got, want in zip(blocks, expected, strict=True)), blocks
+
+
+def index_read_under_a_fake_mode() -> str:
+    group = meshstate.init_mesh(tp=2).ordered("tp")
+    with FakeTensorMode():
+        index = index_when_run(group)
+    return type(index).__name__ if isinstance(index, FakeTensor) else repr(index)
+
+
+def test_a_meshstate_op_under_a_fake_mode_gives_a_fake_tensor() -> None:
+    """A rank-free graph's op (the group index it reads when it runs) called where a fake
+    mode is on, as in dynamo's run on fake tensors, answers with its fake kernel on every
+    rank: the simulation ran its real kernel there, each rank's index, past the fake mode."""
+    assert simulated_world(4).run(index_read_under_a_fake_mode) == ["FakeTensor"] * 4
 
 
 @pytest.mark.parametrize(("body", "says"), [
@@ -271,7 +305,7 @@ def compile_a_shard_map_of_a_plain_tensor() -> None:
     (embedding_group_of_some_stages, "simulated ranks 2, 3, 4, 5 are in no 'pp/embedding' group"),
     (adopt_groups, "adopt() cannot run in a simulated world"),
     (float_list_of_every_rank, "cannot run this (RuntimeError: Cannot convert local tensor to list)"),
-    (compile_a_shard_map_of_a_plain_tensor, "torch.compile cannot trace this with every rank's values in one process (InternalTorchDynamoError"),
+    (compile_a_shard_map_through_aot_autograd, "dynamo traced one graph for every rank, which its backend could not compile"),
 ])
 def test_what_the_simulation_cannot_do_says_so(body: Any, says: str) -> None:
     with pytest.raises(SimulationError, match="local_world") as raised:

@@ -342,12 +342,15 @@ def test_a_stage_process_ends_with_its_caller(tmp_path: Any) -> None:
     import sys
     import time
 
-    caller = subprocess.Popen([sys.executable, "-c", SIGNALLED_STAGES, str(tmp_path)],
-                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    pids, temporary = tmp_path / "pids", tmp_path / "tmp"  # the killed run's store folder: pytest's
+    pids.mkdir()
+    temporary.mkdir()
+    caller = subprocess.Popen([sys.executable, "-c", SIGNALLED_STAGES, str(pids)],
+                              env={**os.environ, "PYTHONPATH": os.getcwd(), "TMPDIR": str(temporary)})
     deadline = time.monotonic() + 60
-    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+    while len(os.listdir(pids)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    stages = [int(name) for name in os.listdir(tmp_path)]
+    stages = [int(name) for name in os.listdir(pids)]
     assert len(stages) == 2
     caller.send_signal(signal.SIGKILL)
     caller.wait(timeout=30)

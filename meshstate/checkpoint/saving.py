@@ -28,7 +28,8 @@ from meshstate.checkpoint.entries import Entry, Transfer, holdings
 from meshstate.checkpoint.errors import CheckpointError
 from meshstate.checkpoint.layout import Layout, Numbering, flatten, ranges_text
 from meshstate.core.compat import broadcast_coalesced
-from meshstate.core.mesh import ParallelMesh, current_mesh
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import current_mesh
 from meshstate.core.world import refuse_simulation
 from meshstate.jax.sharding import P
 

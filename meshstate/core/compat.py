@@ -145,6 +145,12 @@ _dynamo_tracing = torch.compiler.is_dynamo_compiling
 _session_flag = torch.compiler.is_compiling
 
 
+torch_function_mode_on: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
+"""Whether a torch function mode is on in this thread (private
+``torch._C._is_torch_function_mode_enabled``): one C call, which dynamo answers as a
+constant while it traces (guarded as it guards the mode stack anyway)."""
+
+
 def modes_see_every_op() -> bool:
     """Have ``torch.compile`` hand every torch op to torch function modes, as eager code
     does, so that a mode that types results (a typed shard_map body, Explicit axes) types
@@ -380,7 +386,7 @@ def _coordinates_read_when_run() -> Iterator[None]:
     original = DeviceMesh._sym_get_coordinate
 
     def read_when_run(mesh: DeviceMesh, index: int) -> Any:
-        with _one_rank_config().patch(compile_on_one_rank=True):
+        with torch_compiling_on_one_rank():
             return original(mesh, index)
 
     DeviceMesh._sym_get_coordinate = read_when_run  # type: ignore[method-assign, assignment]
@@ -388,6 +394,13 @@ def _coordinates_read_when_run() -> Iterator[None]:
         yield
     finally:
         DeviceMesh._sym_get_coordinate = original  # type: ignore[method-assign]
+
+
+def torch_compiling_on_one_rank() -> contextlib.AbstractContextManager[None]:
+    """A block in which torch's ``compile_on_one_rank`` flag is on (:func:`_one_rank_config`):
+    traced, a DeviceMesh reads its coordinates when the graph runs."""
+    flag_on: contextlib.AbstractContextManager[None] = _one_rank_config().patch(compile_on_one_rank=True)
+    return flag_on
 
 
 def torch_compiles_on_one_rank() -> bool:

@@ -8,8 +8,8 @@ which keeps them in private tables (answered by ``rank``, ``size``, ``group`` an
 the dense, expert and HSDP root DeviceMeshes (O(world) each, which the tables
 never need), their slices and flattened joint meshes (local work once the
 groups exist), and, by :meth:`ParallelMesh.ordered`, the group of an axis set no
-key declared (only its members take part). The current mesh (``with mesh:``,
-:func:`set_mesh`) is per thread.
+key declared (only its members take part). Which mesh a call uses (``with mesh:``,
+``set_mesh``, per thread) is :mod:`meshstate.core.which_mesh`'s.
 """
 
 from __future__ import annotations
@@ -25,17 +25,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshstate.core import compat as _compat
 from meshstate.layout.config import MeshConfig
-from meshstate.errors import (
-    AmbiguousMeshError, AxisError, MeshStateError, NotInitializedError, WrongMeshError,
-)
+from meshstate.errors import AxisError, MeshStateError, NotInitializedError
 from meshstate.core.groups import ProcessGroupSet, create_axis_set_group
 from meshstate.layout.layout import GROUP_KINDS, DerivedGroup, Grid, Key, MeshLayout, spellings, splits_dp
 from meshstate.core.world import outside_simulation, process_rank, simulated_ranks, simulation
 from meshstate.core.ordered import OrderedGroup, axis_tuple
 from meshstate.core.facts import MeshTables, TableView
 from meshstate.core.current import (
-    CurrentMeshes, current as _current, first_caller_outside_meshstate, forget_mesh,
-    this_ranks_meshes, track_mesh,
+    CurrentMeshes, current as _current, first_caller_outside_meshstate, forget_mesh, track_mesh,
 )
 from meshstate.core.views import DeviceMeshOnly, build_root_mesh, flattened_mesh, sliced_mesh
 
@@ -106,6 +103,9 @@ class ParallelMesh:
         self.kinds = kinds
         self.derived = derived
         self._ordered_groups: dict[str | tuple[str, ...], OrderedGroup] = {}
+        self._rank_free_groups: dict[str | tuple[str, ...], OrderedGroup] = {}
+        """Simulated, the process rank's groups: what a graph every rank runs is traced with
+        (its rank-dependent values are read when it runs)."""
         # Groups made on first use are made one key at a time in this process (threads).
         self._creating = threading.Lock()
         self._creating_axes: dict[tuple[str, ...], threading.Lock] = {}
@@ -262,7 +262,9 @@ class ParallelMesh:
         and destroyed with the mesh; the same axes in another order share it.
         """
         key = axes if isinstance(axes, str) else axis_tuple(axes)
-        found = self._ordered_groups.get(key)
+        # Simulated and traced: one graph every rank runs, traced with the process rank's group.
+        every_rank = self.simulated is not None and _compat.tracing()
+        found = (self._rank_free_groups if every_rank else self._ordered_groups).get(key)
         if found is not None:
             return found
         self.check_alive()
@@ -276,11 +278,12 @@ class ParallelMesh:
             group = self._axis_set_group(mesh_axes, ranks)
         found = OrderedGroup.of(ranks, self._rank, group, self.traced_name(group))
         if self.simulated is not None:
+            self._rank_free_groups[key] = found
             with outside_simulation():
                 groups = grid.groups(major_to_minor).tolist()
             found = simulation().ordered("-".join(major_to_minor), found, groups)
         self._ordered_groups[key] = found
-        return found
+        return self._rank_free_groups[key] if every_rank else found
 
     def _axis_set_group(
         self, mesh_axes: tuple[str, ...], ranks: tuple[int, ...]
@@ -412,8 +415,8 @@ class ParallelMesh:
 
         Every later use of the mesh, its tables and facts (so every Megatron
         getter served by it) raises :class:`~meshstate.errors.NotInitializedError`
-        naming the line that destroyed it, as does :func:`current_mesh` inside its
-        ``with`` block; here it stops being what :func:`set_mesh` set. A default
+        naming the line that destroyed it, as does ``current_mesh()`` inside its
+        ``with`` block; here it stops being what ``set_mesh`` set. A default
         process group that :func:`init_mesh` initialised stays (torch cannot
         form it again under torchrun) until exit or
         ``torch.distributed.destroy_process_group()``.
@@ -427,6 +430,7 @@ class ParallelMesh:
             _compat.forget_sharding_decisions()
         self._device_meshes.clear()
         self._ordered_groups.clear()
+        self._rank_free_groups.clear()
         destroyed = str(self._destroyed_error())
         for kept in self.store.values():
             forget = getattr(kept, "forget", None)
@@ -441,7 +445,8 @@ class ParallelMesh:
         forget_mesh(self)
 
     def __enter__(self) -> ParallelMesh:
-        """Make this the current mesh inside a ``with`` block (see :func:`current_mesh`)."""
+        """Make this the current mesh inside a ``with`` block (see
+        :func:`~meshstate.core.which_mesh.current_mesh`)."""
         self.check_alive()
         current.entered = (*current.entered, self)
         return self
@@ -477,120 +482,3 @@ class ParallelMesh:
             return MeshStateError(f"rank {self.global_rank} is in no {str(key)!r} group")
         valid = ", ".join(map(str, self.keys()))
         return AxisError(f"mesh has no group {str(key)!r}; valid keys are {valid}")
-
-
-def live_meshes() -> list[ParallelMesh]:
-    """This rank's meshes not destroyed yet (those built under its default group)."""
-    return [mesh for mesh in this_ranks_meshes() if isinstance(mesh, ParallelMesh)]
-
-
-def mesh_for(asking: str, default: ParallelMesh | None, default_name: str) -> ParallelMesh | None:
-    """The mesh that answers a façade's call ``asking`` on this rank: the innermost ``with
-    mesh:`` block's in this thread, else ``default`` (``None`` for none) where no other
-    live mesh of the rank could answer instead.
-
-    Raises :class:`~meshstate.errors.AmbiguousMeshError` naming the meshes and the
-    call that picks one: no answer for the wrong grid. Example, with the mesh
-    ``initialize_model_parallel`` built and another one alive::
-
-        mesh_for("get_tensor_model_parallel_rank()", served, "the mesh initialize_model_parallel built")
-        # AmbiguousMeshError: 2 live meshes on rank 5 could answer ...
-    """
-    if current.entered:
-        return current.entered[-1]
-    others = [mesh for mesh in live_meshes() if mesh is not default]
-    if not others or default is None or default.destroyed_at is not None:
-        return default
-    named = [f"{default_name}, {default!r} (built at {default.built_at})",
-             *(f"{mesh!r} built at {mesh.built_at}" for mesh in others)]
-    raise AmbiguousMeshError(
-        f"{len(named)} live meshes on rank {default.global_rank} could answer {asking}: "
-        f"{'; '.join(named)}. Pick one with `with mesh:` around the call, or destroy the "
-        "meshes not meant"
-    )
-
-
-def require_parallel_mesh(mesh: object, where: str) -> ParallelMesh:
-    """``mesh`` if it is a :class:`ParallelMesh`, else a ``WrongMeshError`` naming ``where``.
-
-    Example: ``require_parallel_mesh(mesh["tp"], "psum(mesh=...)")`` raises
-    ``psum(mesh=...) takes a meshstate ParallelMesh, got DeviceMesh; ...``.
-    """
-    if isinstance(mesh, ParallelMesh):
-        return mesh
-    raise WrongMeshError(
-        f"{where} takes a meshstate ParallelMesh, got {type(mesh).__name__}; pass the mesh "
-        "that meshstate.init_mesh returned (its DeviceMeshes, such as mesh[\"tp\"], are for "
-        "torch's own APIs)"
-    )
-
-
-def set_mesh(mesh: ParallelMesh | None) -> MeshSetting:
-    """Make ``mesh`` the current mesh outside any ``with mesh:`` block (``None`` clears it);
-    as ``with set_mesh(mesh):``, only until the block ends.
-
-    Like ``with mesh:``, it holds for the calling thread (a thread-local value,
-    which ``torch.compile`` guards on): a new thread starts with no current mesh.
-    It sets the mesh at once; the value it returns, used in a ``with``
-    statement, also makes ``mesh`` the innermost current mesh inside the block
-    and, on leaving it, gives back the mesh set before.
-
-    Example::
-
-        meshstate.set_mesh(meshstate.init_mesh(tp=2))
-        meshstate.current_mesh().size("tp")   # 2
-        with meshstate.set_mesh(other):
-            meshstate.current_mesh() is other   # True
-        meshstate.current_mesh().size("tp")   # 2 again
-    """
-    checked = None if mesh is None else require_parallel_mesh(mesh, "set_mesh()")
-    setting = MeshSetting(checked, current.set_mesh)
-    current.set_mesh = checked
-    return setting
-
-
-class MeshSetting:
-    """What :func:`set_mesh` returns: the mesh it set and the one set before, which a
-    ``with`` block around the call gives back on exit."""
-
-    def __init__(self, mesh: ParallelMesh | None, previous: ParallelMesh | None) -> None:
-        self.mesh = mesh
-        self.previous = previous
-
-    def __enter__(self) -> ParallelMesh | None:
-        if self.mesh is not None:
-            self.mesh.__enter__()
-        return self.mesh
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.mesh is not None:
-            self.mesh.__exit__(*exc_info)
-        current.set_mesh = self.previous
-
-
-def get_mesh() -> ParallelMesh | None:
-    """JAX's ``jax.get_mesh()``: the current mesh (as :func:`current_mesh`), or ``None``
-    where none is set (JAX answers an empty mesh there, which meshstate has not).
-
-    Example: ``with mesh: assert get_mesh() is mesh``; ``get_mesh()`` outside is ``None``.
-    """
-    return current_mesh() if current.entered or current.set_mesh is not None else None
-
-
-def current_mesh() -> ParallelMesh:
-    """The innermost mesh of a ``with mesh:`` block, else the one :func:`set_mesh` set.
-
-    Both are per thread. Where that mesh was destroyed, the error names the
-    line that did it. ``initialize_model_parallel`` sets its mesh too.
-    """
-    entered = current.entered
-    mesh = entered[-1] if entered else current.set_mesh
-    if mesh is not None:
-        if mesh.destroyed_at is not None:
-            raise mesh._destroyed_error()
-        return mesh
-    raise NotInitializedError(
-        "there is no current mesh in this thread; call meshstate.set_mesh(mesh) or use "
-        "`with mesh:` on the ParallelMesh from meshstate.init_mesh (a torch DeviceMesh's "
-        "`with` does not count)"
-    )

@@ -29,14 +29,19 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.core.agreement import leave_barrier
-from meshstate.core.world import ranks_share_the_process, refuse_simulation
+from meshstate.core.ordered import OrderedGroup
+from meshstate.core.world import group_rank, ranks_share_the_process, refuse_simulation, simulating
 from meshstate.errors import ArgumentTypeError, MeshStateError
 
-__all__ = ["compile_on_one_rank", "refuse_for_every_rank", "tracing_for_every_rank"]
+__all__ = [
+    "compile_on_one_rank", "index_when_run", "refuse_for_every_rank",
+    "tracing_for_a_simulated_world", "tracing_for_every_rank",
+]
 
 _per_thread = threading.local()
 _calls = itertools.count()
@@ -47,11 +52,19 @@ _FAILED = b"meshstate: failed: "
 
 def tracing_for_every_rank() -> bool:
     """Whether this thread traces a graph that every rank will run (a rank's values are
-    then read when the graph runs, or refused): in :func:`compile_on_one_rank`, or under
-    ``torch.compile`` with torch's ``compile_on_one_rank`` flag on."""
+    then read when the graph runs, or refused): in :func:`compile_on_one_rank`, under
+    ``torch.compile`` with torch's ``compile_on_one_rank`` flag on, or under
+    ``torch.compile`` in a simulated world (one graph, run by torch's simulation for
+    every rank)."""
     if getattr(_per_thread, "every_rank", False):
         return True
-    return _compat.tracing() and _compat.torch_compiles_on_one_rank()
+    return _compat.tracing() and (_compat.torch_compiles_on_one_rank() or simulating())
+
+
+def tracing_for_a_simulated_world() -> bool:
+    """Whether this thread traces, under ``torch.compile``, a graph that torch's simulation
+    will run for every rank of a simulated world (whose ranks share this process)."""
+    return _compat.tracing() and simulating()
 
 
 def refuse_for_every_rank(why: str) -> NoReturn:
@@ -162,3 +175,26 @@ def _compiled(
 
 
 _one_compile_at_a_time = threading.Lock()
+
+
+def index_when_run(group: OrderedGroup) -> torch.Tensor:
+    """``group.index`` as a 0-dim int64 tensor that a traced graph reads from the group it
+    runs on, not from the rank that traced it (see :func:`~meshstate.compile_on_one_rank`).
+    """
+    by_group_rank = group.by_group_rank
+    axis_of_group_rank = list(range(len(group.ranks)) if by_group_rank is None else by_group_rank)
+    index: torch.Tensor = _index_in_group(group.group_name, axis_of_group_rank)
+    return index
+
+
+@torch.library.custom_op("meshstate::index_in_group", mutates_args=())
+def _index_in_group(group_name: str, axis_of_group_rank: list[int]) -> torch.Tensor:
+    """The axis index of this process's rank in the group called ``group_name`` (of each
+    rank, simulated: ``group_rank`` answers per rank there)."""
+    group_rank_now = group_rank(_compat.group_named(group_name))
+    return torch.tensor(axis_of_group_rank).select(0, group_rank_now).clone()
+
+
+@_index_in_group.register_fake
+def _(group_name: str, axis_of_group_rank: list[int]) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
-from meshstate.core import compat as _compat
 from meshstate.errors import ArgumentTypeError
 
 
@@ -81,24 +79,3 @@ def axis_tuple(axes: object) -> tuple[str, ...]:
     if isinstance(axes, (tuple, list)) and all(isinstance(axis, str) for axis in axes):
         return tuple(axes)
     raise ArgumentTypeError(f"axes must be an axis name or a tuple of axis names, got {axes!r}")
-
-
-def index_when_run(group: OrderedGroup) -> torch.Tensor:
-    """``group.index`` as a 0-dim int64 tensor that a traced graph reads from the group it
-    runs on, not from the rank that traced it (see :func:`~meshstate.compile_on_one_rank`).
-    """
-    by_group_rank = group.by_group_rank
-    axis_of_group_rank = list(range(len(group.ranks)) if by_group_rank is None else by_group_rank)
-    index: torch.Tensor = _index_in_group(group.group_name, axis_of_group_rank)
-    return index
-
-
-@torch.library.custom_op("meshstate::index_in_group", mutates_args=())
-def _index_in_group(group_name: str, axis_of_group_rank: list[int]) -> torch.Tensor:
-    """The axis index of this process's rank in the group called ``group_name``."""
-    return torch.tensor(axis_of_group_rank[_compat.group_named(group_name).rank()])
-
-
-@_index_in_group.register_fake
-def _(group_name: str, axis_of_group_rank: list[int]) -> torch.Tensor:
-    return torch.empty((), dtype=torch.int64)

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import importlib
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
@@ -99,6 +100,25 @@ def _on() -> Simulation | None:
         importlib.import_module(_SIMULATION)  # plugs itself in
         assert _plugged is not None
     return _plugged if _plugged.ranks() is not None else None
+
+
+_simulating = threading.local()
+
+
+def simulating() -> bool:
+    """Whether this thread runs a simulated world's body now: a thread-local, which
+    ``torch.compile`` reads while it traces (and guards on) without tracing the simulation."""
+    return bool(getattr(_simulating, "on", False))
+
+
+@contextlib.contextmanager
+def simulating_here() -> Iterator[None]:
+    """A block in which this thread runs a simulated world's body (:func:`simulating`)."""
+    _simulating.on = True
+    try:
+        yield
+    finally:
+        _simulating.on = False
 
 
 def simulation() -> Simulation:

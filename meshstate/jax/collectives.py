@@ -59,9 +59,10 @@ from typing import Any, TypeVar, overload
 import torch
 
 from meshstate.errors import ArgumentTypeError, ConfigError
-from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
-from meshstate.core.one_rank import tracing_for_every_rank
-from meshstate.core.ordered import OrderedGroup, index_when_run
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import current_mesh, require_parallel_mesh
+from meshstate.core.one_rank import index_when_run, tracing_for_every_rank
+from meshstate.core.ordered import OrderedGroup
 from meshstate.jax import typing
 from meshstate.jax.torch_calls import (
     Axes,

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from meshstate.core import compat as _compat
 from meshstate.errors import NotInitializedError
-from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import current_mesh, require_parallel_mesh
 from meshstate.core.ordered import OrderedGroup
 from meshstate.jax.plan import contiguous_strides, plan_on
 from meshstate.jax.torch_calls import block, gather, gather_whole, take_block

@@ -23,8 +23,13 @@ import torch.distributed as dist
 
 from meshstate.core import compat as _compat
 from meshstate.errors import ArgumentTypeError, ConfigError
-from meshstate.core.one_rank import refuse_for_every_rank, tracing_for_every_rank
-from meshstate.core.ordered import OrderedGroup, index_when_run
+from meshstate.core.one_rank import (
+    index_when_run,
+    refuse_for_every_rank,
+    tracing_for_a_simulated_world,
+    tracing_for_every_rank,
+)
+from meshstate.core.ordered import OrderedGroup
 from meshstate.core.world import each_rank
 
 
@@ -167,6 +172,8 @@ def permute(
     # from the source: a point-to-point exchange that traces, and whose backward (the
     # splits swapped) is the inverse permutation.
     if use_functional(x, "ppermute"):
+        if tracing_for_a_simulated_world():
+            return _permuted_when_run(x, group, pairs)
         if tracing_for_every_rank():
             refuse_for_every_rank(
                 "ppermute cannot be in a graph every rank runs: its split sizes are each "
@@ -222,6 +229,26 @@ def _traced_ppermute(
     arrived = _compat.traced_all_to_all(x.contiguous().view(-1), receives, sends, group.group_name)
     mask = torch.full((), received, dtype=torch.bool, device=x.device)
     return arrived.view(x.shape).where(mask, 0)
+
+
+def _permuted_when_run(
+    x: torch.Tensor, group: OrderedGroup, pairs: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
+    """ppermute in a graph that carries no rank, for a simulated world: every rank sends
+    ``x`` to every rank of its group, and keeps its source's piece, chosen when the graph
+    runs (zeros where ``pairs`` sends it none). The backward sends each piece's gradient
+    back the same way. ``n`` times one exchange's traffic, all inside one process."""
+    n = len(group.ranks)
+    splits = [x.numel()] * n
+    arrived = _compat.traced_all_to_all(x.contiguous().view(-1).repeat(n), splits, splits, group.group_name)
+    pieces = torch.cat([arrived.view(n, *x.shape), torch.zeros_like(x).unsqueeze(0)])
+    source_of = [n] * n  # the group rank each axis index receives from; n: the zeros
+    for source, destination in pairs:
+        source_of[destination] = group.group_rank_at[source]
+    row = torch.tensor(source_of, device=x.device).index_select(
+        0, index_when_run(group).to(x.device).view(1)
+    )
+    return pieces.index_select(0, row).view(x.shape)
 
 
 @_compat.constant_when_traced

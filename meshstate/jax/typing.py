@@ -1,11 +1,13 @@
 """Which types a call of the JAX layer runs under, asked in one place.
 
 A collective, ``axis_index`` and ``shard_map`` run in one of four modes: plain code (the
-data move alone, the fast path), inside a typed ``shard_map`` body (JAX's types,
-:mod:`meshstate.jax.types.vma`), under torchtitan's spmd_types checker (its adapter,
-:mod:`meshstate.jax.types.spmd_checker`), or both. This module asks which, once per call, and is
-the one place that puts the two type systems together; each collective is described once
-here (:class:`CollectiveRule`), and its data move is :mod:`meshstate.jax.torch_calls`'.
+data move alone, the fast path), inside a typed ``shard_map`` body (JAX's types), under
+torchtitan's type checker, or both. This module asks which, once per call, and
+is the one place that puts the two type systems together. Each is a
+:class:`~meshstate.jax.types.system.TypeSystem` (JAX's rule:
+:mod:`meshstate.jax.types.in_body`; the checker's: :mod:`meshstate.jax.types.spmd_checker`);
+each collective is described once (:class:`~meshstate.jax.types.system.CollectiveRule`),
+and its data move is :mod:`meshstate.jax.torch_calls`'.
 
 Inside a partial-manual body (``shard_map(..., axis_names={"tp"})``) a value is a block over
 the manual axes and global over the others: a DTensor on the mesh of the other axes (or a
@@ -22,9 +24,7 @@ Example (what ``psum`` does)::
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn
 
@@ -33,11 +33,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial
 
 from meshstate.core import compat as _compat
-from meshstate.core.mesh import ParallelMesh, current_mesh
+from meshstate.core.mesh import ParallelMesh
 from meshstate.core.ordered import OrderedGroup
-from meshstate.errors import ArgumentTypeError, ConfigError, MeshStateError
+from meshstate.errors import MeshStateError
 from meshstate.jax.types import spmd_checker
 from meshstate.jax.torch_calls import Axes, recorded, summed_gradient
+from meshstate.jax.types.in_body import JAX_TYPES
+from meshstate.jax.types.system import (
+    ALL_GATHER, ALL_GATHER_INVARIANT, ALL_TO_ALL, PMAX, PMEAN, PMIN, PPERMUTE, PSUM,
+    PSUM_SCATTER, PVARY, CollectiveRule, Move, TypeSystem,
+)
 from meshstate.jax.types.vma import (
     NO_AXES, VaryingAxesError, VaryingTypes, axes_text, body, every_op_typed, plug_outside_types,
     type_text, typed, vma,
@@ -45,41 +50,19 @@ from meshstate.jax.types.vma import (
 
 __all__ = [
     # the seam's own
-    "CollectiveRule", "UnboundAxisError", "collective", "global_value", "on_local",
-    "ordered_group", "refuse_unbound",
+    "UnboundAxisError", "axis_names", "collective", "global_value", "on_local", "ordered_group",
+    "refuse_unbound",
+    # each collective, described once (meshstate.jax.types.system)
+    "ALL_GATHER", "ALL_GATHER_INVARIANT", "ALL_TO_ALL", "PMAX", "PMEAN", "PMIN", "PPERMUTE",
+    "PSUM", "PSUM_SCATTER", "PVARY", "CollectiveRule",
     # JAX's types (meshstate.jax.types), which the layers above reach through the seam
     "NO_AXES", "VaryingAxesError", "VaryingTypes", "axes_text", "body", "every_op_typed",
     "type_text", "typed", "vma",
 ]
 
-Move = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
-"""A collective's data move on one rank: its input and its group."""
+_SYSTEMS: tuple[TypeSystem, ...] = (JAX_TYPES, spmd_checker.CHECKER_TYPES)
+"""The type systems a collective may run under, the innermost first."""
 
-
-@dataclass(frozen=True)
-class CollectiveRule:
-    """What the types need to know of a collective, said once: its ``name`` in messages,
-    its row of spmd_types' table (``checker_kind``), whether JAX refuses it over axes the
-    value varies over only some of (``reduces``), and whether its result varies over its
-    axes (``keeps_axes``: ``all_gather``) or not (``psum``)."""
-
-    name: str
-    checker_kind: str
-    reduces: bool = False
-    keeps_axes: bool = True
-
-
-PSUM = CollectiveRule("psum", "sum", reduces=True, keeps_axes=False)
-PMEAN = CollectiveRule("pmean", "sum", reduces=True, keeps_axes=False)
-PMAX = CollectiveRule("pmax", "extreme", reduces=True, keeps_axes=False)
-PMIN = CollectiveRule("pmin", "extreme", reduces=True, keeps_axes=False)
-ALL_GATHER = CollectiveRule("all_gather", "gather")
-ALL_GATHER_INVARIANT = CollectiveRule("all_gather_invariant", "gather_invariant", keeps_axes=False)
-PSUM_SCATTER = CollectiveRule("psum_scatter", "scatter", reduces=True)
-ALL_TO_ALL = CollectiveRule("all_to_all", "exchange")
-PPERMUTE = CollectiveRule("ppermute", "permute")
-PVARY = CollectiveRule("pvary", "convert")
-"""The cast itself: inside a typed body it refuses an axis the value varies over already."""
 
 @_compat.constant_when_traced
 def ordered_group(mesh: ParallelMesh, axes: Axes) -> OrderedGroup:
@@ -102,10 +85,8 @@ def axis_names(axes: Axes) -> frozenset[str]:
 _names_of: dict[Axes, frozenset[str]] = {}
 
 
-_SPMD_TYPES = "spmd_types"
-_loaded = sys.modules
-"""The plain path asks ``_SPMD_TYPES in _loaded`` before the checker: where spmd_types
-was never imported, one dict lookup."""
+checker_on = spmd_checker.checking
+"""Whether the checker types this thread's torch calls now."""
 
 
 def collective(
@@ -119,16 +100,18 @@ def collective(
     tiled: bool = False,
 ) -> torch.Tensor:
     """``move(x, group)`` under the types that apply now: plain, JAX's rule inside a typed
-    body (``x`` cast up to vary over ``axes`` first, the result typed), spmd_types' rule
+    body (``x`` cast up to vary over ``axes`` first, the result typed), the checker's rule
     while its checker runs (``dims``: with ``tiled``, the dims the axes split), or both.
     Inside a partial-manual body, an axis it is not manual over is refused, and a value
     global over the others moves its local block (:func:`on_local`)."""
-    plain = body.types is None and not (_SPMD_TYPES in _loaded and spmd_checker.checking())
+    # The mode question, once a call: outside a typed body with no torch function mode on
+    # (one C call), no type system applies; else each system answers for itself (_typed).
+    plain = body.types is None and not _compat.torch_function_mode_on()
     if body.manual is not None:
         return _in_partial_body(rule, x, axes, mesh, group, move, dims, tiled, plain)
     if plain:
         return move(x, group)
-    return _typed(rule, x, axes, mesh, group, move, dims, tiled)
+    return _typed(rule, axes, mesh, move, dims, tiled)(x, group)
 
 
 def _in_partial_body(
@@ -138,13 +121,27 @@ def _in_partial_body(
     """:func:`collective` inside a partial-manual body. JAX refuses a reduction over axes
     the value varies over only some of before it looks the axes up: so does this."""
     names = axis_names(axes)
-    if body.types is not None:
-        _refuse_partly_varying_reduction(rule, x, axes, names, vma(x))
+    if not plain:  # plain: no system applies
+        for system in _SYSTEMS:
+            if system.applies():
+                system.refuse(rule, x, axes, names)
     refuse_unbound(rule.name, names)
     if plain:
         return on_local(rule.name, x, lambda local: move(local, group))
     return on_local(rule.name, x,
-                    lambda local: _typed(rule, local, axes, mesh, group, move, dims, tiled))
+                    lambda local: _typed(rule, axes, mesh, move, dims, tiled)(local, group))
+
+
+def _typed(
+    rule: CollectiveRule, axes: Axes, mesh: ParallelMesh | None, move: Move,
+    dims: tuple[int, ...], tiled: bool,
+) -> Move:
+    """``move`` under each type system that applies now, JAX's innermost."""
+    names, run = axis_names(axes), move
+    for system in _SYSTEMS:
+        if system.applies():
+            run = system.around(rule, axes, names, mesh, run, dims, tiled)
+    return run
 
 
 _FOUND = frozenset({"psum", "pmean", "pmax", "pmin", "ppermute", "pvary", "axis_index"})
@@ -232,101 +229,6 @@ def global_value(value: Any) -> Any:
     return typed(wrapped, axes) if axes else wrapped
 
 
-def _typed(
-    rule: CollectiveRule,
-    x: torch.Tensor,
-    axes: Axes,
-    mesh: ParallelMesh | None,
-    group: OrderedGroup,
-    move: Move,
-    dims: tuple[int, ...],
-    tiled: bool,
-) -> torch.Tensor:
-    """:func:`collective` where types apply: JAX's in a typed body, spmd_types' while its
-    checker runs, or both (of a value, or of a partial-manual body's block)."""
-    run = _in_body(rule, axes, mesh, move)
-    if spmd_checker.checking():
-        parallel_mesh = current_mesh() if mesh is None else mesh
-        call = spmd_checker.CheckedCall(
-            rule.checker_kind, run, group, _axis_groups(parallel_mesh, axes), dims, tiled
-        )
-        return spmd_checker.checked(x, group, call)
-    return run(x, group)
-
-
-def _in_body(rule: CollectiveRule, axes: Axes, mesh: ParallelMesh | None, move: Move) -> Move:
-    """``move`` with JAX's rule inside a typed body (outside one, ``move`` itself)."""
-
-    def typed_move(x: torch.Tensor, group: OrderedGroup) -> torch.Tensor:
-        if body.types is None:
-            return move(x, group)
-        if rule is PVARY:
-            return _pvary_in_body(x, axes, mesh)
-        with _compat.torch_functions_off():
-            x, before = _cast_up(x, axes, mesh, rule)
-            names = axis_names(axes)
-            return typed(move(x, group), before | names if rule.keeps_axes else before - names)
-
-    return typed_move
-
-
-def _cast_up(
-    x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None, rule: CollectiveRule
-) -> tuple[torch.Tensor, frozenset[str]]:
-    """``x`` made to vary over the collective's axes (pvary'd where it does not), and its
-    type before. A reduction over axes ``x`` varies over only some of is refused."""
-    if not isinstance(x, torch.Tensor):
-        raise ArgumentTypeError(f"{rule.name} takes a torch.Tensor, got {type(x).__name__}")
-    names, before = axis_names(axes), vma(x)
-    varying = names & before
-    if varying == names:
-        return x, before
-    _refuse_partly_varying_reduction(rule, x, axes, names, before)
-    parallel_mesh = current_mesh() if mesh is None else mesh
-    return pvary_over(x, names - before, parallel_mesh), before
-
-
-def _refuse_partly_varying_reduction(
-    rule: CollectiveRule, x: torch.Tensor, axes: Axes, names: frozenset[str], before: frozenset[str]
-) -> None:
-    """Refuse a reduction over ``names`` where ``x`` (of type ``before``) varies over only
-    some of them, as JAX 0.12 does."""
-    if rule.reduces and names & before and names - before:
-        raise _mixed_state(rule.name, x, axes, f"pvary the input over "
-                           f"{tuple(sorted(names - before))!r} or reduce over "
-                           f"{tuple(sorted(names & before))!r} alone")
-
-
-def _mixed_state(name: str, x: torch.Tensor, axes: Axes, instead: str) -> VaryingAxesError:
-    """JAX 0.12's refusal of a collective over axes ``x`` varies over only some of."""
-    return VaryingAxesError(
-        f"meshstate.{name} can only accept axis_name which corresponds to one of varying, "
-        f"unreduced, reduced or invarying state of the input. Got input type: {type_text(x)}, "
-        f"axes: {axes!r} and input state: {{'invarying', 'varying'}}; {instead}"
-    )
-
-
-def _pvary_in_body(x: torch.Tensor, axes: Axes, mesh: ParallelMesh | None) -> torch.Tensor:
-    """``pvary`` with JAX's rule inside a typed body: an axis ``x`` varies over is refused."""
-    names = axis_names(axes)
-    if names & vma(x) and names - vma(x):
-        raise _mixed_state("pvary", x, axes, f"pvary over {tuple(sorted(names - vma(x)))!r} alone")
-    if names & vma(x):
-        raise VaryingAxesError(
-            f"meshstate.pvary: x of type {type_text(x)} already varies over "
-            f"{axes_text(names & vma(x))}; pvary only casts invariant axes to varying "
-            "(JAX: Unsupported pcast from=varying, to='varying')"
-        )
-    with _compat.torch_functions_off():
-        return pvary_over(x, names, current_mesh() if mesh is None else mesh)
-
-
-def _axis_groups(parallel_mesh: ParallelMesh, axes: Axes) -> tuple[Any, ...]:
-    """The process group of each axis ``axes`` names, size 1 left out (spmd_types' axes)."""
-    return tuple(parallel_mesh.group(axis) for axis in sorted(axis_names(axes))
-                 if parallel_mesh.size(axis) > 1)
-
-
 def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMesh) -> torch.Tensor:
     """``x``, typed to vary over ``axes`` too; its gradient is summed over them (JAX's
     ``pvary`` inside a typed body, and what casting an operand up inserts); of a value
@@ -338,7 +240,7 @@ def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMes
         group = ordered_group(parallel_mesh, spelled)
         call = spmd_checker.CheckedCall(
             PVARY.checker_kind, lambda v, on: pvary_over(v, axes, parallel_mesh), group,
-            _axis_groups(parallel_mesh, spelled),
+            spmd_checker.axis_groups(parallel_mesh, axes),
         )
         return spmd_checker.checked(x, group, call)
     if not recorded(x):
@@ -352,7 +254,7 @@ def typed_index(
     index: Callable[[torch.device], torch.Tensor], axes: Axes, parallel_mesh: ParallelMesh
 ) -> torch.Tensor:
     """``axis_index`` inside a typed body: ``index(device)`` typed to vary over ``axes``
-    (for spmd_types' checker too, while it runs)."""
+    (for the checker too, while it runs)."""
     checking = spmd_checker.checking()  # asked before torch functions go off: it reads the modes
     with _compat.torch_functions_off():
         value = index(torch.device(parallel_mesh.device_type))
@@ -361,11 +263,6 @@ def typed_index(
             view_axes = parallel_mesh.layout.view_of(names).axes_fastest_first
             spmd_checker.spmd_typed(value, value, names, view_axes, parallel_mesh)
         return typed(value, names)
-
-
-def checker_on() -> bool:
-    """Whether spmd_types' checker types this thread's torch calls now."""
-    return _SPMD_TYPES in _loaded and spmd_checker.checking()
 
 
 def checker_paused() -> contextlib.AbstractContextManager[Any]:
@@ -382,19 +279,16 @@ def checker_types_block(block: torch.Tensor, argument: torch.Tensor, varying: fr
 
 def refuse_legacy_under_checker() -> NoReturn:
     """Refuse ``shard_map(check_vma=False)`` while the checker runs: that mode has no types."""
-    raise ConfigError(
-        "shard_map(check_vma=False) under spmd_types' checker: JAX's legacy mode has no "
-        "types (its psum's backward is a psum, which no spmd_types type says); use "
-        "check_vma=True, JAX's default, whose types the checker follows"
-    )
+    spmd_checker.refuse_legacy_shard_map()
 
 
 def _checker_type(x: torch.Tensor) -> frozenset[str]:
-    """The axes spmd_types types ``x`` ``V``, ``R`` or ``P`` on, named as the current mesh
-    names them (outside ``with mesh:``, as the one live mesh that spmd_types' current mesh
+    """The axes the checker types ``x`` ``V``, ``R`` or ``P`` on, named as the current mesh
+    names them (outside ``with mesh:``, as the one live mesh that the checker's current mesh
     is made of names them; two such meshes are refused): the axes a JAX value of that type
     varies over. None where it has not typed ``x``."""
     return spmd_checker.varying_axes(x) if spmd_checker.may_have_typed() else NO_AXES
 
 
 plug_outside_types(_checker_type)
+JAX_TYPES.plug_pvary(pvary_over)

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from meshstate.errors import NotInitializedError
 from meshstate.core.facts import FIELDS, Facts, answered
 from meshstate.layout.layout import Key
-from meshstate.core.mesh import ParallelMesh, mesh_for
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import mesh_for
 from meshstate.megatron import derived as families
 
 ProcessGroup = dist.ProcessGroup
@@ -504,7 +505,7 @@ class FactsOfTheCallingThread:
 
 class FactsOfThePickedMesh:
     """``_facts`` while another live mesh of the rank could answer instead of the one
-    served: every attribute is the facts of the mesh :func:`~meshstate.core.mesh.mesh_for`
+    served: every attribute is the facts of the mesh :func:`~meshstate.core.which_mesh.mesh_for`
     picks for the calling getter (the innermost ``with mesh:`` block's, else the
     served one where no other could answer), and a getter without a pick refuses.
     """

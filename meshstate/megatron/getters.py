@@ -38,7 +38,8 @@ from meshstate.megatron.errors import ParallelStateError
 from meshstate.layout.layout import Chunks, DerivedGroup, Key
 from meshstate.core import world
 from meshstate.core.current import watch_live_meshes
-from meshstate.core.mesh import ParallelMesh, live_meshes
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import live_meshes
 from meshstate.megatron import derived as families
 from meshstate.megatron import facts as served
 from meshstate.megatron.facts import (

@@ -27,7 +27,8 @@ from meshstate.core.groups import GroupOptions, require_default_group
 from meshstate.layout.layout import DerivedGroup, Key
 from meshstate.core.arguments import BuildOptions
 from meshstate.core.build import build_mesh
-from meshstate.core.mesh import ParallelMesh, set_mesh
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import set_mesh
 from meshstate.megatron import buffers, getters, nccl
 from meshstate.megatron import derived as families
 from meshstate.megatron import facts as served

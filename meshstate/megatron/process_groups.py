@@ -39,7 +39,8 @@ from meshstate.megatron import derived as families
 from meshstate.errors import ConfigError, NotInitializedError
 from meshstate.core.groups import create_group_family
 from meshstate.layout.layout import Key
-from meshstate.core.mesh import ParallelMesh, current_mesh, mesh_for, require_parallel_mesh
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import current_mesh, mesh_for, require_parallel_mesh
 from meshstate.megatron.facts import served_mesh
 
 ProcessGroup = dist.ProcessGroup
@@ -338,7 +339,7 @@ def _required_group(mesh: ParallelMesh, name: str, gloo: bool = False) -> Proces
 def _mpu_mesh(asking: str) -> ParallelMesh:
     """The mesh megatron-core's getters answer ``asking`` from: the one
     ``initialize_model_parallel`` built, or the one picked with ``with mesh:`` while
-    another live mesh could answer (:func:`~meshstate.core.mesh.mesh_for`); without
+    another live mesh could answer (:func:`~meshstate.core.which_mesh.mesh_for`); without
     either, the current mesh."""
     mesh = mesh_for(asking, served_mesh(), "the mesh initialize_model_parallel built")
     return current_mesh() if mesh is None else mesh

@@ -11,6 +11,7 @@ either, whether a simulation is on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import traceback
@@ -25,6 +26,7 @@ import torch.distributed._local_tensor as _simulation
 # sees this name (the stages of a staged world meet through one file).
 from torch._C._distributed_c10d import FileStore as FileStore
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 # The per-rank integer node torch's simulation maps to each rank's value in every op;
 # meshstate's per-rank integers subclass it so they reach aten ops as torch's do.
 from torch.distributed._local_tensor import LocalIntNode as LocalIntNode
@@ -42,6 +44,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
+from meshstate.core.compat import torch_compiling_on_one_rank, tracing
 from meshstate.errors import OTHER_WORLDS, SimulationError
 
 
@@ -52,6 +55,13 @@ def enabled_ranks() -> frozenset[int] | None:
     """
     mode = enabled_local_tensor_mode()
     return None if mode is None else frozenset(mode.ranks)
+
+
+def ranks_of_eager_ops() -> frozenset[int] | None:
+    """:func:`enabled_ranks`, but ``None`` while this thread traces for ``torch.compile``
+    (dynamo's trace and its run on fake tensors): a graph traced in a simulated world
+    carries no rank, and torch's simulation runs it for every rank."""
+    return None if tracing() else enabled_ranks()
 
 
 def mode_ranks() -> frozenset[int] | None:
@@ -78,6 +88,8 @@ class _SimulatedMode(LocalTensorMode):
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], LocalTensor):
             return _scalar(args[0])
+        if func.namespace == "meshstate":  # its kernel reads each rank's answers itself
+            return func(*args, **(kwargs or {}))  # (a fake mode below: its fake kernel)
         flat = pytree.tree_leaves((args, kwargs))
         per_rank = any(isinstance(value, LocalTensor) for value in flat)
         if not per_rank and any(_is_per_rank_int(value) for value in flat):
@@ -90,6 +102,16 @@ class _SimulatedMode(LocalTensorMode):
             return self._draw_per_rank(func, args, kwargs or {}, generator)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def _patch_device_mesh(self) -> None:
+        """torch's (private ``LocalTensorMode._patch_device_mesh``), each DeviceMesh method it
+        patches answering without a rank while this thread traces (:func:`_rank_free`):
+        the graph reads the mesh coordinates when it runs, where torch's simulation reads
+        them per rank."""
+        super()._patch_device_mesh()  # type: ignore[no-untyped-call, unused-ignore]
+        rank_free = _rank_free(self._old_device_mesh_methods or {})
+        for name, answer in rank_free.items():
+            setattr(DeviceMesh, name, _while_tracing(answer, getattr(DeviceMesh, name)))
+
     def _patch_dist(self) -> None:
         """Leave ``dist.get_rank`` to the simulated world's own answer: torch 2.14's
         ``LocalTensorMode`` replaces it on enter (private ``_patch_dist``) with one that answers
@@ -101,7 +123,7 @@ class _SimulatedMode(LocalTensorMode):
 
     def _shared(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` held by every simulated rank, one storage for all (views stay views)."""
-        shared: torch.Tensor = LocalTensor({rank: tensor.detach() for rank in self.ranks})  # type: ignore[no-untyped-call]
+        shared: torch.Tensor = LocalTensor({rank: tensor.detach() for rank in self.ranks})  # type: ignore[no-untyped-call, unused-ignore]
         return shared
 
     def _draw_per_rank(
@@ -317,10 +339,60 @@ def tree_node_like_tuple(kind: type[tuple[Any, ...]]) -> None:
     )
 
 
+def _rank_free(own: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """The DeviceMesh methods torch's simulation patches, as a graph that carries no rank
+    asks them (``own``: torch's own): a coordinate is an integer read when the graph runs
+    (``_sym_get_coordinate`` under torch's ``compile_on_one_rank`` flag), and the global
+    rank, which no op reads then, is refused."""
+    def coordinate_on(mesh: DeviceMesh, index: int) -> Any:
+        with torch_compiling_on_one_rank():
+            return own["_sym_get_coordinate"](mesh, index)
+
+    def coordinate(mesh: DeviceMesh) -> list[Any] | None:
+        if not own["_is_current_rank_part_of_mesh"](mesh):
+            return None
+        return [coordinate_on(mesh, index) for index in range(mesh.ndim)]
+
+    def local_rank(mesh: DeviceMesh, mesh_dim: int | str | None = None) -> Any:
+        index = (mesh.mesh_dim_names or ()).index(mesh_dim) if isinstance(mesh_dim, str) else mesh_dim or 0
+        return coordinate_on(mesh, index)
+
+    def rank(mesh: DeviceMesh) -> int:
+        raise SimulationError(
+            "DeviceMesh.get_rank() inside torch.compile in a simulated world: the graph is "
+            "traced once for every rank, and no op reads the global rank when it runs"
+        )
+
+    return {"_sym_get_coordinate": coordinate_on, "get_coordinate": coordinate,
+            "get_local_rank": local_rank, "get_rank": rank,
+            "_is_current_rank_part_of_mesh": own["_is_current_rank_part_of_mesh"]}
+
+
+def _while_tracing(rank_free: Callable[..., Any], simulated: Callable[..., Any]) -> Callable[..., Any]:
+    """``simulated`` (a DeviceMesh method as torch's simulation patches it), except while
+    this thread traces: then ``rank_free``."""
+    @functools.wraps(simulated)
+    def answer(*args: Any, **kwargs: Any) -> Any:
+        return (rank_free if tracing() else simulated)(*args, **kwargs)
+
+    return answer
+
+
 def local_tensor_mode(ranks: frozenset[int]) -> LocalTensorMode:
     """torch's mode that runs every op and collective once per rank of ``ranks``
     (``LocalTensorMode``, extended by the dispatch above)."""
     return _SimulatedMode(ranks)
+
+
+def tables_of_torch_for_dynamo() -> None:
+    """Have dynamo build its tables of torch's functions and Tensor methods now (private
+    ``torch._dynamo.trace_rules``, each built once, on first use): built while the
+    simulation's replacements are in, they would hold those, and dynamo would refuse to
+    call torch's own (``Tensor.chunk``) inside a replacement it traces."""
+    from torch._dynamo import trace_rules
+
+    trace_rules.get_torch_obj_rule_map()
+    trace_rules.get_tensor_method()
 
 
 def simulation_paused() -> contextlib.AbstractContextManager[None]:
@@ -454,6 +526,13 @@ def failed_compiling(error: BaseException) -> bool:
     ``LocalTensor``s it makes fake (AOTAutograd meets a tensor of one as a constant)."""
     dynamo_errors = sys.modules.get("torch._dynamo.exc")
     return dynamo_errors is not None and isinstance(error, dynamo_errors.TorchDynamoException)
+
+
+def failed_in_the_backend(error: BaseException) -> bool:
+    """Whether ``error`` is ``torch.compile``'s backend failing on the graph dynamo traced
+    (``torch._dynamo.exc.BackendCompilerFailed``)."""
+    dynamo_errors = sys.modules.get("torch._dynamo.exc")
+    return dynamo_errors is not None and isinstance(error, dynamo_errors.BackendCompilerFailed)
 
 
 @contextlib.contextmanager

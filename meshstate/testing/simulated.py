@@ -28,8 +28,10 @@ raise, since one string cannot hold each rank's text and one text for all would 
 wrong; logging formats its ``%s`` arguments per rank, a line per text naming its
 ranks. A write into a tensor every rank shares (one made outside the body), a float
 ``.item()`` that differs, DistributedDataParallel and FSDP1 (FSDP2 runs), and what
-``torch.compile`` cannot trace (dynamo alone traces a TP step; AOTAutograd does not)
-raise :class:`~meshstate.errors.SimulationError` naming the call.
+``torch.compile`` cannot trace raise :class:`~meshstate.errors.SimulationError` naming
+the call. Under ``torch.compile`` dynamo traces one graph that carries no rank, as for
+:func:`~meshstate.compile_on_one_rank`, which torch's simulation runs for every rank;
+AOTAutograd cannot trace a ``shard_map`` body's graph over torch's simulated tensors.
 
 A pipeline's world can run stage by stage, as torch's own pipelines do:
 ``simulated_world(1024, stages=4).run(fn)`` splits the world into 4 contiguous blocks
@@ -81,6 +83,7 @@ import torch.distributed as dist
 
 from meshstate.errors import OTHER_WORLDS, MeshStateError, SimulationError
 from meshstate.core.current import destroy_every_mesh
+from meshstate.core.world import simulating_here
 from meshstate.testing import torch_internals
 from meshstate.testing.fork_server import autograd_survives_a_fork, clean_context, uncollected
 from meshstate.testing.launch import DEFAULT_TIMEOUT
@@ -332,7 +335,8 @@ def _simulate(
     # scatter) relative to the process's group, which it takes to start at 0.
     dist.init_process_group("fake", store=torch_internals.fake_store(), rank=0, world_size=world_size)
     try:
-        with local_compat.local_tensor_mode(frozenset(ranks)), per_rank_torch(), between_stages():
+        with local_compat.local_tensor_mode(frozenset(ranks)), per_rank_torch(), between_stages(), \
+                simulating_here():
             return fn(*args, **kwargs)
     except Exception as error:
         if isinstance(error, SimulationError):
@@ -343,9 +347,15 @@ def _simulate(
             raise
         if local_compat.failed_compiling(error):
             cause = _root_cause(error)
+            backend = (
+                ": dynamo traced one graph for every rank, which its backend could not compile "
+                "over torch's simulated tensors (AOTAutograd, under aot_eager and inductor, "
+                "cannot; a backend that runs dynamo's graph as it is can)"
+                if local_compat.failed_in_the_backend(error) else ""
+            )
             raise SimulationError(
                 f"torch.compile cannot trace this with every rank's values in one process "
-                f"({type(error).__name__}: {type(cause).__name__}: {_first_line(cause)}); "
+                f"({type(error).__name__}: {type(cause).__name__}: {_first_line(cause)}){backend}; "
                 f"{OTHER_WORLDS}"
             ) from error
         if not local_compat.raised_inside(error):

@@ -85,6 +85,7 @@ def per_rank_torch() -> Iterator[None]:
     # torch names the functions a torch function mode sees from a table it builds once,
     # on its first question: asked now, it holds torch's own functions, not these.
     resolve_name(torch.add)
+    local_compat.tables_of_torch_for_dynamo()  # so does dynamo
     with contextlib.ExitStack() as patches:
         for owner, name, replacement in _replaced():
             patches.enter_context(mock.patch.object(owner, name, replacement))
@@ -224,7 +225,7 @@ def _for_every_rank(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     simulation leaves what these make a plain tensor, which its collectives skip; of data
     holding per-rank integers (``torch.tensor([rank, 1])``), each rank's own."""
     def made_for_every_rank(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        ranks = local_compat.enabled_ranks()  # None where the simulation is paused
+        ranks = local_compat.ranks_of_eager_ops()  # None paused, and while tracing
         if ranks is None:
             return make(data, *args, **kwargs)
         if not holds_per_rank(data):
@@ -528,7 +529,7 @@ def _cut(
     the arguments after the tensor."""
     def cut_for_every_rank(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Sequence[torch.Tensor]:
         parts = cut(tensor, *args, **kwargs)
-        if local_compat.enabled_ranks() is None:
+        if local_compat.ranks_of_eager_ops() is None:
             return parts
         dim = kwargs.get("dim", args[dim_at] if len(args) > dim_at else 0)
         return PerRankParts(parts, tensor, dim % tensor.dim(), unbound)

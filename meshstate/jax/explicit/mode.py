@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from meshstate.core import compat as _compat
-from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import current_mesh, require_parallel_mesh
 from meshstate.errors import ArgumentTypeError
 from meshstate.jax.explicit.ops import HANDLERS, kind_of
 from meshstate.jax.explicit.plans import name_of

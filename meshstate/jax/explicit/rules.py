@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from meshstate.jax.types.explicit import ArrayType, Axes, Entry, ShardingTypeError, str_type
+from meshstate.jax.types.explicit import ArrayType, SizedAxes, Entry, ShardingTypeError, str_type
 
 
 def spec_text(dims: Sequence[Entry]) -> str:
@@ -28,7 +28,7 @@ def spec_text(dims: Sequence[Entry]) -> str:
                       for entry in dims))
 
 
-def elementwise(name: str, operands: Sequence[ArrayType | None], axes: Axes) -> ArrayType:
+def elementwise(name: str, operands: Sequence[ArrayType | None], axes: SizedAxes) -> ArrayType:
     """The type of an elementwise op of ``operands`` (``None``: a Python number), numpy's
     broadcasting: each dim takes the axes of the operand that splits it; the others must
     leave it unsplit (or split it alike). ``name`` is JAX's (``add``, ``mul``, ``sin``)."""
@@ -55,7 +55,7 @@ _BILINEAR = frozenset({"mul", "div"})
 
 
 def _unreduced_elementwise(
-    name: str, operands: Sequence[ArrayType | None], axes: Axes
+    name: str, operands: Sequence[ArrayType | None], axes: SizedAxes
 ) -> None:
     """JAX's rules for pending sums in an elementwise op: ``add``/``sub`` of operands
     pending over the same axes; nothing else."""
@@ -95,7 +95,7 @@ def _unreduced_elementwise(
     )
 
 
-def _require_legal(what: str, operands: Sequence[ArrayType], result: ArrayType, axes: Axes) -> None:
+def _require_legal(what: str, operands: Sequence[ArrayType], result: ArrayType, axes: SizedAxes) -> None:
     used = [axis for entry in result.dims for axis in entry]
     if len(used) != len(set(used)):
         inputs = ", ".join(str_type(t, axes, short=True) for t in operands)
@@ -119,7 +119,7 @@ class Contraction:
 
 def contract(
     equation: str, lhs: ArrayType, rhs: ArrayType, out: tuple[tuple[Entry, ...], frozenset[str]] | None,
-    axes: Axes, matmul: bool,
+    axes: SizedAxes, matmul: bool,
 ) -> Contraction:
     """JAX's ``dot_general`` typing for ``einsum(equation, lhs, rhs)`` (labels one letter a
     dim; ``matmul`` for ``@``, whose batch dims must match). ``out`` is the
@@ -185,7 +185,7 @@ def contract(
 
 
 def _typed(
-    shape: tuple[int, ...], dtype: str, spec: tuple[tuple[Entry, ...], frozenset[str]], axes: Axes
+    shape: tuple[int, ...], dtype: str, spec: tuple[tuple[Entry, ...], frozenset[str]], axes: SizedAxes
 ) -> ArrayType:
     dims, unreduced = spec
     padded = tuple(dims) + ((),) * (len(shape) - len(dims))
@@ -230,7 +230,7 @@ def unsqueeze(t: ArrayType, dim: int) -> ArrayType:
     return replace(t, shape=t.shape[:dim] + (1,) + t.shape[dim:], dims=t.dims[:dim] + ((),) + t.dims[dim:])
 
 
-def concatenate(operands: Sequence[ArrayType], dim: int, axes: Axes) -> ArrayType:
+def concatenate(operands: Sequence[ArrayType], dim: int, axes: SizedAxes) -> ArrayType:
     """``cat``: operands of one sharding; along a split dim the result stays split."""
     first = operands[0]
     if any((t.dims, t.unreduced) != (first.dims, first.unreduced) for t in operands[1:]):
@@ -241,7 +241,7 @@ def concatenate(operands: Sequence[ArrayType], dim: int, axes: Axes) -> ArrayTyp
     return replace(first, shape=first.shape[:dim] + (size,) + first.shape[dim + 1:])
 
 
-def take(t: ArrayType, keys: Sequence[tuple[int, int] | None], axes: Axes) -> ArrayType:
+def take(t: ArrayType, keys: Sequence[tuple[int, int] | None], axes: SizedAxes) -> ArrayType:
     """Static indexing: per dim ``(start, stop)`` of a unit-step slice, or ``None`` for an
     int index (the dim goes). A slice of a split dim keeps its axes where the result's
     size divides by them (``jax.jit``'s rule)."""
@@ -271,7 +271,7 @@ def take(t: ArrayType, keys: Sequence[tuple[int, int] | None], axes: Axes) -> Ar
     return replace(t, shape=tuple(shape), dims=tuple(entries))
 
 
-def reshape(t: ArrayType, shape: Sequence[int], axes: Axes) -> tuple[tuple[Entry, ...], ArrayType]:
+def reshape(t: ArrayType, shape: Sequence[int], axes: SizedAxes) -> tuple[tuple[Entry, ...], ArrayType]:
     """JAX's reshape typing: the dims ``t`` must be laid out as first (merging moves the
     later dims' axes onto the first, an all-to-all) and the result's type. Merging needs
     the split dims to lead; a split dim gives its axes to the major pieces."""
@@ -355,7 +355,7 @@ def _groups(
     return groups
 
 
-def _refuse_reshape(t: ArrayType, shape: Sequence[int], axes: Axes) -> None:
+def _refuse_reshape(t: ArrayType, shape: Sequence[int], axes: SizedAxes) -> None:
     raise ShardingTypeError(
         "This reshape is not supported. Please specify the sharding of the output via the "
         "`out_sharding` argument of jax.lax.reshape. Got operand type: "

@@ -52,7 +52,8 @@ from torch.distributed.tensor import DTensor
 
 from meshstate.core import compat as _compat
 from meshstate.errors import ConfigError
-from meshstate.core.mesh import ParallelMesh, current_mesh, require_parallel_mesh
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import current_mesh, require_parallel_mesh
 from meshstate.jax.shard_map.partial_manual import PartialPlan, check_manual, partial_plan_on, run_partial
 from meshstate.jax.plan import Leaves, Plan, plan_on, share_grad
 from meshstate.jax.shard_map.infer import Infer, InferFromArgs, inferred_specs, refuse_disagreeing

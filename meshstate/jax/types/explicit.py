@@ -35,7 +35,7 @@ __all__ = ["ArrayType", "ExplicitType", "ShardingTypeError", "typeof"]
 
 Entry = tuple[str, ...]
 """The axes splitting one dim, major first; ``()`` where nothing splits it."""
-Axes = tuple[tuple[str, int], ...]
+SizedAxes = tuple[tuple[str, int], ...]
 """The mesh's axes and sizes, in mesh order."""
 
 KEPT = 1024
@@ -65,7 +65,7 @@ class ArrayType:
         return frozenset(axis for entry in self.dims for axis in entry)
 
 
-def str_type(t: ArrayType, axes: Axes, short: bool = False) -> str:
+def str_type(t: ArrayType, axes: SizedAxes, short: bool = False) -> str:
     """``t`` as JAX prints it: ``float32[8@dp,128@(dp,tp)]{U:tp}`` (``f32[...]`` short)."""
     dtype = _SHORT.get(t.dtype, t.dtype) if short else t.dtype
     sizes = ",".join(
@@ -90,7 +90,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @_compat.constant_when_traced
-def sized_axes(view: DeviceMesh) -> Axes:
+def sized_axes(view: DeviceMesh) -> SizedAxes:
     """``view``'s axes and sizes in mesh order."""
     return tuple(zip(view.mesh_dim_names or (), view.shape))
 

@@ -38,28 +38,31 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
 
-from torch.overrides import has_torch_function
-
 from meshstate.core import compat as _compat
-from meshstate.core.mesh import ParallelMesh, current_mesh, live_meshes
+from meshstate.core.mesh import ParallelMesh
+from meshstate.core.which_mesh import current_mesh, live_meshes
 from meshstate.core.ordered import OrderedGroup
 from meshstate.errors import ConfigError, MeshStateError
+from meshstate.jax.torch_calls import Axes
+from meshstate.jax.types.system import CollectiveRule, Move
 from meshstate.jax.types.vma import NO_AXES, own_type, typed
 
-RunOn = Callable[[torch.Tensor, OrderedGroup], torch.Tensor]
-"""A collective's work on one rank: its input and its group."""
-
+MODULE = "spmd_types"
+"""The checker's module, read from ``sys.modules`` (never imported here)."""
 _loaded = sys.modules
+_dynamo_traces = torch.compiler.is_dynamo_compiling
+"""True only in dynamo's trace, where it sets no guard: asked before ``sys.modules``,
+whose size dynamo guards on when a trace reads it (every import after would trace again)."""
 
 
 def paused() -> Any:
     """A context in which spmd_types' checker types nothing (its ``no_typecheck``)."""
-    return _loaded["spmd_types"].no_typecheck()
+    return _loaded[MODULE].no_typecheck()
 
 
 @dataclass
@@ -74,7 +77,7 @@ class CheckedCall:
     ``shard_map`` body out of the autograd Function."""
 
     kind: str
-    run: RunOn
+    run: Move
     ordered: OrderedGroup | None = None
     axis_groups: tuple[dist.ProcessGroup, ...] = ()
     dims: tuple[int, ...] = (0,)
@@ -98,6 +101,33 @@ def checked(x: torch.Tensor, group: OrderedGroup, call: CheckedCall) -> torch.Te
     if call.result_axes is not None:
         typed(result, call.result_axes)
     return result
+
+
+class CheckerTypes:
+    """spmd_types' checker, while it runs in this thread: each collective one
+    :class:`TypedCollective`, typed axis by axis of the axes it names."""
+
+    def applies(self) -> bool:
+        return checking()
+
+    def refuse(self, rule: CollectiveRule, x: torch.Tensor, axes: Axes, names: frozenset[str]) -> None:
+        """Nothing: the checker refuses a wrong input type in its own words, as the call runs."""
+
+    def around(
+        self, rule: CollectiveRule, axes: Axes, names: frozenset[str], mesh: ParallelMesh | None,
+        move: Move, dims: tuple[int, ...], tiled: bool,
+    ) -> Move:
+        groups = axis_groups(current_mesh() if mesh is None else mesh, names)
+        return lambda x, group: checked(x, group, CheckedCall(rule.checker_kind, move, group, groups, dims, tiled))
+
+
+CHECKER_TYPES = CheckerTypes()
+
+
+def axis_groups(parallel_mesh: ParallelMesh, names: frozenset[str]) -> tuple[dist.ProcessGroup, ...]:
+    """The process group of each mesh axis of ``names``, size 1 left out (the checker's axes)."""
+    return tuple(parallel_mesh.group(axis) for axis in sorted(names)
+                 if parallel_mesh.size(axis) > 1)
 
 
 class TypedCollective(torch.autograd.Function):
@@ -144,19 +174,19 @@ class TypedCollective(torch.autograd.Function):
 
 
 def _rules() -> Any:
-    return _loaded["spmd_types"].rules
+    return _loaded[MODULE].rules
 
 
 def _type(name: str) -> Any:
     """spmd_types' ``V``, ``I``, ``R`` or ``P``."""
-    return getattr(_loaded["spmd_types"], name)
+    return getattr(_loaded[MODULE], name)
 
 
 def _source(x: Any, group: dist.ProcessGroup, *accepted: str) -> Any:
     """The type ``x`` has on ``group``'s axis where the rule accepts it (a reduction takes
     ``V`` as spmd_types' own collectives do, reinterpreted as ``P``), else the last type
     it accepts, which the checker then refuses in its own words."""
-    spmd_types: Any = _loaded["spmd_types"]
+    spmd_types: Any = _loaded[MODULE]
     kind = spmd_types.get_local_type(x).get(spmd_types.MeshAxis.of(group))
     return kind if any(kind is _type(name) for name in accepted) else _type(accepted[-1])
 
@@ -216,7 +246,7 @@ def spmd_typed(value: torch.Tensor, like: torch.Tensor, varying: frozenset[str],
     on the other axes of the view (``I`` where ``like`` has none). A ``shard_map`` block
     is typed so (``varying``: its in-spec's axes, ``like``: its argument, a plain tensor
     holding the whole value on every rank), and ``axis_index``'s typed value."""
-    spmd_types: Any = _loaded["spmd_types"]
+    spmd_types: Any = _loaded[MODULE]
     own = spmd_types.get_local_type(like) if spmd_types.has_local_type(like) else {}
     before = spmd_types.get_local_type(value) if spmd_types.has_local_type(value) else {}
     added, changed = {}, {}
@@ -235,7 +265,7 @@ def spmd_typed(value: torch.Tensor, like: torch.Tensor, varying: frozenset[str],
 
 def _spmd_axes(parallel_mesh: ParallelMesh, view_axes: tuple[str, ...]) -> list[tuple[str, Any]]:
     """Each of ``view_axes`` but those of size 1, and its spmd_types ``MeshAxis``."""
-    spmd_types: Any = _loaded["spmd_types"]
+    spmd_types: Any = _loaded[MODULE]
     return [(axis, spmd_types.MeshAxis.of(parallel_mesh.group(axis)))
             for axis in view_axes if parallel_mesh.size(axis) > 1]
 
@@ -243,30 +273,23 @@ def _spmd_axes(parallel_mesh: ParallelMesh, view_axes: tuple[str, ...]) -> list[
 def checking() -> bool:
     """Whether spmd_types' checker types this thread's torch calls now (never while
     ``torch.compile`` traces; spmd_types is read from ``sys.modules``, never imported).
-    The checker is a torch function mode: where none sees a tensor (20 ns to ask), it is
-    off, and asking spmd_types (400 ns in a thread that never checked) is skipped."""
-    spmd_types = sys.modules.get("spmd_types")
-    return (
-        spmd_types is not None
-        and has_torch_function(_PROBE)
-        and not _compat.tracing()
-        and spmd_types.is_type_checking()
-    )
-
-
-_PROBE = (torch.empty(0),)
-"""A plain tensor: ``has_torch_function(_PROBE)`` is whether a torch function mode is on."""
+    The checker is a torch function mode: where none is on (one C call to ask), it is off,
+    and asking spmd_types (400 ns in a thread that never checked) is skipped."""
+    if not _compat.torch_function_mode_on() or _dynamo_traces():
+        return False
+    spmd_types = _loaded.get(MODULE)
+    return spmd_types is not None and not _compat.tracing() and spmd_types.is_type_checking()
 
 
 def may_have_typed() -> bool:
     """Whether spmd_types may have typed a tensor (it is imported; never while tracing)."""
-    return "spmd_types" in sys.modules and not _compat.tracing()
+    return not _dynamo_traces() and MODULE in _loaded and not _compat.tracing()
 
 
 def varying_axes(x: torch.Tensor) -> frozenset[str]:
     """The axes of the current mesh that spmd_types types ``x`` ``V``, ``R`` or ``P`` on
     (none where it has no spmd type, or there is no current mesh)."""
-    spmd_types: Any = sys.modules["spmd_types"]
+    spmd_types: Any = _loaded[MODULE]
     if not spmd_types.has_local_type(x):
         return NO_AXES
     try:
@@ -314,3 +337,12 @@ def _names_where_spmd_types_types(spmd_types: Any) -> dict[Any, str]:
 
 _SPMD_AXES = ("spmd_checker", "spmd_types axes")
 """The key in a mesh's store of its axes by spmd_types' ``MeshAxis``."""
+
+
+def refuse_legacy_shard_map() -> NoReturn:
+    """Refuse ``shard_map(check_vma=False)`` while the checker runs: that mode has no types."""
+    raise ConfigError(
+        "shard_map(check_vma=False) under spmd_types' checker: JAX's legacy mode has no "
+        "types (its psum's backward is a psum, which no spmd_types type says); use "
+        "check_vma=True, JAX's default, whose types the checker follows"
+    )

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from meshstate.core import compat as _compat
 from meshstate.errors import MeshStateError
-from meshstate.core.mesh import current_mesh
+from meshstate.core.which_mesh import current_mesh
 
 __all__ = ["VaryingAxesError", "VaryingTypes", "own_type", "plug_outside_types", "vma"]
 

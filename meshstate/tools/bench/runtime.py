@@ -8,7 +8,10 @@ input's dtype and device, as generic code such as Megatron's does), torch's
 functional collective
 and, for ``shard_map``, torch's ``local_map``; then compiled
 (``torch.compile(fullgraph=True, backend="aot_eager")``), with the graphs and
-breaks ``torch._dynamo.explain`` counts.
+breaks ``torch._dynamo.explain`` counts. Each row times eager before it traces: a trace
+leaves torch's DTensor sharding cache holding results on the tracer's wrapper of the
+mesh (a ``FakeScriptObject``), which later eager ops of the same layout meet and
+compare slowly (15 us more per partial-manual call, torch 2.13 and 2.14).
 
 Example::
 
@@ -177,12 +180,11 @@ def _collective_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> l
     rows = []
     for name, call, torch_name, torch_call, functional in collectives:
         progress(f"runtime: {name}")
-        graphs, breaks = _explain(call, x)
         eager_us, torch_us = _us_per_call_side_by_side(lambda: call(x), torch_call)
-        rows.append(RuntimeRow(
-            name, eager_us, torch_name, torch_us, _us_per_call(functional),
-            _compiled_us(call, x), graphs, breaks,
-        ))
+        functional_us = _us_per_call(functional)
+        graphs, breaks = _explain(call, x)
+        rows.append(RuntimeRow(name, eager_us, torch_name, torch_us, functional_us,
+                               _compiled_us(call, x), graphs, breaks))
     return rows
 
 
@@ -269,18 +271,18 @@ def _shard_map_rows(mesh: ParallelMesh, progress: Callable[[str], object]) -> li
         dist.all_reduce(y, group=tp)
         return y
 
+    dtensors_us, by_hand_us = _us_per_call(lambda: mapped(x_dt, w_dt)), _us_per_call(by_hand)
+    local_map_us = _us_per_call(lambda: torch_mapped(x_dt, w_dt))
     graphs, breaks = _explain(mapped, x_dt, w_dt)
     rows.append(RuntimeRow(
-        "shard_map row-parallel (DTensors)", _us_per_call(lambda: mapped(x_dt, w_dt)),
-        "local matmul + all_reduce", _us_per_call(by_hand),
-        _us_per_call(lambda: torch_mapped(x_dt, w_dt)), _compiled_us(mapped, x_dt, w_dt),
-        graphs, breaks,
+        "shard_map row-parallel (DTensors)", dtensors_us, "local matmul + all_reduce",
+        by_hand_us, local_map_us, _compiled_us(mapped, x_dt, w_dt), graphs, breaks,
     ))
+    plain_us = _us_per_call(lambda: mapped(x_full, w_full))
     graphs, breaks = _explain(mapped, x_full, w_full)
     rows.append(RuntimeRow(
-        "shard_map row-parallel (plain)", _us_per_call(lambda: mapped(x_full, w_full)),
-        "local matmul + all_reduce", rows[-1].torch_us, None,
-        _compiled_us(mapped, x_full, w_full), graphs, breaks,
+        "shard_map row-parallel (plain)", plain_us, "local matmul + all_reduce", by_hand_us,
+        None, _compiled_us(mapped, x_full, w_full), graphs, breaks,
     ))
     return rows
 
@@ -344,11 +346,10 @@ def _slice_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> Runtime
 
     torch_mapped = local_map(local_body, out_placements=((Replicate(),),),
                              in_placements=(x.placements, w.placements), device_mesh=tp_mesh)
+    mapped_us, torch_us = _us_per_call(lambda: mapped(x, w)), _us_per_call(lambda: torch_mapped(x, w))
     graphs, breaks = _explain(mapped, x, w)
-    torch_us = _us_per_call(lambda: torch_mapped(x, w))
-    return RuntimeRow("shard_map row-parallel (mesh['tp'])", _us_per_call(lambda: mapped(x, w)),
-                      "local_map on mesh['tp']", torch_us, torch_us, _compiled_us(mapped, x, w),
-                      graphs, breaks)
+    return RuntimeRow("shard_map row-parallel (mesh['tp'])", mapped_us, "local_map on mesh['tp']",
+                      torch_us, torch_us, _compiled_us(mapped, x, w), graphs, breaks)
 
 
 def _partial_manual_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> RuntimeRow:
@@ -376,9 +377,9 @@ def _partial_manual_row(mesh: ParallelMesh, progress: Callable[[str], object]) -
 
     torch_mapped = local_map(local_body, out_placements=(laid_out(Replicate(), Shard(0)),),
                              in_placements=(x.placements, w.placements), device_mesh=dense)
-    graphs, breaks = _explain(mapped, x, w)
     mapped_us, torch_us = _us_per_call_side_by_side(lambda: mapped(x, w),
                                                     lambda: torch_mapped(x, w))
+    graphs, breaks = _explain(mapped, x, w)
     return RuntimeRow("shard_map manual over tp (dp DTensors)", mapped_us,
                       "local_map, same DTensors", torch_us, torch_us,
                       _compiled_us(mapped, x, w), graphs, breaks)
@@ -397,7 +398,6 @@ def _reshard_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> Runti
     target_placements = tuple(
         Shard(0) if axis == "tp" else Replicate() for axis in dense.mesh_dim_names or ()
     )
-    graphs, breaks = _explain(move, source)
     # DTensor logs a warning per call for this move (two gathers where one would do).
     redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
     level = redistribute_log.level
@@ -406,10 +406,10 @@ def _reshard_row(mesh: ParallelMesh, progress: Callable[[str], object]) -> Runti
         torch_us = _us_per_call(lambda: source.redistribute(dense, target_placements), calls=200)
     finally:
         redistribute_log.setLevel(level)
-    return RuntimeRow(
-        "reshard P(('dp','cp')) -> P('tp')", _us_per_call(lambda: move(source), calls=200),
-        "DTensor.redistribute", torch_us, None, _compiled_us(move, source), graphs, breaks,
-    )
+    move_us = _us_per_call(lambda: move(source), calls=200)
+    graphs, breaks = _explain(move, source)
+    return RuntimeRow("reshard P(('dp','cp')) -> P('tp')", move_us, "DTensor.redistribute",
+                      torch_us, None, _compiled_us(move, source), graphs, breaks)
 
 
 
