@@ -278,6 +278,38 @@ def test_a_compiled_shard_map_is_one_graph_torch_runs_for_every_rank() -> None:
     assert all(torch.equal(got, want) for got, want in zip(blocks, expected, strict=True)), blocks
 
 
+def gathered_compiled_with_the_simulation_left_on() -> torch.Tensor:
+    """A DTensor sharded over dp and tp gathered whole (DTensor's planner reads the rank's
+    mesh coordinate), compiled while the simulation's mode stays on the dispatch stack
+    (dynamo takes it off while it compiles; here it does not, as when something puts it
+    back during the trace)."""
+    from contextlib import nullcontext
+
+    from torch._dynamo import convert_frame
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = meshstate.init_mesh(tp=2)
+    sharded = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh["dp", "tp"], [Shard(0), Shard(1)])
+    torch._dynamo.reset()
+    taken_off = convert_frame._disable_current_modes
+    convert_frame._disable_current_modes = nullcontext
+    try:
+        whole: torch.Tensor = torch.compile(lambda d: d.full_tensor() * 2, fullgraph=True, backend="eager")(sharded)
+    finally:
+        convert_frame._disable_current_modes = taken_off
+    return whole
+
+
+def test_a_compile_does_not_depend_on_dynamo_taking_the_simulation_off_the_stack() -> None:
+    """Dynamo's fake run meets the simulation's mode only where something put the mode back
+    on the stack while dynamo compiles (CI saw it after other tests, never alone): then it
+    read each rank's mesh coordinate from fake tensors ("Could not guard on data-dependent
+    expression Eq(u0, 0)"). Ops that meet it while a tracer is at work pass it by."""
+    expected = torch.arange(16.0).reshape(4, 4) * 2
+    wholes = simulated_world(4).run(gathered_compiled_with_the_simulation_left_on)
+    assert all(torch.equal(whole, expected) for whole in wholes), wholes
+
+
 def index_read_under_a_fake_mode() -> str:
     group = meshstate.init_mesh(tp=2).ordered("tp")
     with FakeTensorMode():
