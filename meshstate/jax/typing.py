@@ -105,13 +105,13 @@ def collective(
     Inside a partial-manual body, an axis it is not manual over is refused, and a value
     global over the others moves its local block (:func:`on_local`)."""
     # The mode question, once a call: outside a typed body with no torch function mode on
-    # (one C call), no type system applies; else each system answers for itself (_typed).
+    # (one C call), no type system applies; else each system answers for itself (_applying).
     plain = body.types is None and not _compat.torch_function_mode_on()
     if body.manual is not None:
         return _in_partial_body(rule, x, axes, mesh, group, move, dims, tiled, plain)
     if plain:
         return move(x, group)
-    return _typed(rule, axes, mesh, move, dims, tiled)(x, group)
+    return _typed(_applying(), rule, axes, axis_names(axes), mesh, move, dims, tiled)(x, group)
 
 
 def _in_partial_body(
@@ -121,26 +121,27 @@ def _in_partial_body(
     """:func:`collective` inside a partial-manual body. JAX refuses a reduction over axes
     the value varies over only some of before it looks the axes up: so does this."""
     names = axis_names(axes)
-    if not plain:  # plain: no system applies
-        for system in _SYSTEMS:
-            if system.applies():
-                system.refuse(rule, x, axes, names)
+    systems = () if plain else _applying()
+    for system in systems:
+        system.refuse(rule, x, axes, names)
     refuse_unbound(rule.name, names)
-    if plain:
-        return on_local(rule.name, x, lambda local: move(local, group))
-    return on_local(rule.name, x,
-                    lambda local: _typed(rule, axes, mesh, move, dims, tiled)(local, group))
+    run = _typed(systems, rule, axes, names, mesh, move, dims, tiled)
+    return on_local(rule.name, x, lambda local: run(local, group))
+
+
+def _applying() -> tuple[TypeSystem, ...]:
+    """The type systems that type the call being made now, JAX's innermost."""
+    return tuple(system for system in _SYSTEMS if system.applies())
 
 
 def _typed(
-    rule: CollectiveRule, axes: Axes, mesh: ParallelMesh | None, move: Move,
-    dims: tuple[int, ...], tiled: bool,
+    systems: tuple[TypeSystem, ...], rule: CollectiveRule, axes: Axes, names: frozenset[str],
+    mesh: ParallelMesh | None, move: Move, dims: tuple[int, ...], tiled: bool,
 ) -> Move:
-    """``move`` under each type system that applies now, JAX's innermost."""
-    names, run = axis_names(axes), move
-    for system in _SYSTEMS:
-        if system.applies():
-            run = system.around(rule, axes, names, mesh, run, dims, tiled)
+    """``move`` under each of ``systems`` (those that apply: :func:`_applying`)."""
+    run = move
+    for system in systems:
+        run = system.around(rule, axes, names, mesh, run, dims, tiled)
     return run
 
 
