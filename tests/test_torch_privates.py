@@ -36,15 +36,18 @@ def private_torch_names(path: Path) -> set[str]:
     """The private torch names ``path`` reaches: imported, or read from an imported torch module."""
     tree = ast.parse(path.read_text())
     torch_names: dict[str, str] = {}
+    found_imports: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "torch":
                     torch_names[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+                    if _private(alias.name):  # ``import torch._dynamo`` names it without a use
+                        found_imports.add(alias.name)
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
             for alias in node.names:
                 torch_names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-    found = {name for name in torch_names.values() if _private(name)}
+    found = found_imports | {name for name in torch_names.values() if _private(name)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and (chain := _dotted(node)):
             head, *rest = chain.split(".")

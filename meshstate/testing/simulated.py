@@ -312,8 +312,7 @@ class SimulatedWorld:
 def _import_for_the_stages() -> None:
     """Import here, once, what every stage's process would import on each run: the
     simulation, and dynamo (torch's ops under ``LocalTensorMode`` import it; 0.6 s)."""
-    import torch._dynamo  # noqa: F401
-
+    torch_internals.import_dynamo()
     from meshstate.testing import stages, torch_per_rank  # noqa: F401
 
 

@@ -208,6 +208,12 @@ def reset_threaded_collectives() -> None:
     ProcessLocalGroup.reset()  # type: ignore[no-untyped-call]
 
 
+def import_dynamo() -> None:
+    """Import torch.compile's tracer (private ``torch._dynamo``) now, not at the first op
+    that needs it."""
+    import torch._dynamo  # noqa: F401
+
+
 def compiler_backend(name: str) -> Any:
     """torch.compile's backend ``name`` as a callable (private ``torch._dynamo.lookup_backend``),
     for a backend that counts graphs and hands them on."""
