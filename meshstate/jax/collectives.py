@@ -103,8 +103,18 @@ Summed = TypeVar("Summed", torch.Tensor, int, float)
 """What ``psum`` takes and gives: a tensor, or a Python number (JAX's ``psum(1, "tp")``)."""
 
 
+def _axes_and_group(
+    axes: Axes | None, axis_name: Axes | None, mesh: ParallelMesh | None, name: str
+) -> tuple[Axes, OrderedGroup]:
+    """The axes a collective was given, as ``axes`` or by JAX's keyword ``axis_name``, and
+    the caller's group over them (:func:`~meshstate.jax.typing.ordered_group`)."""
+    if axis_name is not None or axes is None:
+        axes = _spelled(axes, axis_name, name)
+    parallel_mesh = current_mesh() if mesh is None else require_parallel_mesh(mesh, f"{name}(mesh=...)")
+    return axes, typing.ordered_group(parallel_mesh, axes)
+
+
 def _spelled(axes: Axes | None, axis_name: Axes | None, name: str) -> Axes:
-    """The axes a collective was given, as ``axes`` or by JAX's keyword ``axis_name``."""
     if axis_name is None:
         if axes is None:
             raise ArgumentTypeError(f"{name}() missing its axes: pass axes= (or JAX's axis_name=)")
@@ -117,12 +127,6 @@ def _spelled(axes: Axes | None, axis_name: Axes | None, name: str) -> Axes:
     return axis_name
 
 
-def _ordered(axes: Axes, mesh: ParallelMesh | None, name: str) -> OrderedGroup:
-    if mesh is None:
-        return typing.ordered_group(current_mesh(), axes)
-    return typing.ordered_group(require_parallel_mesh(mesh, f"{name}(mesh=...)"), axes)
-
-
 def axis_index(
     axes: Axes | None = None, *, axis_name: Axes | None = None, mesh: ParallelMesh | None = None
 ) -> Any:
@@ -133,9 +137,7 @@ def axis_index(
     what is computed from it is typed as varying too. Traced by
     :func:`~meshstate.compile_on_one_rank`, a 0-dim int64 tensor read when the graph runs.
     """
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "axis_index")
-    group = _ordered(axes, mesh, "axis_index")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "axis_index")
     body = typing.body
     if body.manual is not None:
         typing.refuse_unbound("axis_index", typing.axis_names(axes))
@@ -158,11 +160,10 @@ def axis_size(
     axes: Axes | None = None, *, axis_name: Axes | None = None, mesh: ParallelMesh | None = None
 ) -> int:
     """The number of ranks along ``axes``."""
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "axis_size")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "axis_size")
     if typing.body.manual is not None:
         typing.refuse_unbound("axis_size", typing.axis_names(axes))
-    return len(_ordered(axes, mesh, "axis_size").ranks)
+    return len(group.ranks)
 
 
 def psum(
@@ -177,9 +178,7 @@ def psum(
     Python number, JAX's answer: ``x`` times the axis size (``psum(1, "tp")`` is tp's
     size), a number.
     """
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "psum")
-    group = _ordered(axes, mesh, "psum")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "psum")
     if isinstance(x, NUMBERS):
         return x * len(group.ranks)
     return typing.collective(typing.PSUM, x, axes, mesh, group, _summed)
@@ -208,9 +207,7 @@ def pmean(
 ) -> torch.Tensor | Number:
     """The mean of ``x`` over ``axes``, on every rank (``psum(x, axes) / axis_size(axes)``);
     of a Python number, that number as a float (JAX's answer)."""
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "pmean")
-    group = _ordered(axes, mesh, "pmean")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "pmean")
     if isinstance(x, NUMBERS):
         return x * len(group.ranks) / len(group.ranks)
     return typing.collective(typing.PMEAN, x, axes, mesh, group, _mean)
@@ -232,9 +229,8 @@ def pmax(
     mesh: ParallelMesh | None = None,
 ) -> torch.Tensor:
     """The elementwise maximum of ``x`` over ``axes`` (not differentiable)."""
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "pmax")
-    return typing.collective(typing.PMAX, x, axes, mesh, _ordered(axes, mesh, "pmax"),
+    axes, group = _axes_and_group(axes, axis_name, mesh, "pmax")
+    return typing.collective(typing.PMAX, x, axes, mesh, group,
                              partial(_reduced, op="max", name="pmax"))
 
 
@@ -246,9 +242,8 @@ def pmin(
     mesh: ParallelMesh | None = None,
 ) -> torch.Tensor:
     """The elementwise minimum of ``x`` over ``axes`` (not differentiable)."""
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "pmin")
-    return typing.collective(typing.PMIN, x, axes, mesh, _ordered(axes, mesh, "pmin"),
+    axes, group = _axes_and_group(axes, axis_name, mesh, "pmin")
+    return typing.collective(typing.PMIN, x, axes, mesh, group,
                              partial(_reduced, op="min", name="pmin"))
 
 
@@ -276,9 +271,7 @@ def pvary(
     after ``(pvary(x, "tp") * (axis_index("tp") + 1)).sum().backward()``,
     ``x.grad`` is 3 on every rank.
     """
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "pvary")
-    group = _ordered(axes, mesh, "pvary")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "pvary")
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"pvary takes a torch.Tensor, got {type(x).__name__}")
     if typing.body.legacy:
@@ -310,9 +303,7 @@ def all_gather(
     Type: ``vma(x)`` and ``axes`` (every rank holds the same values, typed varying;
     :func:`all_gather_invariant` gives them the invariant type).
     """
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "all_gather")
-    group = _ordered(axes, mesh, "all_gather")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "all_gather")
     return typing.collective(typing.ALL_GATHER, x, axes, mesh, group,
                              lambda v, on: all_gather_on(v, on, axis, tiled), (axis,), tiled)
 
@@ -334,9 +325,7 @@ def all_gather_invariant(
     Type: ``vma(x)`` without ``axes``, so the result may leave a ``shard_map``
     under an out-spec that leaves ``axes`` out.
     """
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "all_gather_invariant")
-    group = _ordered(axes, mesh, "all_gather_invariant")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "all_gather_invariant")
     # A check_vma=False body transposes it as all_gather (a sum of the copies), as JAX 0.12.
     move = all_gather_on if typing.body.legacy else gather_invariant
     return typing.collective(typing.ALL_GATHER_INVARIANT, x, axes, mesh, group,
@@ -359,9 +348,7 @@ def psum_scatter(
     Backward: ``all_gather`` (megatron-core's ``reduce_scatter_to_sequence_parallel_region``).
     Type: ``vma(x)`` and ``axes``.
     """
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "psum_scatter")
-    group = _ordered(axes, mesh, "psum_scatter")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "psum_scatter")
     return typing.collective(typing.PSUM_SCATTER, x, axes, mesh, group,
                              lambda v, on: scatter(v, on, scatter_dimension, tiled),
                              (scatter_dimension,), tiled)
@@ -384,13 +371,11 @@ def all_to_all(
     dim of that size appears at ``concat_axis``; with ``tiled=True`` no dim is
     added or removed. Backward: the swapped ``all_to_all``. Type: ``vma(x)`` and ``axes``.
     """
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "all_to_all")
     if split_axis is None or concat_axis is None:
         missing = "split_axis" if split_axis is None else "concat_axis"
         raise ArgumentTypeError(f"all_to_all() missing its argument {missing!r}")
     split, concat = split_axis, concat_axis
-    group = _ordered(axes, mesh, "all_to_all")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "all_to_all")
     return typing.collective(typing.ALL_TO_ALL, x, axes, mesh, group,
                              lambda v, on: exchange(v, on, split, concat, tiled), (split, concat),
                              tiled)
@@ -410,11 +395,9 @@ def ppermute(
     as a source and once as a destination. Backward: the inverse permutation.
     Type: ``vma(x)`` and ``axes``.
     """
-    if axis_name is not None or axes is None:
-        axes = _spelled(axes, axis_name, "ppermute")
     if perm is None:
         raise ArgumentTypeError("ppermute() missing its argument 'perm'")
-    group = _ordered(axes, mesh, "ppermute")
+    axes, group = _axes_and_group(axes, axis_name, mesh, "ppermute")
     if not isinstance(axes, str) and len(axes) > 1 and _ppermute_order.refuses:
         _refuse_against_mesh_order(axes, current_mesh() if mesh is None else mesh)
     pairs = check_perm(perm, len(group.ranks))
