@@ -236,7 +236,7 @@ def pvary_over(x: torch.Tensor, axes: frozenset[str], parallel_mesh: ParallelMes
     global over a partial-manual body's other axes, of its local block."""
     if isinstance(x, DTensor):
         return on_local("pvary", x, partial(pvary_over, axes=axes, parallel_mesh=parallel_mesh))
-    if spmd_checker.checking():
+    if checker_on():
         spelled = tuple(sorted(axes))
         group = ordered_group(parallel_mesh, spelled)
         call = spmd_checker.CheckedCall(
@@ -256,7 +256,7 @@ def typed_index(
 ) -> torch.Tensor:
     """``axis_index`` inside a typed body: ``index(device)`` typed to vary over ``axes``
     (for the checker too, while it runs)."""
-    checking = spmd_checker.checking()  # asked before torch functions go off: it reads the modes
+    checking = checker_on()  # asked before torch functions go off: it reads the modes
     with _compat.torch_functions_off():
         value = index(torch.device(parallel_mesh.device_type))
         names = axis_names(axes)

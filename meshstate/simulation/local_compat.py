@@ -86,17 +86,16 @@ class _SimulatedMode(LocalTensorMode):
     ) -> Any:
         if self._disable:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if tracing():
-            # A compile's fake run, which carries no rank: passed on to the modes below, as
-            # if this one were not on the stack. Dynamo takes it off while it compiles; where
-            # it was back on (CI saw it after other tests), torch's simulation read each
-            # rank's mesh coordinate from fake tensors ("Could not guard on data-dependent
-            # expression Eq(u0, 0)").
+        if func.namespace == "meshstate" or tracing():
+            # Passed on to the modes below, as if this one were not on the stack: a meshstate
+            # op's kernel reads each rank's answers itself (under a fake mode, its fake
+            # kernel); a compile's fake run carries no rank. Dynamo takes this mode off while
+            # it compiles; where it was back on (CI saw it after other tests), torch's
+            # simulation read each rank's mesh coordinate from fake tensors ("Could not
+            # guard on data-dependent expression Eq(u0, 0)").
             return func(*args, **(kwargs or {}))
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], LocalTensor):
             return _scalar(args[0])
-        if func.namespace == "meshstate":  # its kernel reads each rank's answers itself
-            return func(*args, **(kwargs or {}))  # (a fake mode below: its fake kernel)
         flat = pytree.tree_leaves((args, kwargs))
         per_rank = any(isinstance(value, LocalTensor) for value in flat)
         if not per_rank and any(_is_per_rank_int(value) for value in flat):
