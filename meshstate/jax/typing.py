@@ -60,8 +60,10 @@ __all__ = [
     "type_text", "typed", "vma",
 ]
 
-_SYSTEMS: tuple[TypeSystem, ...] = (JAX_TYPES, spmd_checker.CHECKER_TYPES)
-"""The type systems a collective may run under, the innermost first."""
+_JAX_ALONE: tuple[TypeSystem, ...] = (JAX_TYPES,)
+_CHECKER_ALONE: tuple[TypeSystem, ...] = (spmd_checker.CHECKER_TYPES,)
+_BOTH: tuple[TypeSystem, ...] = (JAX_TYPES, spmd_checker.CHECKER_TYPES)
+"""The answers of :func:`_applying`: the type systems a call runs under, the innermost first."""
 
 
 @_compat.constant_when_traced
@@ -105,7 +107,7 @@ def collective(
     Inside a partial-manual body, an axis it is not manual over is refused, and a value
     global over the others moves its local block (:func:`on_local`)."""
     # The mode question, once a call: outside a typed body with no torch function mode on
-    # (one C call), no type system applies; else each system answers for itself (_applying).
+    # (one C call), no type system applies; else _applying says which do.
     plain = body.types is None and not _compat.torch_function_mode_on()
     if body.manual is not None:
         return _in_partial_body(rule, x, axes, mesh, group, move, dims, tiled, plain)
@@ -130,8 +132,13 @@ def _in_partial_body(
 
 
 def _applying() -> tuple[TypeSystem, ...]:
-    """The type systems that type the call being made now, JAX's innermost."""
-    return tuple(system for system in _SYSTEMS if system.applies())
+    """The type systems that type the call being made now, JAX's innermost: JAX's types in
+    a typed body, the checker while it checks this thread's calls, both, or none. Asked
+    without a loop over the systems: this is the typed body's hot path (a generator over
+    each system's own question cost 0.6 us a collective)."""
+    if checker_on():
+        return _BOTH if body.types is not None else _CHECKER_ALONE
+    return _JAX_ALONE if body.types is not None else ()
 
 
 def _typed(

@@ -23,7 +23,7 @@ from meshstate.core.which_mesh import current_mesh
 from meshstate.errors import ArgumentTypeError
 from meshstate.jax.torch_calls import Axes
 from meshstate.jax.types.system import PVARY, CollectiveRule, Move
-from meshstate.jax.types.vma import VaryingAxesError, axes_text, body, type_text, typed, vma
+from meshstate.jax.types.vma import VaryingAxesError, axes_text, type_text, typed, vma
 
 Pvary = Callable[[torch.Tensor, frozenset[str], ParallelMesh], torch.Tensor]
 """The cast of a value to vary over more axes, under every type system that applies."""
@@ -38,9 +38,6 @@ class JaxTypes:
     def plug_pvary(self, pvary: Pvary) -> None:
         """The cast the rule inserts (the seam's: it also types for the checker)."""
         self._pvary = pvary
-
-    def applies(self) -> bool:
-        return body.types is not None
 
     def refuse(self, rule: CollectiveRule, x: torch.Tensor, axes: Axes, names: frozenset[str]) -> None:
         _refuse_partly_varying_reduction(rule, x, axes, names, vma(x))

@@ -107,9 +107,6 @@ class CheckerTypes:
     """spmd_types' checker, while it runs in this thread: each collective one
     :class:`TypedCollective`, typed axis by axis of the axes it names."""
 
-    def applies(self) -> bool:
-        return checking()
-
     def refuse(self, rule: CollectiveRule, x: torch.Tensor, axes: Axes, names: frozenset[str]) -> None:
         """Nothing: the checker refuses a wrong input type in its own words, as the call runs."""
 

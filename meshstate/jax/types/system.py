@@ -1,18 +1,17 @@
 """What a collective tells a type system, and what a type system answers.
 
 Each collective is described once (:class:`CollectiveRule`). The seam
-(:mod:`meshstate.jax.typing`) asks each :class:`TypeSystem` whether it applies to the call
-being made now; those that do wrap the collective's data move (:data:`Move`) in their rule,
-JAX's innermost. Two systems implement it: JAX's types in a typed ``shard_map`` body
+(:mod:`meshstate.jax.typing`) answers which :class:`TypeSystem` s apply to the call being
+made now (JAX's in a typed body, the checker while it checks); those wrap the collective's
+data move (:data:`Move`) in their rule, JAX's innermost. Two systems implement it: JAX's types in a typed ``shard_map`` body
 (:mod:`meshstate.jax.types.in_body`) and torchtitan's checker
 (:mod:`meshstate.jax.types.spmd_checker`).
 
 Example (what the seam does with a ``psum`` that some system types)::
 
     run = move
-    for system in (jax_types, checker_types):
-        if system.applies():
-            run = system.around(PSUM, "tp", frozenset({"tp"}), None, run, (0,), False)
+    for system in (JAX_TYPES, CHECKER_TYPES):   # those that apply, JAX's innermost
+        run = system.around(PSUM, "tp", frozenset({"tp"}), None, run, (0,), False)
     run(x, group)
 """
 
@@ -59,10 +58,7 @@ PVARY = CollectiveRule("pvary", "convert")
 
 
 class TypeSystem(Protocol):
-    """A type system a collective may run under; the seam asks it once per call."""
-
-    def applies(self) -> bool:
-        """Whether it types the call being made now, in this thread."""
+    """A type system a collective may run under, where the seam finds it applies."""
 
     def refuse(self, rule: CollectiveRule, x: torch.Tensor, axes: Axes, names: frozenset[str]) -> None:
         """Refuse ``x`` for ``rule`` over ``axes`` (naming mesh axes ``names``) where this
