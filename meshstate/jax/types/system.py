@@ -1,11 +1,11 @@
 """What a collective tells a type system, and what a type system answers.
 
-Each collective is described once (:class:`CollectiveRule`). The seam
-(:mod:`meshstate.jax.typing`) answers which :class:`TypeSystem` s apply to the call being
-made now (JAX's in a typed body, the checker while it checks); those wrap the collective's
-data move (:data:`Move`) in their rule, JAX's innermost. Two systems implement it: JAX's types in a typed ``shard_map`` body
+Each collective is described once (:class:`CollectiveRule`). Two systems implement
+:class:`TypeSystem`: JAX's types in a typed ``shard_map`` body
 (:mod:`meshstate.jax.types.in_body`) and torchtitan's checker
-(:mod:`meshstate.jax.types.spmd_checker`).
+(:mod:`meshstate.jax.types.spmd_checker`). The seam (:mod:`meshstate.jax.typing`) answers
+which apply to the call being made now (JAX's in a typed body, the checker while it
+checks); those wrap the collective's data move (:data:`Move`) in their rule, JAX's innermost.
 
 Example (what the seam does with a ``psum`` that some system types)::
 
