@@ -30,7 +30,6 @@ from meshstate.jax.explicit.plans import (
     elementwise_plan,
     jax_name,
     layout_of,
-    matmul_equation,
     name_of,
     reduction_plan,
     refuse_if,
@@ -84,6 +83,25 @@ def elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
 def _writes(func: Callable[..., Any]) -> bool:
     name: str = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+@_compat.constant_when_traced
+def matmul_equation(lhs_ndim: int, rhs_ndim: int) -> str:
+    """``a @ b`` as an einsum equation (numpy's matmul: a 1-D operand loses its dim), made
+    once per pair of ranks. Example: ``matmul_equation(2, 2)`` is ``"xy,yz->xz"``."""
+    key = (lhs_ndim, rhs_ndim)
+    found = _MATMUL_EQUATIONS.get(key)
+    if found is None:
+        letters = "abcdefghijklmnopqrstuvw"
+        batch = letters[:max(max(lhs_ndim, rhs_ndim) - 2, 0)]
+        left = batch[len(batch) - max(lhs_ndim - 2, 0):] + ("xy" if lhs_ndim > 1 else "y")
+        right = batch[len(batch) - max(rhs_ndim - 2, 0):] + ("yz" if rhs_ndim > 1 else "y")
+        out = batch + ("x" if lhs_ndim > 1 else "") + ("z" if rhs_ndim > 1 else "")
+        found = _MATMUL_EQUATIONS[key] = f"{left},{right}->{out}"
+    return found
+
+
+_MATMUL_EQUATIONS: dict[tuple[int, int], str] = {}
 
 
 def full_equation(equation: str, operands: Sequence[torch.Tensor]) -> str:

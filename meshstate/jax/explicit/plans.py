@@ -160,19 +160,6 @@ def contraction_plan(
     return planned(make)
 
 
-@_compat.constant_when_traced
-def matmul_equation(lhs_ndim: int, rhs_ndim: int) -> str:
-    """``a @ b`` as an einsum equation, made once per pair of ranks."""
-    key = (lhs_ndim, rhs_ndim)
-    found = _EQUATIONS.get(key)
-    if found is None:
-        found = _EQUATIONS[key] = rules.matmul_as_einsum(lhs_ndim, rhs_ndim)
-    return found
-
-
-_EQUATIONS: dict[tuple[int, int], str] = {}
-
-
 _REDUCE_OPS = {"sum": "sum", "mean": "avg", "max": "max", "min": "min"}
 
 

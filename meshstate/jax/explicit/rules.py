@@ -192,17 +192,6 @@ def _typed(
     return ArrayType(shape, dtype, padded, unreduced)
 
 
-def matmul_as_einsum(lhs_ndim: int, rhs_ndim: int) -> str:
-    """``a @ b`` as an einsum equation (numpy's matmul: a 1-D operand loses its dim)."""
-    letters = "abcdefghijklmnopqrstuvw"
-    batch = max(lhs_ndim, rhs_ndim) - 2
-    batch_letters = letters[:max(batch, 0)]
-    left = batch_letters[len(batch_letters) - max(lhs_ndim - 2, 0):] + ("xy" if lhs_ndim > 1 else "y")
-    right = batch_letters[len(batch_letters) - max(rhs_ndim - 2, 0):] + ("yz" if rhs_ndim > 1 else "y")
-    out = batch_letters + ("x" if lhs_ndim > 1 else "") + ("z" if rhs_ndim > 1 else "")
-    return f"{left},{right}->{out}"
-
-
 def reduce_dims(t: ArrayType, dims: Sequence[int], keepdim: bool) -> ArrayType:
     """A reduction over ``dims`` (sum, mean, max): split ones are reduced at once, so
     the result is never pending over them; pending axes stay pending."""
