@@ -320,3 +320,21 @@ def test_fsdp2_of_a_parameter_cut_into_fewer_shards_than_ranks_is_refused_when_s
         fully_shard(torch.nn.Linear(3, 1, bias=False), mesh=mesh.dense["dp"])
     mesh.destroy()
 
+
+
+def test_axis_size_of_an_axis_the_body_is_not_manual_over_is_refused_before_the_lookup():
+    """JAX's ``axis_size`` inside a partial-manual body refuses any name it is not manual
+    over, one the mesh lacks too, with 'unbound axis name' (a NameError), before anything
+    looks the axes up."""
+    from meshstate.testing.fake import fake_world
+
+    with fake_world(0, 8):
+        mesh = meshstate.init_mesh(tp=2, cp=2)
+        with mesh:
+            for axes in ("nope", "dp", ("dp", "cp")):
+                mapped = shard_map(lambda a: a * lax.axis_size(axes), in_specs=P("tp"),
+                                   out_specs=P("tp"), axis_names=TP)
+                with pytest.raises(UnboundAxisError, match=r"^unbound axis name: (nope|dp|cp)\."):
+                    mapped(torch.ones(4))
+            assert meshstate.axis_size("tp") == 2
+        mesh.destroy()

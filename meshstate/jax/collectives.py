@@ -110,8 +110,9 @@ def _axes_and_group(
     the caller's group over them (:func:`~meshstate.jax.typing.ordered_group`)."""
     if axis_name is not None or axes is None:
         axes = _spelled(axes, axis_name, name)
-    parallel_mesh = current_mesh() if mesh is None else require_parallel_mesh(mesh, f"{name}(mesh=...)")
-    return axes, typing.ordered_group(parallel_mesh, axes)
+    if mesh is None:
+        return axes, typing.ordered_group(current_mesh(), axes)
+    return axes, typing.ordered_group(require_parallel_mesh(mesh, f"{name}(mesh=...)"), axes)
 
 
 def _spelled(axes: Axes | None, axis_name: Axes | None, name: str) -> Axes:
@@ -160,10 +161,10 @@ def axis_size(
     axes: Axes | None = None, *, axis_name: Axes | None = None, mesh: ParallelMesh | None = None
 ) -> int:
     """The number of ranks along ``axes``."""
-    axes, group = _axes_and_group(axes, axis_name, mesh, "axis_size")
-    if typing.body.manual is not None:
-        typing.refuse_unbound("axis_size", typing.axis_names(axes))
-    return len(group.ranks)
+    if typing.body.manual is not None:  # JAX refuses an unbound name before any lookup
+        spelled = _spelled(axes, axis_name, "axis_size")
+        typing.refuse_unbound("axis_size", typing.axis_names(spelled))
+    return len(_axes_and_group(axes, axis_name, mesh, "axis_size")[1].ranks)
 
 
 def psum(
