@@ -3,6 +3,7 @@ LocalTensorMode) equals the one that rank gets in a world of processes."""
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 from typing import Any
@@ -359,6 +360,29 @@ def items_and_equality() -> dict[str, Any]:
     value = torch.full((1,), dist.get_rank())
     return {"item": value.item(), "item is 0": value.item() == 0,
             "equal to 0": torch.equal(value, torch.zeros(1, dtype=torch.long))}
+
+
+def meshes_one_after_another() -> list[tuple[int, ...]]:
+    """Each rank's coordinates in meshes of two shapes made in turn, each gone before the
+    next is made: the next often takes the dead one's address."""
+    coordinates = []
+    for turn in range(60):
+        shape = (4,) if turn % 2 == 0 else (2, 2)
+        names = ("x", "y")[: len(shape)]
+        mesh = meshstate.make_mesh(shape, names)
+        device_mesh = mesh[names]
+        coordinates.append(tuple(device_mesh.get_local_rank(name) for name in names))
+        mesh.destroy()
+        del mesh, device_mesh
+        gc.collect()
+    return coordinates
+
+
+def test_a_mesh_made_where_a_dead_one_was_gets_its_own_coordinates() -> None:
+    """torch 2.13 keeps a simulated mesh's coordinates under the mesh's ``id``: a later mesh at
+    that address was given them (a 2-D mesh a 1-D one's: an IndexError; a 1-D mesh a 2-D
+    one's: ranks 0 and 1 both at 0, so a shard or a collective went to the wrong rank)."""
+    assert simulated_world(4).run(meshes_one_after_another) == local_world(4).run(meshes_one_after_another)
 
 
 def test_values_torch_makes_from_ops_answer_per_rank() -> None:

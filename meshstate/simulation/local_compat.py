@@ -15,6 +15,7 @@ import functools
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 from typing import Any, cast
@@ -108,15 +109,35 @@ class _SimulatedMode(LocalTensorMode):
             return self._draw_per_rank(func, args, kwargs or {}, generator)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def __init__(self, ranks: frozenset[int]) -> None:
+        super().__init__(ranks)  # type: ignore[no-untyped-call, unused-ignore]
+        self._mesh_at: dict[int, weakref.ref[DeviceMesh]] = {}
+
     def _patch_device_mesh(self) -> None:
         """torch's (private ``LocalTensorMode._patch_device_mesh``), each DeviceMesh method it
         patches answering without a rank while this thread traces (:func:`_rank_free`):
         the graph reads the mesh coordinates when it runs, where torch's simulation reads
-        them per rank."""
+        them per rank, for the mesh it is asked about (:meth:`_for_this_mesh`)."""
         super()._patch_device_mesh()  # type: ignore[no-untyped-call, unused-ignore]
         rank_free = _rank_free(self._old_device_mesh_methods or {})
         for name, answer in rank_free.items():
-            setattr(DeviceMesh, name, _while_tracing(answer, getattr(DeviceMesh, name)))
+            simulated = self._for_this_mesh(getattr(DeviceMesh, name))
+            setattr(DeviceMesh, name, _while_tracing(answer, simulated))
+
+    def _for_this_mesh(self, simulated: Callable[..., Any]) -> Callable[..., Any]:
+        """``simulated``, having first forgotten the coordinates torch 2.13 keeps under the
+        asked mesh's ``id`` (private ``_coordinate_cache``) when they were another mesh's: a
+        mesh made after one is gone may take its address, and was given its coordinates.
+        (torch 2.14 keeps them under the mesh's layout, which no other mesh shares.)"""
+        @functools.wraps(simulated)
+        def answer(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> Any:
+            known = self._mesh_at.get(id(mesh))
+            if known is None or known() is not mesh:
+                self._coordinate_cache.pop(id(mesh), None)  # type: ignore[call-overload, unused-ignore]
+                self._mesh_at[id(mesh)] = weakref.ref(mesh)
+            return simulated(mesh, *args, **kwargs)
+
+        return answer
 
     def _patch_dist(self) -> None:
         """Leave ``dist.get_rank`` to the simulated world's own answer: torch 2.14's
