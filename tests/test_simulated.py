@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import math
-import sys
 from typing import Any
 
 import pytest
@@ -456,11 +455,6 @@ def assert_equal_to_minus_one() -> None:
     assert torch.equal(x, torch.full((3,), -1.0))
 
 
-@pytest.mark.xfail(
-    sys.version_info >= (3, 13), strict=True,
-    reason="Python 3.13's bytecode around an assert is not read yet: the failed assert is "
-    "refused as a branch on per-rank values (a SimulationError naming them), as before",
-)
 def test_a_failed_assert_names_the_ranks_it_failed_on() -> None:
     with pytest.raises(AssertionError) as some:
         simulated_world(4).run(assert_equal_to_rank_zeros)

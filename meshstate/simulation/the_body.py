@@ -60,7 +60,7 @@ def failing_an_assert(values: dict[int, bool]) -> list[int]:
     def raises(start: int, end: int | None) -> bool:
         block = [i for i in code if i.offset >= start and (end is None or i.offset < end)]
         return bool(block) and (block[0].opname == "LOAD_ASSERTION_ERROR" or end is not None and (
-            block[-1].opname == "RAISE_VARARGS" and any(i.argrepr.endswith("AssertionError") for i in block)))
+            block[-1].opname == "RAISE_VARARGS" and any(i.argval == "AssertionError" for i in block)))
 
     if at + 1 < len(code) and raises(code[at + 1].offset, jump.argval if jump.argval > jump.offset else None):
         return [rank for rank, value in values.items() if value != taken_when]
