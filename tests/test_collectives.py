@@ -251,7 +251,8 @@ def test_every_collective_takes_a_block_of_any_strides():
                 continue
             strided, dense = (whole.clone().requires_grad_() for _ in range(2))
             result = call(cut(strided))
-            cotangent = torch.arange(float(result.numel())).view(result.shape[::-1]).T
+            reversed_dims = range(result.dim() - 1, -1, -1)  # x.T of any rank (deprecated beyond 2)
+            cotangent = torch.arange(float(result.numel())).view(result.shape[::-1]).permute(*reversed_dims)
             (result * cotangent).sum().backward()
             (call(cut(dense).contiguous()) * cotangent.contiguous()).sum().backward()
             assert torch.equal(strided.grad, dense.grad), (stride, name)
