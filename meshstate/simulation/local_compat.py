@@ -81,6 +81,10 @@ class _SimulatedMode(LocalTensorMode):
     ``torch.Generator``, and refuses a write into a tensor every rank shares. Overrides
     ``LocalTensorMode.__torch_dispatch__`` and runs ``_local_tensor._for_each_rank_run_func``."""
 
+    def __init__(self, ranks: frozenset[int]) -> None:
+        super().__init__(ranks)  # type: ignore[no-untyped-call, unused-ignore]
+        self._mesh_at: dict[int, weakref.ref[DeviceMesh]] = {}
+
     def __torch_dispatch__(
         self, func: Any, types: tuple[Any, ...], args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
@@ -109,10 +113,6 @@ class _SimulatedMode(LocalTensorMode):
             return self._draw_per_rank(func, args, kwargs or {}, generator)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def __init__(self, ranks: frozenset[int]) -> None:
-        super().__init__(ranks)  # type: ignore[no-untyped-call, unused-ignore]
-        self._mesh_at: dict[int, weakref.ref[DeviceMesh]] = {}
-
     def _patch_device_mesh(self) -> None:
         """torch's (private ``LocalTensorMode._patch_device_mesh``), each DeviceMesh method it
         patches answering without a rank while this thread traces (:func:`_rank_free`):
@@ -128,7 +128,8 @@ class _SimulatedMode(LocalTensorMode):
         """``simulated``, having first forgotten the coordinates torch 2.13 keeps under the
         asked mesh's ``id`` (private ``_coordinate_cache``) when they were another mesh's: a
         mesh made after one is gone may take its address, and was given its coordinates.
-        (torch 2.14 keeps them under the mesh's layout, which no other mesh shares.)"""
+        (torch 2.14 keeps them under the mesh's layout: a mesh of the same layout has the same
+        coordinates.)"""
         @functools.wraps(simulated)
         def answer(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> Any:
             known = self._mesh_at.get(id(mesh))
