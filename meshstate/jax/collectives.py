@@ -162,8 +162,8 @@ def axis_size(
 ) -> int:
     """The number of ranks along ``axes``."""
     if typing.body.manual is not None:  # JAX refuses an unbound name before any lookup
-        spelled = _spelled(axes, axis_name, "axis_size")
-        typing.refuse_unbound("axis_size", typing.axis_names(spelled))
+        axes, axis_name = _spelled(axes, axis_name, "axis_size"), None
+        typing.refuse_unbound("axis_size", typing.axis_names(axes))
     return len(_axes_and_group(axes, axis_name, mesh, "axis_size")[1].ranks)
 
 
